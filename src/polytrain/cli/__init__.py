@@ -1,0 +1,1 @@
+"""The ``polytrain`` command line: parses flags and calls the library."""

@@ -1,0 +1,63 @@
+"""``polytrain``: the typer application and its error handling (contract 6).
+
+A user mistake (bad flag, bad value, missing file) prints one line ``polytrain: error: ...`` and
+exits with code 2; a failed worker prints one line naming its rank and exits with 1 (2 when the
+worker's error was itself a user mistake).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+try:  # typer >= 0.20 vendors click; older releases use the click package itself
+    from typer._click import exceptions as cx
+except ImportError:  # pragma: no cover
+    import click.exceptions as cx  # type: ignore[no-redef]
+
+from polytrain.cli.doctor import doctor
+from polytrain.cli.train import train_command
+from polytrain.errors import PolytrainError
+from polytrain.launch.local import WorkerFailure
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="polytrain",
+    help="Train a PyTorch model under any parallel strategy from one job description.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.command("train")(train_command)
+app.command("doctor")(doctor)
+
+_USER_ERRORS = {cls.__name__ for cls in (PolytrainError, *PolytrainError.__subclasses__())}
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"polytrain: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="polytrain", standalone_mode=False)
+    except cx.NoArgsIsHelpError as exc:
+        print(exc.ctx.get_help() if exc.ctx else "", file=sys.stderr)
+        sys.exit(2)
+    except cx.UsageError as exc:
+        _fail(exc.format_message().replace("\n", " "), 2)
+    except (typer.Abort, KeyboardInterrupt):
+        _fail("interrupted", 130)
+    except PolytrainError as exc:
+        _fail(str(exc).splitlines()[0], 2)
+    except WorkerFailure as exc:
+        _fail(f"{exc} (all worker logs: {exc.log_dir})", 2 if exc.exc_type in _USER_ERRORS else 1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

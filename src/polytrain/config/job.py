@@ -1,0 +1,315 @@
+"""The job description: one typed dataclass per component, composed by `JobConfig`.
+
+ARCHITECTURE contract 2: the TOML file and the CLI flags are two views of these fields. Each
+section validates its own ranges; `JobConfig` checks what spans sections (mesh against world
+size, batch against replicas and micro-batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from polytrain.config.base import option
+from polytrain.errors import ConfigError, MeshError
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "JobConfig",
+    "LaunchConfig",
+    "ModelConfig",
+    "ObserveConfig",
+    "OptimConfig",
+    "PSConfig",
+    "ParallelConfig",
+    "PipelineConfig",
+    "TrainConfig",
+]
+
+
+def _positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        need = "a non-negative" if allow_zero else "a positive"
+        raise ConfigError(f"{section}.{name} = {value!r}: expected {need} number")
+
+
+@dataclass
+class ModelConfig:
+    name: str = option("gpt", "built-in model (gpt, mlp) or a factory 'package.module:function'")
+    size: str = option("tiny", "named size of a built-in model: tiny, small, medium")
+    n_layer: int | None = option(None, "number of blocks (overrides the named size)")
+    n_embd: int | None = option(None, "width of the residual stream / hidden layers")
+    n_head: int | None = option(None, "attention heads (gpt)")
+    block_size: int | None = option(None, "context length in tokens")
+    dropout: float = option(0.0, "dropout probability")
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "block_size"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive("model", name, value)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout = {self.dropout!r}: expected a value in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    source: str = option(
+        "pydoc",
+        "'pydoc' (the Python docs corpus shipped with CPython), a text file, a .npy token "
+        "array, or a .safetensors file with 'inputs' and 'targets'",
+    )
+    val_fraction: float = option(0.1, "fraction of the data held out for validation")
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(
+                f"data.val_fraction = {self.val_fraction!r}: expected a value in (0, 1)"
+            )
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = option("adamw", "optimizer")
+    lr: float = option(3e-3, "peak learning rate")
+    momentum: float = option(0.0, "SGD momentum")
+    weight_decay: float = option(0.0, "decoupled weight decay (AdamW) or L2 (SGD)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.99, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 = off)")
+    schedule: Literal["cosine", "constant"] = option("cosine", "learning-rate schedule")
+    warmup_steps: int = option(20, "linear warm-up steps")
+    min_lr_ratio: float = option(0.1, "cosine floor as a fraction of lr")
+
+    def __post_init__(self) -> None:
+        _positive("optim", "lr", self.lr)
+        _positive("optim", "grad_clip", self.grad_clip, allow_zero=True)
+        _positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
+        _positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"optim.momentum = {self.momentum!r}: expected a value in [0, 1)")
+        for name in ("beta1", "beta2", "min_lr_ratio"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"optim.{name} = {value!r}: expected a value in [0, 1]")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = option(300, "optimizer steps")
+    global_batch_size: int = option(32, "samples per optimizer step, summed over all replicas")
+    grad_accum: int = option(1, "micro-steps per optimizer step (no all-reduce in between)")
+    seed: int = option(0, "seed of the initial weights and of the batch order")
+    eval_every: int = option(100, "validation loss every N steps (0 = only at the end)")
+    eval_batches: int = option(4, "batches in each validation")
+    dtype: Literal["fp32", "bf16"] = option("fp32", "autocast compute dtype")
+    device: Literal["auto", "cpu", "cuda"] = option("cpu", "device of each worker")
+    on_nonfinite: Literal["stop", "skip"] = option(
+        "stop", "on a NaN/Inf loss: stop the run, or skip the update"
+    )
+    sample_tokens: int = option(200, "characters generated at the end (gpt only, 0 = none)")
+
+    def __post_init__(self) -> None:
+        _positive("train", "steps", self.steps)
+        _positive("train", "global_batch_size", self.global_batch_size)
+        _positive("train", "grad_accum", self.grad_accum)
+        _positive("train", "eval_every", self.eval_every, allow_zero=True)
+        _positive("train", "eval_batches", self.eval_batches)
+        _positive("train", "sample_tokens", self.sample_tokens, allow_zero=True)
+        if self.seed < 0:
+            raise ConfigError(f"train.seed = {self.seed}: expected a non-negative integer")
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = option(0, "data-parallel degree (0 = whatever the world size leaves)")
+    tp: int = option(1, "tensor-parallel degree")
+    pp: int = option(1, "pipeline-parallel degree (stages)")
+    zero: int = option(0, "ZeRO stage: 0 (replicated, DDP), 2 or 3 (FSDP2)")
+    sync: Literal["allreduce", "ps"] = option("allreduce", "how replicas combine gradients")
+    bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
+    grad_compression: Literal["none", "bf16", "fp16"] = option(
+        "none", "compress gradients to this dtype for the all-reduce"
+    )
+    sufficient_factor: Literal["auto", "on", "off"] = option(
+        "off", "sufficient-factor (late multiply) exchange for large linear layers"
+    )
+    recompute: bool = option(False, "recompute activations in backward instead of storing them")
+
+    def __post_init__(self) -> None:
+        _positive("parallel", "dp", self.dp, allow_zero=True)
+        _positive("parallel", "tp", self.tp)
+        _positive("parallel", "pp", self.pp)
+        _positive("parallel", "bucket_mb", self.bucket_mb)
+        if self.zero == 1:
+            raise ConfigError(
+                "parallel.zero = 1 is not offered: FSDP2 has no optimizer-only sharding; use "
+                "zero = 2 (shards optimizer state and gradients, a superset of ZeRO-1's saving)"
+            )
+        if self.zero not in (0, 2, 3):
+            raise ConfigError(f"parallel.zero = {self.zero!r}: expected one of 0, 2, 3")
+
+
+@dataclass
+class PipelineConfig:
+    schedule: Literal["gpipe", "1f1b", "pipedream"] = option("1f1b", "pipeline schedule")
+    microbatches: int = option(1, "micro-batches per replica per step")
+    partition: str | list[int] = option(
+        "uniform", "'auto' (profiled), 'uniform', or blocks per stage, e.g. [3, 5]"
+    )
+    memory_limit_mb: float = option(0.0, "per-stage memory limit for 'auto' (0 = none)")
+
+    def __post_init__(self) -> None:
+        _positive("pipeline", "microbatches", self.microbatches)
+        _positive("pipeline", "memory_limit_mb", self.memory_limit_mb, allow_zero=True)
+        if isinstance(self.partition, str) and self.partition not in ("auto", "uniform"):
+            raise ConfigError(
+                f"pipeline.partition = {self.partition!r}: expected 'auto', 'uniform' or a list "
+                "of block counts such as [3, 5]"
+            )
+        if isinstance(self.partition, list) and any(n < 1 for n in self.partition):
+            raise ConfigError(
+                f"pipeline.partition = {self.partition}: every stage needs at least one block"
+            )
+
+
+@dataclass
+class PSConfig:
+    servers: int = option(1, "dedicated parameter-server ranks")
+    mode: Literal["sync", "async", "ssp"] = option("sync", "consistency model")
+    staleness: int = option(0, "ssp: how many clocks a worker may run ahead of the slowest")
+    hierarchical: bool = option(False, "reduce within a host first; one worker per host talks")
+    chunk_kb: int = option(256, "chunk size of pipelined pushes and pulls in KiB")
+
+    def __post_init__(self) -> None:
+        _positive("ps", "servers", self.servers)
+        _positive("ps", "chunk_kb", self.chunk_kb)
+        if self.staleness < 0:
+            raise ConfigError(
+                f"ps.staleness = {self.staleness}: expected a non-negative number of clocks"
+            )
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = option("", "checkpoint directory ('' = no checkpoints)")
+    every: int = option(0, "save every N steps (0 = only at the end when dir is set)")
+    keep: int = option(3, "keep the newest K checkpoints")
+    resume: bool = option(False, "resume from the newest valid checkpoint in dir")
+    async_save: bool = option(False, "write checkpoints in the background")
+    save_final: str = option("", "write the final full weights to this .safetensors path")
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", "every", self.every, allow_zero=True)
+        _positive("checkpoint", "keep", self.keep)
+        if self.resume and not self.dir:
+            raise ConfigError(
+                "checkpoint.resume = true needs checkpoint.dir: pass --checkpoint-dir DIR"
+            )
+
+
+@dataclass
+class ObserveConfig:
+    out_dir: str = option("", "run directory for metrics and logs ('' = runs/<time>)")
+    log_every: int = option(10, "metrics line every N steps")
+    progress: bool = option(True, "show a progress bar on rank 0")
+    trace: str = option("", "write a Chrome trace of the run to this path")
+
+    def __post_init__(self) -> None:
+        _positive("observe", "log_every", self.log_every)
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int = option(2, "worker processes on this node")
+    nnodes: int = option(1, "number of nodes")
+    node_rank: int = option(0, "rank of this node")
+    rdzv_endpoint: str = option("", "host:port of the rendezvous ('' = loopback, one node)")
+    max_restarts: int = option(0, "restarts of the worker group after a failure")
+    timeout_s: float = option(300.0, "collective timeout; a rank that does not arrive fails")
+    backend: Literal["auto", "gloo", "nccl"] = option("auto", "c10d backend")
+
+    def __post_init__(self) -> None:
+        _positive("launch", "nproc", self.nproc)
+        _positive("launch", "nnodes", self.nnodes)
+        _positive("launch", "max_restarts", self.max_restarts, allow_zero=True)
+        _positive("launch", "timeout_s", self.timeout_s)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"launch.node_rank = {self.node_rank}: expected 0..{self.nnodes - 1} "
+                f"for {self.nnodes} node(s)"
+            )
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ConfigError(
+                f"launch.nnodes = {self.nnodes} needs a rendezvous endpoint every node can "
+                "reach: pass --rdzv-endpoint HOST:PORT"
+            )
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nproc * self.launch.nnodes
+
+    @property
+    def num_trainers(self) -> int:
+        """Ranks that hold model replicas (the world less parameter-server ranks)."""
+        if self.parallel.sync == "ps":
+            return self.world_size - self.ps.servers
+        return self.world_size
+
+    def __post_init__(self) -> None:
+        self._resolve_mesh()
+        self._check_batch()
+
+    def _resolve_mesh(self) -> None:
+        p = self.parallel
+        trainers = self.num_trainers
+        if self.parallel.sync == "ps" and trainers < 1:
+            raise ConfigError(
+                f"ps.servers = {self.ps.servers} leaves no worker among {self.world_size} "
+                f"ranks: use at most {self.world_size - 1} servers or launch more processes"
+            )
+        model_ranks = p.tp * p.pp
+        if p.dp == 0:
+            if trainers % model_ranks:
+                raise MeshError(
+                    f"tp x pp = {p.tp} x {p.pp} = {model_ranks} does not divide the "
+                    f"{trainers} training ranks: choose tp and pp whose product divides "
+                    f"{trainers}, or change --nproc"
+                )
+            p.dp = trainers // model_ranks
+        elif p.dp * model_ranks != trainers:
+            raise MeshError(
+                f"dp x tp x pp = {p.dp} x {p.tp} x {p.pp} = {p.dp * model_ranks} does not "
+                f"equal the {trainers} training ranks: set --nproc {p.dp * model_ranks} "
+                f"or change the degrees"
+            )
+        if p.zero and p.sync != "allreduce":
+            raise ConfigError(
+                f"parallel.zero = {p.zero} needs parallel.sync = 'allreduce', not {p.sync!r}"
+            )
+
+    def _check_batch(self) -> None:
+        p, t = self.parallel, self.train
+        per_step = p.dp * t.grad_accum * self.pipeline.microbatches
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+                f"dp x grad_accum x microbatches = {p.dp} x {t.grad_accum} x "
+                f"{self.pipeline.microbatches} = {per_step}: use a multiple of {per_step}"
+            )

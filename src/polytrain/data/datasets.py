@@ -1,0 +1,145 @@
+"""Datasets: character-level text, integer token arrays, and (inputs, targets) tensor pairs.
+
+Shapes: B batch, T context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from polytrain.config.job import DataConfig
+from polytrain.data.corpus import default_corpus
+from polytrain.errors import ConfigError
+
+__all__ = ["DataSpec", "PairDataset", "TokenDataset", "build_datasets"]
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a model factory needs to know about the data."""
+
+    kind: str  # "tokens" (next-token prediction) or "pairs" (supervised)
+    vocab_size: int = 0
+    input_shape: tuple[int, ...] = ()
+    num_outputs: int = 0
+    classification: bool = True
+    itos: list[str] = field(default_factory=list)
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.itos[i] for i in ids) if self.itos else " ".join(map(str, ids))
+
+
+class TokenDataset:
+    """Windows of a 1-D token stream: sample i is ``tokens[i : i + T]`` -> ``tokens[i+1 : i+T+1]``."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        self.tokens = tokens.to(torch.long)
+        self.block_size = block_size
+        self.num_samples = len(self.tokens) - block_size
+        if self.num_samples < 1:
+            raise ConfigError(
+                f"data has {len(self.tokens)} tokens, too few for a context of {block_size}: "
+                "use a larger data set or a smaller model.block_size"
+            )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def get(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = torch.arange(self.block_size + 1)
+        windows = self.tokens[indices.unsqueeze(1) + offsets]  # (B, T+1)
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class PairDataset:
+    """Rows of an (inputs, targets) pair of tensors."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        self.inputs, self.targets = inputs, targets
+        self.num_samples = len(inputs)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def get(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[indices], self.targets[indices]
+
+
+Dataset = TokenDataset | PairDataset
+
+
+def _split(n: int, val_fraction: float) -> int:
+    return max(1, min(n - 1, round(n * (1.0 - val_fraction))))
+
+
+def _text_datasets(
+    text: str, cfg: DataConfig, block_size: int
+) -> tuple[Dataset, Dataset, DataSpec]:
+    itos = sorted(set(text))
+    stoi = {ch: i for i, ch in enumerate(itos)}
+    tokens = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)
+    cut = _split(len(tokens), cfg.val_fraction)
+    spec = DataSpec(kind="tokens", vocab_size=len(itos), input_shape=(block_size,), itos=itos)
+    return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
+
+
+def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, DataSpec]:
+    """Train and validation datasets (a fixed split: the last ``val_fraction`` is validation)."""
+    if cfg.source == "pydoc":
+        return _text_datasets(default_corpus(), cfg, block_size)
+    path = Path(cfg.source)
+    if not path.is_file():
+        raise ConfigError(
+            f"data.source = {cfg.source!r} does not exist: give 'pydoc' or the path of a text, "
+            ".npy or .safetensors file"
+        )
+    if path.suffix == ".npy":
+        array = np.load(path, allow_pickle=False)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ConfigError(
+                f"data.source = {cfg.source!r} holds a {array.dtype} array of shape "
+                f"{array.shape}: a .npy data set must be a 1-D integer token array"
+            )
+        tokens = torch.from_numpy(array.astype(np.int64))
+        cut = _split(len(tokens), cfg.val_fraction)
+        vocab = int(tokens.max()) + 1
+        spec = DataSpec(kind="tokens", vocab_size=vocab, input_shape=(block_size,))
+        return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
+    if path.suffix == ".safetensors":
+        tensors = load_file(str(path))
+        if set(tensors) != {"inputs", "targets"} or len(tensors["inputs"]) != len(
+            tensors["targets"]
+        ):
+            raise ConfigError(
+                f"data.source = {cfg.source!r} has tensors {sorted(tensors)}: expected exactly "
+                "'inputs' and 'targets' with the same number of rows"
+            )
+        inputs, targets = tensors["inputs"].float(), tensors["targets"]
+        classification = not targets.is_floating_point()
+        num_outputs = int(targets.max()) + 1 if classification else (
+            1 if targets.ndim == 1 else int(targets.shape[-1])
+        )
+        cut = _split(len(inputs), cfg.val_fraction)
+        spec = DataSpec(
+            kind="pairs",
+            input_shape=tuple(inputs.shape[1:]),
+            num_outputs=num_outputs,
+            classification=classification,
+        )
+        return (
+            PairDataset(inputs[:cut], targets[:cut]),
+            PairDataset(inputs[cut:], targets[cut:]),
+            spec,
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"data.source = {cfg.source!r} is not UTF-8 text, .npy or .safetensors"
+        ) from None
+    return _text_datasets(text, cfg, block_size)

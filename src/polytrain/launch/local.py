@@ -1,0 +1,99 @@
+"""Run a job's workers under the torch elastic agent, locally or as one node of many.
+
+[Note: rendezvous address] With one node and no ``--rdzv-endpoint`` the rendezvous store and the
+workers' master address are ``127.0.0.1`` on a free port, and gloo is pinned to the loopback
+interface, so a local run accepts no connection from another host. Naming an endpoint (multi-node)
+makes the store listen where the user said; see docs/reliability.md for what that exposes.
+
+Workers' output: rank 0's stdout reaches the terminal (progress bar, summary); every rank's
+stderr and the other ranks' stdout go to ``<run dir>/logs``. A failure is reported once, as the
+failing rank and its exception, taken from the error file torch elastic's ``record`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
+from torch.distributed.launcher.api import elastic_launch
+
+from polytrain.config.job import JobConfig
+
+__all__ = ["WorkerFailure", "launch"]
+
+
+@dataclass
+class WorkerFailure(Exception):
+    """A worker process failed; ``message`` is one line naming its rank and error."""
+
+    rank: int
+    exc_type: str
+    message: str
+    log_dir: str
+
+    def __str__(self) -> str:
+        return f"worker rank {self.rank} failed: {self.exc_type}: {self.message}"
+
+
+def _failure_of(err: ChildFailedError, log_dir: Path) -> WorkerFailure:
+    rank, failure = err.get_first_failure()
+    exc_type, message = "exit", f"exit code {failure.exitcode}"
+    if failure.signal_name() != "<N/A>" and failure.exitcode < 0:
+        message = f"killed by {failure.signal_name()}"
+    error_file = Path(failure.error_file) if failure.error_file else None
+    if error_file and error_file.is_file():
+        data = json.loads(error_file.read_text()).get("message", {})
+        text = data.get("message", "") if isinstance(data, dict) else str(data)
+        # The recorded message is "ExcType: text"; keep the last line of a multi-line one.
+        first = text.strip().splitlines()[0] if text.strip() else ""
+        exc_type, _, rest = first.partition(": ")
+        message = rest or first
+    return WorkerFailure(rank, exc_type, message, str(log_dir))
+
+
+def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
+    """Start ``job.launch.nproc`` workers on this node running ``job_path``; wait for them."""
+    lc = job.launch
+    local = lc.nnodes == 1 and not lc.rdzv_endpoint
+    endpoint = "127.0.0.1:0" if local else lc.rdzv_endpoint
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    redirects = {r: (Std.ERR if r == 0 else Std.ALL) for r in range(lc.nproc)}
+    config = ElasticConfig(
+        min_nodes=lc.nnodes,
+        max_nodes=lc.nnodes,
+        nproc_per_node=lc.nproc,
+        run_id=uuid.uuid4().hex if local else "polytrain",
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"rank": lc.node_rank, "timeout": 900} if not local else {"timeout": 900},
+        max_restarts=lc.max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr="127.0.0.1" if local else None,
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=redirects),
+    )
+    env_before = dict(os.environ)
+    # One compute thread per worker unless the user chose otherwise: N workers on N cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if local:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        elastic_launch(config, sys.executable)(
+            "-u", "-m", "polytrain.trainer.worker", str(job_path)
+        )
+    except ChildFailedError as err:
+        raise _failure_of(err, log_dir) from None
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)

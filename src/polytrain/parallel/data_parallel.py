@@ -1,0 +1,35 @@
+"""Data parallelism through DDP: bucketed ring all-reduce overlapped with backward.
+
+Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB
+2020). Gradient accumulation skips the all-reduce of the inner micro-steps (``no_sync``); the
+optional hooks halve the bytes on the wire by all-reducing bf16 or fp16 copies of the buckets.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from polytrain.comm.mesh import Mesh
+from polytrain.config.job import ParallelConfig
+
+__all__ = ["apply_data_parallel"]
+
+
+def apply_data_parallel(module: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> DDP:
+    """Wrap ``module`` in DDP over the mesh's ``dp`` axis."""
+    device = next(module.parameters()).device
+    ddp = DDP(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        process_group=mesh.group("dp"),
+        bucket_cap_mb=cfg.bucket_mb,
+        gradient_as_bucket_view=True,
+        broadcast_buffers=False,
+    )
+    if cfg.grad_compression == "bf16":
+        ddp.register_comm_hook(mesh.group("dp"), default_hooks.bf16_compress_hook)
+    elif cfg.grad_compression == "fp16":
+        ddp.register_comm_hook(mesh.group("dp"), default_hooks.fp16_compress_hook)
+    return ddp

@@ -1,0 +1,29 @@
+"""Fully sharded data parallelism (ZeRO; Rajbhandari et al., SC 2020) through FSDP2.
+
+Stage mapping: ``zero = 3`` shards parameters, gradients and optimizer state and frees the
+gathered parameters after each block's forward (``reshard_after_forward=True``). ``zero = 2``
+keeps the gathered parameters from forward to backward (no second all-gather), which is ZeRO-2's
+traffic with ZeRO-3's memory at rest. ``zero = 1`` (optimizer state only) has no FSDP2
+counterpart and is rejected at configuration time.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from polytrain.comm.mesh import Mesh
+from polytrain.config.job import ParallelConfig
+from polytrain.models.base import BlockModel
+
+__all__ = ["apply_zero"]
+
+
+def apply_zero(module: BlockModel, mesh: Mesh, cfg: ParallelConfig) -> FSDPModule:
+    """Shard every block, then the root, over the ``dp`` axis."""
+    reshard = cfg.zero == 3
+    dp_mesh = mesh.sub("dp")
+    for block in module.blocks:
+        if any(p.requires_grad for p in block.parameters()):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)

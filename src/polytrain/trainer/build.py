@@ -1,0 +1,42 @@
+"""Compose a strategy for a job: mesh -> model -> strategy, in one documented order.
+
+Order (STYLE 3): tensor parallel -> activation recomputation -> data parallel or ZeRO. Pipeline
+and parameter-server jobs have their own runtimes and are dispatched to them here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polytrain.comm.init import DistContext
+from polytrain.comm.mesh import build_mesh
+from polytrain.config.job import JobConfig
+from polytrain.data.sampler import Batches
+from polytrain.models.base import BlockModel
+from polytrain.parallel.data_parallel import apply_data_parallel
+from polytrain.parallel.recompute import apply_recompute
+from polytrain.parallel.zero import apply_zero
+from polytrain.topology import ParallelDims
+from polytrain.trainer.strategy import SPMDStrategy, Strategy
+
+__all__ = ["build_strategy"]
+
+
+def build_strategy(
+    job: JobConfig, ctx: DistContext, model: BlockModel, batches: Batches
+) -> Strategy:
+    p = job.parallel
+    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, world_size=ctx.world_size)
+    mesh = build_mesh(dims, ctx.device.type)
+    model = model.to(ctx.device)
+    name = f"dp{p.dp}"
+    wrapped: torch.nn.Module = model
+    if p.recompute:
+        apply_recompute(model)
+    if p.zero:
+        wrapped = apply_zero(model, mesh, p)
+        name = f"zero{p.zero}-dp{p.dp}"
+    elif p.dp > 1:
+        wrapped = apply_data_parallel(model, mesh, p)
+        name = f"ddp-dp{p.dp}"
+    return SPMDStrategy(job, wrapped, model, mesh, batches, ctx.device, name)

@@ -1,0 +1,140 @@
+"""The training loop: build everything for this rank, run the steps, log, export.
+
+`train` runs inside one worker process (started by the elastic agent, the test harness, or a
+plain ``python`` for a one-rank job). It returns the final metrics; rank 0 also returns the full
+weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+import polytrain
+from polytrain.comm.init import DistContext, init_distributed
+from polytrain.config.job import JobConfig
+from polytrain.data.datasets import build_datasets
+from polytrain.data.sampler import Batches
+from polytrain.models.gpt import generate
+from polytrain.models.registry import block_size_of, build_model
+from polytrain.observe.metrics import MetricsWriter, peak_memory_mb
+from polytrain.observe.mfu import flops_per_sample, peak_flops
+from polytrain.trainer.build import build_strategy
+from polytrain.trainer.export import save_weights
+from polytrain.trainer.optim import lr_at
+
+__all__ = ["TrainResult", "train"]
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    val_loss: float
+    strategy: str
+    history: list[dict[str, Any]] = field(default_factory=list)
+    state_dict: dict[str, torch.Tensor] | None = None  # rank 0 only
+    sample: str = ""
+
+
+def _progress(console: Console, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[speed]}"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
+
+
+def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
+    ctx = ctx or init_distributed(
+        device=job.train.device, backend=job.launch.backend, timeout_s=job.launch.timeout_s
+    )
+    block_size = block_size_of(job.model)
+    train_set, val_set, spec = build_datasets(job.data, block_size)
+    batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
+    model = build_model(job.model, spec, job.train.seed)
+    sample_model = build_model(job.model, spec, job.train.seed) if ctx.is_main else None
+    strategy = build_strategy(job, ctx, model, batches)
+
+    out_dir = Path(job.observe.out_dir) if job.observe.out_dir else None
+    metrics = MetricsWriter(out_dir / "metrics.jsonl" if out_dir and ctx.is_main else None)
+    console = Console(stderr=False)
+    samples_per_step = job.train.global_batch_size
+    tokens_per_sample = block_size if spec.kind == "tokens" else 1
+    flops = flops_per_sample(model, tokens_per_sample)
+    peak = peak_flops(ctx.device)
+
+    history: list[dict[str, Any]] = []
+    loss = val_loss = float("nan")
+    steps = job.train.steps
+    show = ctx.is_main and job.observe.progress
+    with _progress(console, show) as progress:
+        task = progress.add_task(strategy.name, total=steps, loss="-", speed="")
+        for step in range(steps):
+            strategy.set_lr(lr_at(step, job.optim, steps))
+            t0 = time.perf_counter()
+            out = strategy.train_step(step)
+            step_time = time.perf_counter() - t0
+            loss = out.loss
+            record: dict[str, Any] = {
+                "step": step + 1,
+                "loss": loss,
+                "lr": lr_at(step, job.optim, steps),
+                "step_time_s": step_time,
+                "samples_per_s": samples_per_step / step_time,
+                "strategy": strategy.name,
+            }
+            if spec.kind == "tokens":
+                record["tokens_per_s"] = samples_per_step * tokens_per_sample / step_time
+            if peak:
+                record["mfu"] = flops * samples_per_step / step_time / (peak * ctx.world_size)
+            if out.skipped:
+                record["skipped"] = True
+            last = step + 1 == steps
+            every = job.train.eval_every
+            if last or (every and (step + 1) % every == 0):
+                val_loss = strategy.evaluate(job.train.eval_batches)
+                record["val_loss"] = val_loss
+            if last or (step + 1) % job.observe.log_every == 0 or "val_loss" in record:
+                record["memory_mb"] = peak_memory_mb(ctx.device)
+                metrics.write(record)
+            history.append(record)
+            speed = (
+                f"{record['tokens_per_s']:.0f} tok/s"
+                if "tokens_per_s" in record
+                else f"{record['samples_per_s']:.0f} samples/s"
+            )
+            progress.update(task, advance=1, loss=f"{loss:.4f}", speed=speed)
+
+    state = strategy.full_state_dict()
+    result = TrainResult(steps, loss, val_loss, strategy.name, history)
+    if ctx.is_main:
+        result.state_dict = state
+        if job.checkpoint.save_final:
+            save_weights(state, job.checkpoint.save_final)
+        if sample_model is not None and job.model.name == "gpt" and job.train.sample_tokens:
+            sample_model.load_state_dict(state)
+            prompt = torch.zeros((1, 1), dtype=torch.long)
+            ids = generate(sample_model, prompt, job.train.sample_tokens, block_size, job.train.seed)
+            result.sample = spec.decode(ids[0, 1:].tolist())
+    metrics.close()
+    if dist.is_initialized() and ctx.world_size > 1:
+        dist.barrier()
+    return result
+
+
+def version_info() -> dict[str, str]:
+    return {"polytrain": polytrain.__version__, "torch": torch.__version__}

@@ -1,0 +1,37 @@
+"""Checks run in the launching process, before any worker starts (cheap, no collectives).
+
+Everything a user can get wrong about a job and that can be known without running it is caught
+here, so a mistake costs a one-line error instead of N crashed workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from polytrain.config.job import JobConfig
+from polytrain.data.datasets import build_datasets
+from polytrain.errors import ConfigError, PartitionError
+from polytrain.models.base import BlockModel
+from polytrain.models.registry import block_size_of, build_model
+
+__all__ = ["preflight"]
+
+
+def preflight(job: JobConfig) -> BlockModel:
+    """Validate data, model and layout together; return the model built on the meta device."""
+    if job.checkpoint.save_final and Path(job.checkpoint.save_final).exists():
+        raise ConfigError(
+            f"--save-final {job.checkpoint.save_final!r} already exists: choose another path "
+            "or remove the file"
+        )
+    _, _, spec = build_datasets(job.data, block_size_of(job.model))
+    with torch.device("meta"):
+        model = build_model(job.model, spec, job.train.seed)
+    if job.parallel.pp > model.num_blocks:
+        raise PartitionError(
+            f"parallel.pp = {job.parallel.pp} stages but the model has only {model.num_blocks} "
+            f"blocks: use at most {model.num_blocks} stages or a deeper model"
+        )
+    return model

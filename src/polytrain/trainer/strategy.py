@@ -1,0 +1,149 @@
+"""The interface between the training loop and a parallel strategy, and the SPMD strategy.
+
+A strategy owns its model shards and optimizer. The loop only asks it to run step ``t`` (it
+fetches its own slice of the global batch, contract 1), to evaluate, and to hand back the full
+weights. SPMD covers a plain model, DDP, FSDP2 and tensor parallelism, which all run the same
+forward/backward on every rank and differ only in how the module was wrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from polytrain.comm.mesh import Mesh
+from polytrain.config.job import JobConfig
+from polytrain.data.sampler import Batches
+from polytrain.errors import PolytrainError
+from polytrain.models.base import BlockModel
+from polytrain.trainer.optim import build_optimizer
+
+__all__ = ["NonFiniteLossError", "SPMDStrategy", "StepOutput", "Strategy"]
+
+
+class NonFiniteLossError(PolytrainError):
+    """The loss became NaN or Inf and ``train.on_nonfinite = 'stop'``."""
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    loss: float  # mean loss over the global batch (the same value on every rank)
+    skipped: bool = False
+
+
+class Strategy(Protocol):
+    name: str
+
+    def train_step(self, step: int) -> StepOutput: ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def evaluate(self, num_batches: int) -> float: ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every rank calls it; rank 0 gets the unwrapped model's full weights."""
+        ...
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[None]:
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class SPMDStrategy:
+    """Every rank runs the whole (possibly wrapped or sharded) model on its data slice."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        model: nn.Module,
+        base: BlockModel,
+        mesh: Mesh,
+        batches: Batches,
+        device: torch.device,
+        name: str,
+    ) -> None:
+        self.job, self.model, self.base, self.mesh = job, model, base, mesh
+        self.batches, self.device, self.name = batches, device, name
+        self.dp = mesh.dims.dp
+        self.dp_rank = mesh.coord("dp")
+        self.optimizer = build_optimizer(model.parameters(), job.optim)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Skip the gradient all-reduce on every micro-step but the last (accumulation)."""
+        if isinstance(self.model, DDP) and not last:
+            return self.model.no_sync()  # type: ignore[no-any-return]
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def train_step(self, step: int) -> StepOutput:
+        accum = self.job.train.grad_accum
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = self.batches.train(step, self.dp_rank, self.dp, micro, accum)
+            x, y = x.to(self.device), y.to(self.device)
+            with self._sync_context(micro == accum - 1):
+                with autocast(self.device, self.job.train.dtype):
+                    loss = self.base.loss(self.model(x), y) / accum
+                loss.backward()
+            total += loss.detach()
+        if self.dp > 1:
+            dist.all_reduce(total, group=self.mesh.group("dp"))
+            total /= self.dp
+        value = float(total)
+        if not math.isfinite(value):
+            return self._nonfinite(step, value)
+        if self.job.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip)
+        self.optimizer.step()
+        return StepOutput(loss=value)
+
+    def _nonfinite(self, step: int, value: float) -> StepOutput:
+        # Every rank holds the same all-reduced loss, so every rank takes the same branch.
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.job.train.on_nonfinite == "skip":
+            return StepOutput(loss=value, skipped=True)
+        raise NonFiniteLossError(
+            f"loss is {value} at step {step}: lower optim.lr, enable optim.grad_clip, or set "
+            "train.on_nonfinite = 'skip'"
+        )
+
+    @torch.no_grad()
+    def evaluate(self, num_batches: int) -> float:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for i in range(num_batches):
+            x, y = self.batches.val(i, self.dp_rank, self.dp)
+            with autocast(self.device, self.job.train.dtype):
+                total += self.base.loss(self.model(x.to(self.device)), y.to(self.device))
+        if self.dp > 1:
+            dist.all_reduce(total, group=self.mesh.group("dp"))
+            total /= self.dp
+        return float(total) / num_batches
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unwrapped, unsharded weights on CPU (complete on rank 0), with the plain model's keys."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return {k: v.detach().cpu().contiguous() for k, v in state.items()}

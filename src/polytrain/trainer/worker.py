@@ -1,0 +1,39 @@
+"""Worker process entry point: ``python -m polytrain.trainer.worker JOB.toml``.
+
+The elastic agent starts one of these per rank. The job file was validated and written by the
+launcher; the worker reads it, trains, and prints the summary on rank 0. Exceptions are recorded
+by torch elastic's ``record`` so the launcher can name the failing rank and its error.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from polytrain.comm.init import shutdown
+from polytrain.config.io import job_from_dict, load_job
+from polytrain.trainer.loop import train
+
+__all__ = ["main"]
+
+
+@record
+def main() -> None:
+    job = job_from_dict(load_job(sys.argv[1]))
+    try:
+        result = train(job)
+        if result.state_dict is not None:  # rank 0
+            print(f"final loss {result.final_loss:.4f}, validation loss {result.val_loss:.4f}")
+            if result.sample:
+                print("sample:\n" + result.sample)
+            if job.observe.out_dir:
+                print(f"metrics: {job.observe.out_dir}/metrics.jsonl")
+            if job.checkpoint.save_final:
+                print(f"weights: {job.checkpoint.save_final}")
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()
