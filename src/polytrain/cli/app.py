@@ -33,7 +33,15 @@ app = typer.Typer(
 app.command("train")(train_command)
 app.command("doctor")(doctor)
 
-_USER_ERRORS = {cls.__name__ for cls in (PolytrainError, *PolytrainError.__subclasses__())}
+
+def _subclasses(cls: type) -> list[type]:
+    out = [cls]
+    for child in cls.__subclasses__():
+        out += _subclasses(child)
+    return out
+
+
+_USER_ERRORS = {cls.__name__ for cls in _subclasses(PolytrainError)}
 
 
 def _fail(message: str, code: int) -> None:

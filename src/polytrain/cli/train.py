@@ -78,9 +78,7 @@ def _partition_value(text: str) -> Any:
         ) from None
 
 
-def resolve_job(
-    config: Path | None, flags: dict[str, Any], overrides: list[str]
-) -> JobConfig:
+def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]) -> JobConfig:
     """Config file, then flags, then ``--set`` overrides, validated as one `JobConfig`."""
     data: dict[str, Any] = load_job(config) if config else {}
     for name, value in flags.items():
@@ -117,7 +115,9 @@ def train_command(
     config: Annotated[Path | None, typer.Option(help="TOML job file")] = None,
     model: Annotated[str | None, typer.Option(help="gpt, mlp or package.module:factory")] = None,
     size: Annotated[str | None, typer.Option(help="tiny, small or medium")] = None,
-    data: Annotated[str | None, typer.Option(help="pydoc, or a .txt/.npy/.safetensors path")] = None,
+    data: Annotated[
+        str | None, typer.Option(help="pydoc, or a .txt/.npy/.safetensors path")
+    ] = None,
     steps: Annotated[int | None, typer.Option(help="optimizer steps")] = None,
     batch_size: Annotated[int | None, typer.Option(help="global batch size")] = None,
     grad_accum: Annotated[int | None, typer.Option(help="accumulation micro-steps")] = None,
@@ -168,9 +168,9 @@ def train_command(
     run_dir = _run_dir(job)
     job.observe.out_dir = str(run_dir)
     if dry_run:
-        from polytrain.config.base import to_dict
-
         import tomli_w
+
+        from polytrain.config.base import to_dict
 
         typer.echo(tomli_w.dumps(to_dict(job)))
         return
@@ -179,5 +179,7 @@ def train_command(
     run_dir.mkdir(parents=True, exist_ok=True)
     job_path = run_dir / ("job.toml" if not job.checkpoint.resume else f"job-{time.time_ns()}.toml")
     save_job(job, job_path)
-    typer.echo(f"polytrain: {job.launch.nproc} worker(s), {job.world_size} rank(s), run dir {run_dir}")
+    typer.echo(
+        f"polytrain: {job.launch.nproc} worker(s), {job.world_size} rank(s), run dir {run_dir}"
+    )
     launch(job, job_path, run_dir)

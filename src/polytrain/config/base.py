@@ -23,7 +23,9 @@ def option(default: Any, help: str) -> Any:
     """A dataclass field with a default and a one-line description."""
     if isinstance(default, list | dict):
         value = default
-        return dataclasses.field(default_factory=lambda: type(value)(value), metadata={"help": help})
+        return dataclasses.field(
+            default_factory=lambda: type(value)(value), metadata={"help": help}
+        )
     return dataclasses.field(default=default, metadata={"help": help})
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import tomli_w
+import tomllib
 
 from polytrain.config.base import from_dict, to_dict
 from polytrain.config.job import JobConfig

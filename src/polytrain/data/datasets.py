@@ -121,8 +121,10 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
             )
         inputs, targets = tensors["inputs"].float(), tensors["targets"]
         classification = not targets.is_floating_point()
-        num_outputs = int(targets.max()) + 1 if classification else (
-            1 if targets.ndim == 1 else int(targets.shape[-1])
+        num_outputs = (
+            int(targets.max()) + 1
+            if classification
+            else (1 if targets.ndim == 1 else int(targets.shape[-1]))
         )
         cut = _split(len(inputs), cfg.val_fraction)
         spec = DataSpec(

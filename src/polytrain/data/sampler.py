@@ -46,9 +46,7 @@ class GlobalBatchSampler:
 class Batches:
     """Train and validation batches for one job, sliced by replica and micro-batch."""
 
-    def __init__(
-        self, train: Dataset, val: Dataset, global_batch_size: int, seed: int
-    ) -> None:
+    def __init__(self, train: Dataset, val: Dataset, global_batch_size: int, seed: int) -> None:
         self.train_set, self.val_set = train, val
         self.train_sampler = GlobalBatchSampler(len(train), global_batch_size, seed)
         # Validation uses its own stream so evaluating never shifts the training order.

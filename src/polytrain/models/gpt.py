@@ -16,7 +16,7 @@ from torch import nn
 
 from polytrain.models.base import BlockModel, cross_entropy_loss
 
-__all__ = ["GPTConfig", "build_gpt", "generate", "SIZES"]
+__all__ = ["SIZES", "GPTConfig", "build_gpt", "generate"]
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,6 @@ def _pair_loss(classification: bool) -> LossFn:
     return loss
 
 
-
 def build_mlp(spec: DataSpec, n_layer: int, width: int, block_size: int) -> BlockModel:
     blocks: list[nn.Module] = []
     if spec.kind == "tokens":

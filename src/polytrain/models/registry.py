@@ -43,19 +43,15 @@ def resolve_factory(name: str) -> Callable[[DataSpec], nn.Module]:
         ) from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ConfigError(
-            f"model.name = {name!r}: module {module_name!r} has no callable {attr!r}"
-        )
-    return factory  # type: ignore[no-any-return]
+        raise ConfigError(f"model.name = {name!r}: module {module_name!r} has no callable {attr!r}")
+    return factory
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, Any]:
     """The named size with explicit fields laid over it."""
     sizes = gpt.SIZES if cfg.name == "gpt" else mlp.SIZES
     if cfg.size not in sizes:
-        raise ConfigError(
-            f"model.size = {cfg.size!r}: expected one of {', '.join(sizes)}"
-        )
+        raise ConfigError(f"model.size = {cfg.size!r}: expected one of {', '.join(sizes)}")
     dims: dict[str, Any] = dict(sizes[cfg.size])
     for key in ("n_layer", "n_embd", "n_head", "block_size"):
         value = getattr(cfg, key)

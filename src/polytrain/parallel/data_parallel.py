@@ -7,10 +7,11 @@ optional hooks halve the bytes on the wire by all-reducing bf16 or fp16 copies o
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from polytrain.comm.compression import compress_hook
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import ParallelConfig
 
@@ -26,10 +27,8 @@ def apply_data_parallel(module: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> D
         process_group=mesh.group("dp"),
         bucket_cap_mb=cfg.bucket_mb,
         gradient_as_bucket_view=True,
-        broadcast_buffers=False,
     )
-    if cfg.grad_compression == "bf16":
-        ddp.register_comm_hook(mesh.group("dp"), default_hooks.bf16_compress_hook)
-    elif cfg.grad_compression == "fp16":
-        ddp.register_comm_hook(mesh.group("dp"), default_hooks.fp16_compress_hook)
+    if cfg.grad_compression != "none":
+        dtype = torch.bfloat16 if cfg.grad_compression == "bf16" else torch.float16
+        ddp.register_comm_hook(mesh.group("dp"), compress_hook(dtype))
     return ddp

@@ -9,7 +9,6 @@ counterpart and is rejected at configuration time.
 
 from __future__ import annotations
 
-from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from polytrain.comm.mesh import Mesh

@@ -34,7 +34,7 @@ def build_strategy(
     if p.recompute:
         apply_recompute(model)
     if p.zero:
-        wrapped = apply_zero(model, mesh, p)
+        wrapped = apply_zero(model, mesh, p)  # type: ignore[assignment]  # FSDPModule is an nn.Module
         name = f"zero{p.zero}-dp{p.dp}"
     elif p.dp > 1:
         wrapped = apply_data_parallel(model, mesh, p)

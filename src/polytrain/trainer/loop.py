@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 import polytrain
+from polytrain.comm.collectives import barrier
 from polytrain.comm.init import DistContext, init_distributed
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
@@ -128,11 +128,12 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
         if sample_model is not None and job.model.name == "gpt" and job.train.sample_tokens:
             sample_model.load_state_dict(state)
             prompt = torch.zeros((1, 1), dtype=torch.long)
-            ids = generate(sample_model, prompt, job.train.sample_tokens, block_size, job.train.seed)
+            ids = generate(
+                sample_model, prompt, job.train.sample_tokens, block_size, job.train.seed
+            )
             result.sample = spec.decode(ids[0, 1:].tolist())
     metrics.close()
-    if dist.is_initialized() and ctx.world_size > 1:
-        dist.barrier()
+    barrier()
     return result
 
 

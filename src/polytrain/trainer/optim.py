@@ -12,7 +12,9 @@ from polytrain.config.job import OptimConfig
 __all__ = ["build_optimizer", "lr_at"]
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig
+) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
     if cfg.name == "sgd":
         return torch.optim.SGD(

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from polytrain.comm.collectives import all_reduce_mean
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
@@ -86,7 +86,7 @@ class SPMDStrategy:
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Skip the gradient all-reduce on every micro-step but the last (accumulation)."""
         if isinstance(self.model, DDP) and not last:
-            return self.model.no_sync()  # type: ignore[no-any-return]
+            return self.model.no_sync()
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
@@ -104,10 +104,7 @@ class SPMDStrategy:
                     loss = self.base.loss(self.model(x), y) / accum
                 loss.backward()
             total += loss.detach()
-        if self.dp > 1:
-            dist.all_reduce(total, group=self.mesh.group("dp"))
-            total /= self.dp
-        value = float(total)
+        value = float(all_reduce_mean(total, self.mesh.group("dp")))
         if not math.isfinite(value):
             return self._nonfinite(step, value)
         if self.job.optim.grad_clip > 0:
@@ -133,10 +130,7 @@ class SPMDStrategy:
             x, y = self.batches.val(i, self.dp_rank, self.dp)
             with autocast(self.device, self.job.train.dtype):
                 total += self.base.loss(self.model(x.to(self.device)), y.to(self.device))
-        if self.dp > 1:
-            dist.all_reduce(total, group=self.mesh.group("dp"))
-            total /= self.dp
-        return float(total) / num_batches
+        return float(all_reduce_mean(total, self.mesh.group("dp"))) / num_batches
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)
@@ -146,4 +140,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unwrapped, unsharded weights on CPU (complete on rank 0), with the plain model's keys."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
-    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    return {
+        k: v.detach().cpu().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)
+    }

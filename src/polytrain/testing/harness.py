@@ -1,0 +1,139 @@
+"""Run a function on N gloo ranks and carry each rank's result or traceback back to the caller.
+
+Rendezvous is a ``file://`` store in a fresh temporary directory (no port races between tests),
+every rank runs one compute thread, and a deadline turns a hang into a `TimeoutError` that names
+the ranks that never reported. ``fn(rank, world_size, *args)`` must be importable at module
+level (processes are spawned, not forked).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RankFailure", "run_distributed"]
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message carries its rank, exception and traceback."""
+
+
+class _Array:
+    """A tensor in transit as a numpy array. torch's own reducer would pass a shared-memory
+    handle that dies with the child process; a numpy copy travels by value."""
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+
+def _pack(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return _Array(value.detach().cpu().clone().numpy())
+    if isinstance(value, dict):
+        return {k: _pack(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_pack(v) for v in value)
+    return value
+
+
+def _unpack(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, _Array):
+        return torch.from_numpy(value.array)
+    if isinstance(value, dict):
+        return {k: _unpack(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_unpack(v) for v in value)
+    return value
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_file: str,
+    timeout_s: float,
+    results: Any,
+    args: tuple[Any, ...],
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        result = fn(rank, world_size, *args)
+        results.put((rank, True, _pack(result)))
+    except BaseException as exc:  # carried to the parent, which re-raises
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    collective_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` ranks; return the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="polytrain-test-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, rank, world_size, init_file, collective_timeout_s, results, args),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        try:
+            while len(out) < world_size:
+                remaining = (deadline - datetime.datetime.now()).total_seconds()
+                try:
+                    rank, ok, value = results.get(timeout=max(remaining, 0.01))
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(out))
+                    raise TimeoutError(
+                        f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                    ) from None
+                if not ok:
+                    raise RankFailure(f"rank {rank} failed: {value}")
+                out[rank] = _unpack(value)
+        finally:
+            for p in procs:
+                p.join(timeout=5 if len(out) == world_size else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [out[r] for r in range(world_size)]

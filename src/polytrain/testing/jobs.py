@@ -1,0 +1,32 @@
+"""Run a whole `JobConfig` on harness ranks and bring rank 0's result back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polytrain.config.job import JobConfig
+from polytrain.testing.harness import run_distributed
+
+__all__ = ["run_job"]
+
+
+def _train_rank(rank: int, world_size: int, job: JobConfig) -> dict[str, Any] | None:
+    from polytrain.trainer.loop import train
+
+    result = train(job)
+    if rank != 0:
+        return None
+    return {
+        "state": result.state_dict,
+        "losses": [r["loss"] for r in result.history],
+        "val_loss": result.val_loss,
+        "strategy": result.strategy,
+    }
+
+
+def run_job(job: JobConfig, *, timeout_s: float = 180.0) -> dict[str, Any]:
+    """Train ``job`` on ``job.world_size`` gloo ranks; rank 0's state, losses and val loss."""
+    results = run_distributed(_train_rank, job.world_size, job, timeout_s=timeout_s)
+    out = results[0]
+    assert out is not None
+    return out
