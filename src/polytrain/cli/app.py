@@ -36,7 +36,8 @@ app.command("doctor")(doctor)
 
 def _subclasses(cls: type) -> list[type]:
     out = [cls]
-    for child in cls.__subclasses__():
+    children: list[type] = cls.__subclasses__()
+    for child in children:
         out += _subclasses(child)
     return out
 

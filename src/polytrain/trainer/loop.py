@@ -26,6 +26,7 @@ from polytrain.models.gpt import generate
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import MetricsWriter, peak_memory_mb
 from polytrain.observe.mfu import flops_per_sample, peak_flops
+from polytrain.observe.trace import merge_traces
 from polytrain.trainer.build import build_strategy
 from polytrain.trainer.export import save_weights
 from polytrain.trainer.optim import lr_at
@@ -119,6 +120,11 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             )
             progress.update(task, advance=1, loss=f"{loss:.4f}", speed=speed)
 
+    if job.observe.trace:
+        strategy.tracer.write_part(job.observe.trace)
+        barrier()
+        if ctx.is_main:
+            merge_traces(job.observe.trace, ctx.world_size)
     state = strategy.full_state_dict()
     result = TrainResult(steps, loss, val_loss, strategy.name, history)
     if ctx.is_main:

@@ -25,6 +25,7 @@ from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
 from polytrain.errors import PolytrainError
 from polytrain.models.base import BlockModel
+from polytrain.observe.trace import Tracer
 from polytrain.trainer.optim import build_optimizer
 
 __all__ = ["NonFiniteLossError", "SPMDStrategy", "StepOutput", "Strategy"]
@@ -41,7 +42,24 @@ class StepOutput:
 
 
 class Strategy(Protocol):
-    name: str
+    """What the loop needs from a parallel strategy.
+
+    ``modules`` are this rank's model parts whose ``state_dict`` keys are the unwrapped model's
+    (``blocks.<i>...``), and ``optimizer`` updates exactly their parameters; checkpoints use
+    both. ``tracer`` records this rank's spans for ``--trace`` (disabled when not asked for).
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def modules(self) -> list[nn.Module]: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+
+    @property
+    def tracer(self) -> Tracer: ...
 
     def train_step(self, step: int) -> StepOutput: ...
 
@@ -78,6 +96,8 @@ class SPMDStrategy:
         self.dp = mesh.dims.dp
         self.dp_rank = mesh.coord("dp")
         self.optimizer = build_optimizer(model.parameters(), job.optim)
+        self.modules = [model]
+        self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -100,9 +120,11 @@ class SPMDStrategy:
             x, y = self.batches.train(step, self.dp_rank, self.dp, micro, accum)
             x, y = x.to(self.device), y.to(self.device)
             with self._sync_context(micro == accum - 1):
-                with autocast(self.device, self.job.train.dtype):
-                    loss = self.base.loss(self.model(x), y) / accum
-                loss.backward()
+                with self.tracer.span("forward", microbatch=micro, step=step):
+                    with autocast(self.device, self.job.train.dtype):
+                        loss = self.base.loss(self.model(x), y) / accum
+                with self.tracer.span("backward", microbatch=micro, step=step):
+                    loss.backward()
             total += loss.detach()
         value = float(all_reduce_mean(total, self.mesh.group("dp")))
         if not math.isfinite(value):
