@@ -6,11 +6,11 @@ import os
 import platform
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
 import polytrain
+from polytrain.comm.init import available_backends
 
 __all__ = ["doctor"]
 
@@ -21,16 +21,7 @@ def doctor() -> None:
     table.add_row("polytrain", polytrain.__version__)
     table.add_row("python", platform.python_version())
     table.add_row("torch", torch.__version__)
-    backends = [
-        name
-        for name, ok in (
-            ("gloo", dist.is_gloo_available()),
-            ("nccl", dist.is_nccl_available()),
-            ("mpi", dist.is_mpi_available()),
-        )
-        if ok
-    ]
-    table.add_row("c10d backends", ", ".join(backends) or "none")
+    table.add_row("c10d backends", ", ".join(available_backends()) or "none")
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         table.add_row("cuda devices", f"{len(names)}: " + ", ".join(names))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "init_distributed", "shutdown"]
+__all__ = ["DistContext", "available_backends", "init_distributed", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,13 @@ def init_distributed(
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def available_backends() -> list[str]:
+    """The c10d backends this torch build offers."""
+    found = [
+        ("gloo", dist.is_gloo_available()),
+        ("nccl", dist.is_nccl_available()),
+        ("mpi", dist.is_mpi_available()),
+    ]
+    return [name for name, ok in found if ok]
