@@ -87,7 +87,8 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
     if local:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        # The agent logs each failure with its own format; we report it once, below.
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, sys.executable)(
             "-u", "-m", "polytrain.trainer.worker", str(job_path)

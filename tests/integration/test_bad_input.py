@@ -1,0 +1,89 @@
+"""Every malformed invocation is one line on stderr naming the problem, and exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from polytrain.cli.app import main
+
+CASES = {
+    "unknown flag": (["--stepz", "3"], "No such option: --stepz"),
+    "unknown key": (["--set", "train.stepz=3"], "unknown key 'train.stepz'"),
+    "unknown section": (["--set", "trian.steps=3"], "unknown key 'trian'"),
+    "wrong type flag": (["--steps", "ten"], "Invalid value for '--steps'"),
+    "wrong type key": (["--set", "optim.lr=fast"], "optim.lr = 'fast' has the wrong type"),
+    "mesh != nproc": (["--nproc", "2", "--dp", "2", "--tp", "2"], "does not equal the 2"),
+    "tp does not divide": (["--nproc", "3", "--tp", "2"], "does not divide the 3"),
+    "batch not divisible": (["--nproc", "2", "--batch-size", "31"], "not divisible by"),
+    "micro-batches": (["--nproc", "2", "--microbatches", "3", "--batch-size", "32"],
+                      "not divisible by"),
+    "negative lr": (["--lr", "-0.1"], "optim.lr = -0.1"),
+    "zero steps": (["--steps", "0"], "train.steps = 0"),
+    "unknown optimizer": (["--optimizer", "lamb"], "optim.name = 'lamb'"),
+    "zero 1": (["--zero", "1"], "parallel.zero = 1 is not offered"),
+    "missing data": (["--data", "/no/such/file.txt"], "does not exist"),
+    "unknown model": (["--model", "resnet"], "not a built-in model"),
+    "unimportable factory": (["--model", "no_such_pkg.models:make"], "cannot import module"),
+    "missing factory": (["--model", "math:no_such"], "has no callable"),
+    "heads vs width": (["--set", "model.n_head=3"], "not divisible by model.n_head"),
+    "more stages than blocks": (["--model", "mlp", "--nproc", "8", "--pp", "8",
+                                 "--batch-size", "8"], "only 4 blocks"),
+    "resume without dir": (["--resume"], "needs checkpoint.dir"),
+    "nnodes without endpoint": (["--nnodes", "2"], "--rdzv-endpoint"),
+    "bad dtype": (["--dtype", "fp8"], "train.dtype = 'fp8'"),
+    "negative timeout": (["--timeout", "-1"], "launch.timeout_s = -1"),
+    "negative staleness": (["--staleness", "-2"], "ps.staleness = -2"),
+    "bad partition": (["--partition", "first"], "--partition 'first'"),
+    "missing config": (["--config", "/no/such.toml"], "does not exist"),
+}
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code, _, err = run_full(args, capsys)
+    return code, err
+
+
+def run_full(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--dry-run", *args])
+    captured = capsys.readouterr()
+    return int(exc.value.code or 0), captured.out, captured.err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_invocation(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args, expected = CASES[name]
+    code, err = run(args, capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("polytrain: error: ")
+    assert expected in lines[0]
+
+
+def test_invalid_toml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "job.toml"
+    bad.write_text("[train\nsteps = 3")
+    code, err = run(["--config", str(bad)], capsys)
+    assert code == 2 and "is not valid TOML" in err
+
+
+def test_existing_output_is_never_overwritten(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "weights.safetensors"
+    save_file({"w": torch.ones(2)}, str(target))
+    before = target.read_bytes()
+    code, err = run(["--save-final", str(target)], capsys)
+    assert code == 2 and "already exists" in err
+    assert target.read_bytes() == before
+
+
+def test_valid_dry_run_prints_the_resolved_job(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_full(["--nproc", "4", "--tp", "2", "--model", "mlp"], capsys)
+    assert code == 0
+    assert "dp = 2" in out and "tp = 2" in out
