@@ -1,0 +1,259 @@
+"""Profile each block of a `BlockModel` on the local device, and choose the pipeline partition.
+
+The measuring half of PipeDream's partitioner (Narayanan et al. SOSP 2019, section 3.1): run
+every block once per repeat on a sample micro-batch, record forward and backward time and the
+bytes it keeps, then hand the profiles to the pure search in `polytrain.pipeline.partition`.
+
+[Note: profiling leaves no trace] Profiling must not perturb training, or an ``auto`` partition
+would break parity with the single-process run: gradients come from `torch.autograd.grad`
+(parameters' ``.grad`` stay untouched), the RNG state is forked (dropout draws are undone) and
+buffers such as running statistics are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from polytrain.comm.broadcast import broadcast_ints, broadcast_text, is_main_rank
+from polytrain.errors import PartitionError
+from polytrain.models.base import BlockModel
+from polytrain.pipeline.partition import (
+    BlockProfile,
+    PartitionResult,
+    check_counts,
+    optimizer_state_factor,
+    search_partition,
+    uniform_counts,
+)
+
+if TYPE_CHECKING:
+    from polytrain.config.job import JobConfig
+
+__all__ = ["choose_partition", "profile_blocks", "profile_partition"]
+
+_MIB = 1024.0 * 1024.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@contextmanager
+def _restored(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """[Note: profiling leaves no trace]: fork the RNG and put the buffers back afterwards."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    b.copy_(buffers[name])
+
+
+def _saved_bytes(run: Callable[[], object], exclude: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``run`` executes."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in exclude and ptr not in seen:
+            seen[ptr] = storage.nbytes()
+        return tensor
+
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        run()
+    return sum(seen.values())
+
+
+class _BlockRun:
+    """Forward and backward of one block on a fixed input (plus the loss for the last block)."""
+
+    def __init__(
+        self,
+        block: nn.Module,
+        x: torch.Tensor,
+        loss: Callable[[torch.Tensor], torch.Tensor] | None,
+    ) -> None:
+        self.block, self.x, self.loss = block, x, loss
+        self.params = [p for p in block.parameters() if p.requires_grad]
+        self.inputs = [x] if x.requires_grad else []
+        self.out: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None
+
+    def forward(self) -> None:
+        out = self.block(self.x)
+        self.out = out
+        self.value = self.loss(out) if self.loss is not None else out
+
+    def backward(self) -> None:
+        assert self.value is not None
+        wrt = self.inputs + self.params
+        if wrt and self.value.requires_grad:
+            torch.autograd.grad(self.value, wrt, grad_outputs=torch.ones_like(self.value))
+        self.value = None
+
+
+def _median_times(
+    run: _BlockRun, device: torch.device, warmup: int, repeats: int
+) -> tuple[float, float]:
+    forward, backward = [], []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        run.forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        run.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1)
+    return statistics.median(forward), statistics.median(backward)
+
+
+def profile_blocks(
+    model: BlockModel,
+    sample: tuple[torch.Tensor, torch.Tensor],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    optimizer_factor: int = 2,
+) -> list[BlockProfile]:
+    """Measure every block on one micro-batch ``sample = (inputs, targets)`` where it lives.
+
+    Block ``i`` runs on the output of block ``i - 1`` (detached, so each block is timed alone);
+    the last block's forward and backward include the loss, as on the last pipeline stage.
+    Times are medians over ``repeats`` after ``warmup`` runs. ``optimizer_factor`` is the
+    optimizer-state bytes per parameter byte (`optimizer_state_factor`: AdamW 2, SGD momentum 1,
+    plain SGD 0). Activation bytes are the distinct storages autograd saves, parameters and
+    buffers excluded, de-duplicated within a block (two adjacent blocks saving the same tensor
+    count it twice, which is right when a stage boundary falls between them).
+    """
+    if repeats < 1 or warmup < 0:
+        raise PartitionError(f"profile repeats = {repeats}, warmup = {warmup}: need >= 1 and >= 0")
+    inputs, targets = sample
+    device = inputs.device
+    static = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    static |= {t.untyped_storage().data_ptr() for t in model.buffers()}
+    profiles: list[BlockProfile] = []
+    x = inputs
+    with _restored(model, device):
+        for index, block in enumerate(model.blocks):
+            last = index == len(model.blocks) - 1
+            x_in = x.detach()
+            if x_in.is_floating_point():
+                x_in.requires_grad_(True)
+            loss: Callable[[torch.Tensor], torch.Tensor] | None = None
+            if last:
+
+                def loss(out: torch.Tensor) -> torch.Tensor:
+                    return model.loss(out, targets)
+
+            run = _BlockRun(block, x_in, loss)
+            activation = _saved_bytes(run.forward, static)
+            run.backward()
+            forward_s, backward_s = _median_times(run, device, warmup, repeats)
+            with torch.no_grad():
+                out = block(x_in)
+            params = [p for p in block.parameters()]
+            param_bytes = sum(_nbytes(p) for p in params)
+            trainable = sum(_nbytes(p) for p in params if p.requires_grad)
+            profiles.append(
+                BlockProfile(
+                    forward_s=forward_s,
+                    backward_s=backward_s,
+                    param_count=sum(p.numel() for p in params),
+                    param_bytes=param_bytes,
+                    grad_bytes=trainable,
+                    optimizer_bytes=optimizer_factor * trainable,
+                    activation_bytes=activation,
+                    input_bytes=_nbytes(x_in),
+                    output_bytes=_nbytes(out),
+                )
+            )
+            x = out
+    return profiles
+
+
+def profile_partition(
+    job: JobConfig,
+    model: BlockModel,
+    sample: tuple[torch.Tensor, torch.Tensor],
+    num_stages: int,
+) -> PartitionResult:
+    """Profile ``model`` on ``sample`` and search with the job's schedule and memory limit."""
+    profiles = profile_blocks(
+        model,
+        sample,
+        optimizer_factor=optimizer_state_factor(job.optim.name, job.optim.momentum),
+    )
+    limit_mb = job.pipeline.memory_limit_mb
+    return search_partition(
+        profiles,
+        num_stages,
+        schedule=job.pipeline.schedule,
+        num_microbatches=job.pipeline.microbatches,
+        memory_limit_bytes=limit_mb * _MIB if limit_mb > 0 else None,
+        recompute=job.parallel.recompute,
+    )
+
+
+def choose_partition(
+    job: JobConfig,
+    model: BlockModel,
+    sample: tuple[torch.Tensor, torch.Tensor],
+    num_stages: int,
+    *,
+    verbose: bool = False,
+) -> list[int]:
+    """Blocks per stage for ``job.pipeline.partition`` (``uniform``, ``auto`` or a list).
+
+    Collectives: none for ``uniform`` or an explicit list (pure functions of the config). For
+    ``auto`` it is a collective over the default process group, so every rank must call it
+    with the same ``num_stages``: global rank 0 profiles ``model`` on ``sample`` (one
+    micro-batch: per-replica batch / micro-batches rows) and searches, then broadcasts the
+    counts as an int64 tensor (and, if the search failed, its error message as bytes, so every
+    rank raises the same `PartitionError`). Timings differ between ranks, so letting each rank
+    search on its own could split the pipeline differently on different ranks. ``verbose``
+    prints the table (pass it on global rank 0 only).
+    """
+    num_blocks = model.num_blocks
+    setting = job.pipeline.partition
+    if isinstance(setting, list):
+        return check_counts(setting, num_blocks, num_stages)
+    if setting == "uniform":
+        return uniform_counts(num_blocks, num_stages)
+    uniform_counts(num_blocks, num_stages)  # more stages than blocks: fail the same way everywhere
+    counts: Sequence[int] | None = None
+    error = ""
+    if is_main_rank():
+        try:
+            result = profile_partition(job, model, sample, num_stages)
+            counts = result.counts
+            if verbose:
+                print(result.table(), flush=True)
+        except PartitionError as exc:
+            error = str(exc)
+    error = broadcast_text(error)
+    if error:
+        raise PartitionError(error)
+    return check_counts(broadcast_ints(counts, num_stages), num_blocks, num_stages)
