@@ -98,7 +98,7 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = option(300, "optimizer steps")
+    steps: int = option(1200, "optimizer steps")
     global_batch_size: int = option(32, "samples per optimizer step, summed over all replicas")
     grad_accum: int = option(1, "micro-steps per optimizer step (no all-reduce in between)")
     seed: int = option(0, "seed of the initial weights and of the batch order")
@@ -137,6 +137,11 @@ class ParallelConfig:
         "off", "sufficient-factor (late multiply) exchange for large linear layers"
     )
     recompute: bool = option(False, "recompute activations in backward instead of storing them")
+    tp_plan: list[str] = option(
+        [],
+        "tensor-parallel plan rows 'module.path.pattern=style' (colwise, colwise_gather, "
+        "rowwise, vocab); empty = the built-in plan of gpt / mlp",
+    )
 
     def __post_init__(self) -> None:
         _positive("parallel", "dp", self.dp, allow_zero=True)
@@ -150,6 +155,21 @@ class ParallelConfig:
             )
         if self.zero not in (0, 2, 3):
             raise ConfigError(f"parallel.zero = {self.zero!r}: expected one of 0, 2, 3")
+        if self.sufficient_factor != "off":
+            clash = {
+                "tp": self.tp > 1,
+                "pp": self.pp > 1,
+                "zero": self.zero > 0,
+                "sync": self.sync != "allreduce",
+                "grad_compression": self.grad_compression != "none",
+            }
+            bad = [k for k, v in clash.items() if v]
+            if bad:
+                raise ConfigError(
+                    f"parallel.sufficient_factor = {self.sufficient_factor!r} works with plain "
+                    f"data parallel only, but parallel.{bad[0]} = {getattr(self, bad[0])!r}: "
+                    "set --sufficient-factor off or drop that option"
+                )
 
 
 @dataclass
