@@ -102,7 +102,7 @@ class TrainConfig:
     global_batch_size: int = option(32, "samples per optimizer step, summed over all replicas")
     grad_accum: int = option(1, "micro-steps per optimizer step (no all-reduce in between)")
     seed: int = option(0, "seed of the initial weights and of the batch order")
-    eval_every: int = option(100, "validation loss every N steps (0 = only at the end)")
+    eval_every: int = option(200, "validation loss every N steps (0 = only at the end)")
     eval_batches: int = option(4, "batches in each validation")
     dtype: Literal["fp32", "bf16"] = option("fp32", "autocast compute dtype")
     device: Literal["auto", "cpu", "cuda"] = option("cpu", "device of each worker")
