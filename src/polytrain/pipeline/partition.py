@@ -436,10 +436,18 @@ def _raise_infeasible(
         fixes += ", --recompute"
     fixes += ", smaller micro-batches (more --microbatches) or a higher pipeline.memory_limit_mb"
     raise PartitionError(
-        f"no {num_stages}-stage partition fits pipeline.memory_limit_mb = {limit / _MIB:.1f}: "
-        f"even the leanest ({counts}) needs {result.stage_memory_bytes[stage] / _MIB:.1f} MiB "
+        f"no {num_stages}-stage partition fits pipeline.memory_limit_mb = {limit / _MIB:g} "
+        f"({_size(limit)}): even the leanest ({counts}) needs "
+        f"{_size(result.stage_memory_bytes[stage])} "
         f"on stage {stage} (blocks {first}-{last}); use {fixes}"
     )
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", _MIB * 1024), ("MiB", _MIB), ("KiB", 1024.0)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 def _check_stage_count(num_blocks: int, num_stages: int) -> None:
