@@ -267,6 +267,13 @@ def test_profile_blocks() -> None:
     # profiling leaves no trace: no .grad, same RNG stream
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(rng, torch.get_rng_state())
+    # the meta device (pre-launch) measures the same bytes without computing anything
+    with torch.device("meta"):
+        meta_model = tiny_model()
+    x, y = sample(4)
+    meta = profile_blocks(meta_model, (x.to("meta"), y.to("meta")), warmup=0, repeats=1)
+    for m, s in zip(meta, small, strict=True):
+        assert (m.activation_bytes, m.output_bytes) == (s.activation_bytes, s.output_bytes)
 
 
 def test_choose_partition_single_process() -> None:
@@ -284,3 +291,21 @@ def test_choose_partition_single_process() -> None:
     limited = small_job(pipeline={"partition": "auto", "memory_limit_mb": 0.01})
     with pytest.raises(PartitionError, match="no 2-stage partition fits"):
         choose_partition(limited, model, sample(8), 2)
+
+
+# -- pre-launch checks -----------------------------------------------------------------------
+
+
+def test_preflight_checks_explicit_and_auto_partitions() -> None:
+    from polytrain.trainer.preflight import preflight
+
+    two = {"parallel": {"pp": 2}, "launch": {"nproc": 2}}
+    preflight(small_job(**two, pipeline={"partition": [1, 3]}))  # mlp tiny: 4 blocks
+    with pytest.raises(PartitionError, match="sums to 5 but the model has 4 blocks"):
+        preflight(small_job(**two, pipeline={"partition": [2, 3]}))
+    with pytest.raises(PartitionError, match="has 3 stage"):
+        preflight(small_job(**two, pipeline={"partition": [1, 1, 2]}))
+    preflight(small_job(**two, pipeline={"partition": "auto", "memory_limit_mb": 64}))
+    # memory does not depend on timing: the meta-device profile finds that nothing fits
+    with pytest.raises(PartitionError, match="no 2-stage partition fits"):
+        preflight(small_job(**two, pipeline={"partition": "auto", "memory_limit_mb": 0.05}))

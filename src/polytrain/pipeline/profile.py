@@ -35,8 +35,9 @@ from polytrain.pipeline.partition import (
 
 if TYPE_CHECKING:
     from polytrain.config.job import JobConfig
+    from polytrain.data.datasets import Dataset
 
-__all__ = ["choose_partition", "profile_blocks", "profile_partition"]
+__all__ = ["check_partition", "choose_partition", "profile_blocks", "profile_partition"]
 
 _MIB = 1024.0 * 1024.0
 
@@ -64,15 +65,20 @@ def _restored(model: nn.Module, device: torch.device) -> Iterator[None]:
                     b.copy_(buffers[name])
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Identity of a tensor's storage, shared by its views; also on the meta device, where
+    every ``data_ptr`` is 0."""
+    return int(tensor.untyped_storage()._cdata)
+
+
 def _saved_bytes(run: Callable[[], object], exclude: set[int]) -> int:
     """Bytes of the distinct storages autograd saves for backward while ``run`` executes."""
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in exclude and ptr not in seen:
-            seen[ptr] = storage.nbytes()
+        key = _storage_key(tensor)
+        if key not in exclude and key not in seen:
+            seen[key] = tensor.untyped_storage().nbytes()
         return tensor
 
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -152,8 +158,8 @@ def profile_blocks(
         raise PartitionError(f"profile repeats = {repeats}, warmup = {warmup}: need >= 1 and >= 0")
     inputs, targets = sample
     device = inputs.device
-    static = {t.untyped_storage().data_ptr() for t in model.parameters()}
-    static |= {t.untyped_storage().data_ptr() for t in model.buffers()}
+    static = {_storage_key(t) for t in model.parameters()}
+    static |= {_storage_key(t) for t in model.buffers()}
     profiles: list[BlockProfile] = []
     x = inputs
     with _restored(model, device):
@@ -206,6 +212,10 @@ def profile_partition(
         sample,
         optimizer_factor=optimizer_state_factor(job.optim.name, job.optim.momentum),
     )
+    return _search(job, profiles, num_stages)
+
+
+def _search(job: JobConfig, profiles: list[BlockProfile], num_stages: int) -> PartitionResult:
     limit_mb = job.pipeline.memory_limit_mb
     return search_partition(
         profiles,
@@ -257,3 +267,35 @@ def choose_partition(
     if error:
         raise PartitionError(error)
     return check_counts(broadcast_ints(counts, num_stages), num_blocks, num_stages)
+
+
+def check_partition(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
+    """Pre-launch partition checks (no collectives, no timing): an explicit list must fit the
+    model and ``parallel.pp``; ``auto`` with a memory limit must have a partition that fits.
+
+    Memory does not depend on timings, so the second check profiles ``model`` where it lives,
+    typically the meta device (shapes only, no arithmetic), on one micro-batch from
+    ``dataset``. A model that cannot run on meta skips it; the workers check again.
+    """
+    setting, num_stages = job.pipeline.partition, job.parallel.pp
+    if isinstance(setting, list):
+        check_counts(setting, model.num_blocks, num_stages)
+        return
+    if setting != "auto" or job.pipeline.memory_limit_mb <= 0 or num_stages < 2:
+        return
+    p, t = job.parallel, job.train
+    rows = t.global_batch_size // (p.dp * t.grad_accum * job.pipeline.microbatches)
+    device = next(model.parameters()).device
+    inputs, targets = dataset.get(torch.arange(min(rows, len(dataset))))
+    sample = (inputs.to(device), targets.to(device))
+    try:
+        profiles = profile_blocks(
+            model,
+            sample,
+            warmup=0,
+            repeats=1,
+            optimizer_factor=optimizer_state_factor(job.optim.name, job.optim.momentum),
+        )
+    except (NotImplementedError, RuntimeError):
+        return
+    _search(job, profiles, num_stages)

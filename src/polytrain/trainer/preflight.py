@@ -15,6 +15,7 @@ from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, PartitionError
 from polytrain.models.base import BlockModel
 from polytrain.models.registry import block_size_of, build_model
+from polytrain.pipeline.profile import check_partition
 
 __all__ = ["preflight"]
 
@@ -26,7 +27,7 @@ def preflight(job: JobConfig) -> BlockModel:
             f"--save-final {job.checkpoint.save_final!r} already exists: choose another path "
             "or remove the file"
         )
-    _, _, spec = build_datasets(job.data, block_size_of(job.model))
+    train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
     with torch.device("meta"):
         model = build_model(job.model, spec, job.train.seed)
     if job.parallel.pp > model.num_blocks:
@@ -34,4 +35,5 @@ def preflight(job: JobConfig) -> BlockModel:
             f"parallel.pp = {job.parallel.pp} stages but the model has only {model.num_blocks} "
             f"blocks: use at most {model.num_blocks} stages or a deeper model"
         )
+    check_partition(job, model, train_data)
     return model
