@@ -6,16 +6,17 @@ reaches every field. The job is validated here, before any process starts, then 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
+import tomli_w
 import typer
 
-from polytrain.config.io import job_from_dict, load_job, merge, parse_override, save_job
+from polytrain.api import prepare, run
+from polytrain.config.base import to_dict
+from polytrain.config.io import job_from_dict, load_job, merge, parse_override
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
-from polytrain.trainer.preflight import preflight
 
 __all__ = ["resolve_job", "train_command"]
 
@@ -93,24 +94,6 @@ def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]
     return job_from_dict(data)
 
 
-def _run_dir(job: JobConfig) -> Path:
-    if job.observe.out_dir:
-        run_dir = Path(job.observe.out_dir)
-        if (run_dir / "metrics.jsonl").exists() and not job.checkpoint.resume:
-            raise ConfigError(
-                f"observe.out_dir = {str(run_dir)!r} already holds a run: choose another "
-                "--out-dir, or pass --resume to continue it"
-            )
-        return run_dir
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path("runs") / stamp
-    suffix = 1
-    while run_dir.exists():
-        run_dir = Path("runs") / f"{stamp}-{suffix}"
-        suffix += 1
-    return run_dir
-
-
 def train_command(
     config: Annotated[Path | None, typer.Option(help="TOML job file")] = None,
     model: Annotated[str | None, typer.Option(help="gpt, mlp or package.module:factory")] = None,
@@ -163,23 +146,12 @@ def train_command(
 ) -> None:
     """Train a model; with no arguments, the default job (gpt tiny, 2 CPU workers, DP)."""
     flags = {name: value for name, value in locals().items() if name in FLAG_FIELDS}
-    job = resolve_job(config, flags, set_ or [])
-    preflight(job)
-    run_dir = _run_dir(job)
-    job.observe.out_dir = str(run_dir)
+    job = prepare(resolve_job(config, flags, set_ or []))
     if dry_run:
-        import tomli_w
-
-        from polytrain.config.base import to_dict
-
         typer.echo(tomli_w.dumps(to_dict(job)))
         return
-    from polytrain.launch.local import launch
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    job_path = run_dir / ("job.toml" if not job.checkpoint.resume else f"job-{time.time_ns()}.toml")
-    save_job(job, job_path)
     typer.echo(
-        f"polytrain: {job.launch.nproc} worker(s), {job.world_size} rank(s), run dir {run_dir}"
+        f"polytrain: {job.launch.nproc} worker(s) on this node, {job.world_size} rank(s) in "
+        f"all, run dir {job.observe.out_dir}"
     )
-    launch(job, job_path, run_dir)
+    run(job)

@@ -1,0 +1,5 @@
+"""``python -m polytrain``: the same as the ``polytrain`` command."""
+
+from polytrain.cli.app import main
+
+main()
