@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 import polytrain
 from polytrain.comm.collectives import barrier
 from polytrain.comm.init import DistContext, init_distributed
+from polytrain.comm.watchdog import Watchdog
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
@@ -28,6 +29,7 @@ from polytrain.observe.metrics import MetricsWriter, peak_memory_mb
 from polytrain.observe.mfu import flops_per_sample, peak_flops
 from polytrain.observe.trace import merge_traces
 from polytrain.trainer.build import build_strategy
+from polytrain.trainer.checkpoint import Checkpointer, check_same_job, restart_count
 from polytrain.trainer.export import save_weights
 from polytrain.trainer.optim import lr_at
 
@@ -43,6 +45,7 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     state_dict: dict[str, torch.Tensor] | None = None  # rank 0 only
     sample: str = ""
+    start_step: int = 0  # > 0 when resumed from a checkpoint
 
 
 def _progress(console: Console, enabled: bool) -> Progress:
@@ -63,12 +66,22 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     ctx = ctx or init_distributed(
         device=job.train.device, backend=job.launch.backend, timeout_s=job.launch.timeout_s
     )
+    watchdog = Watchdog(job.launch.timeout_s)
+    with watchdog.guard("the start-up check that all ranks run the same job"):
+        check_same_job(job, ctx.world_size)
     block_size = block_size_of(job.model)
     train_set, val_set, spec = build_datasets(job.data, block_size)
     batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
     model = build_model(job.model, spec, job.train.seed)
     sample_model = build_model(job.model, spec, job.train.seed) if ctx.is_main else None
     strategy = build_strategy(job, ctx, model, batches)
+    checkpointer = None
+    start = 0
+    if job.checkpoint.dir:
+        checkpointer = Checkpointer(job, strategy, ctx.rank, ctx.world_size)
+        if job.checkpoint.resume or restart_count() > 0:
+            with watchdog.guard("restoring the newest checkpoint"):
+                start = checkpointer.restore()
 
     out_dir = Path(job.observe.out_dir) if job.observe.out_dir else None
     metrics = MetricsWriter(out_dir / "metrics.jsonl" if out_dir and ctx.is_main else None)
@@ -82,12 +95,14 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     loss = val_loss = float("nan")
     steps = job.train.steps
     show = ctx.is_main and job.observe.progress
-    with _progress(console, show) as progress:
-        task = progress.add_task(strategy.name, total=steps, loss="-", speed="")
-        for step in range(steps):
+    with _progress(console, show) as progress, Checkpointer.guard(checkpointer):
+        task = progress.add_task(strategy.name, total=steps, loss="-", speed="", completed=start)
+        for step in range(start, steps):
             strategy.set_lr(lr_at(step, job.optim, steps))
+            watchdog.check_in(step)
             t0 = time.perf_counter()
-            out = strategy.train_step(step)
+            with watchdog.guard(f"train step {step + 1} of {strategy.name}"):
+                out = strategy.train_step(step)
             step_time = time.perf_counter() - t0
             loss = out.loss
             record: dict[str, Any] = {
@@ -107,7 +122,8 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             last = step + 1 == steps
             every = job.train.eval_every
             if last or (every and (step + 1) % every == 0):
-                val_loss = strategy.evaluate(job.train.eval_batches)
+                with watchdog.guard(f"the evaluation after step {step + 1}"):
+                    val_loss = strategy.evaluate(job.train.eval_batches)
                 record["val_loss"] = val_loss
             if last or (step + 1) % job.observe.log_every == 0 or "val_loss" in record:
                 record["memory_mb"] = peak_memory_mb(ctx.device)
@@ -119,6 +135,9 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
                 else f"{record['samples_per_s']:.0f} samples/s"
             )
             progress.update(task, advance=1, loss=f"{loss:.4f}", speed=speed)
+            if checkpointer is not None and checkpointer.due(step + 1):
+                with watchdog.guard(f"the checkpoint save after step {step + 1}"):
+                    checkpointer.save(step + 1)
 
     if job.observe.trace:
         strategy.tracer.write_part(job.observe.trace)
@@ -126,7 +145,7 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
         if ctx.is_main:
             merge_traces(job.observe.trace, ctx.world_size)
     state = strategy.full_state_dict()
-    result = TrainResult(steps, loss, val_loss, strategy.name, history)
+    result = TrainResult(steps, loss, val_loss, strategy.name, history, start_step=start)
     if ctx.is_main:
         result.state_dict = state
         if job.checkpoint.save_final:

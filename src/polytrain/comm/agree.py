@@ -1,0 +1,55 @@
+"""Tensor-only agreement between ranks: gather small integer lists, find the ranks that differ.
+
+The c10d object collectives (``all_gather_object``, ``broadcast_object_list``) pickle their
+payload over the network; these helpers move int64 tensors only, so a peer can send nothing but
+numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_ints", "broadcast_int", "differing_ranks", "fingerprint"]
+
+
+def fingerprint(text: str) -> int:
+    """A signed 63-bit digest of ``text`` (sha256), small enough for an int64 tensor."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_gather_ints(values: list[int]) -> list[list[int]]:
+    """Every rank's list of ints, in rank order (lists may differ in length)."""
+    if _world() == 1:
+        return [list(values)]
+    world = _world()
+    length = torch.tensor([len(values)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.int64)
+    padded[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    gathered = [torch.zeros(longest, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return [g[: int(n)].tolist() for g, n in zip(gathered, lengths, strict=True)]
+
+
+def differing_ranks(value: int) -> list[int]:
+    """Ranks whose ``value`` differs from rank 0's (the same list on every rank)."""
+    gathered = all_gather_ints([value])
+    return [rank for rank, v in enumerate(gathered) if v != gathered[0]]
+
+
+def broadcast_int(value: int, src: int = 0) -> int:
+    """Rank ``src``'s ``value`` on every rank."""
+    if _world() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(t, src=src)
+    return int(t.item())
