@@ -59,3 +59,10 @@ def test_bf16_gradient_compression_stays_close() -> None:
     assert_state_close(out["state"], ref["state"], atol=2e-3)
     with pytest.raises(AssertionError):
         assert_state_close(out["state"], ref["state"], atol=1e-9)
+
+
+def test_bf16_autocast_stays_close_to_fp32() -> None:
+    ref = reference("mlp")
+    out = run_job(small_job(train={"dtype": "bf16"}, launch={"nproc": 2}))
+    assert out["losses"] == pytest.approx(ref["losses"], abs=0.05)
+    assert out["losses"] != ref["losses"]  # autocast really ran in bf16

@@ -32,15 +32,35 @@ def polytrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Complet
 
 def test_mlp_layouts_agree_to_fp32_roundoff(tmp_path: Path) -> None:
     """The issue's acceptance check: nproc 1, dp 2 and dp 2 + ZeRO-3 give the same weights."""
-    common = ["train", "--model", "mlp", "--steps", "20", "--seed", "1", "--optimizer", "sgd",
-              "--no-progress"]
-    layouts = {"single": ["--nproc", "1"], "dp2": ["--nproc", "2", "--dp", "2"],
-               "zero3": ["--nproc", "2", "--dp", "2", "--zero", "3"]}
+    common = [
+        "train",
+        "--model",
+        "mlp",
+        "--steps",
+        "20",
+        "--seed",
+        "1",
+        "--optimizer",
+        "sgd",
+        "--no-progress",
+    ]
+    layouts = {
+        "single": ["--nproc", "1"],
+        "dp2": ["--nproc", "2", "--dp", "2"],
+        "zero3": ["--nproc", "2", "--dp", "2", "--zero", "3"],
+    }
     weights = {}
     for name, extra in layouts.items():
         out = tmp_path / f"{name}.safetensors"
-        proc = polytrain(*common, *extra, "--save-final", str(out), "--out-dir",
-                         str(tmp_path / name), cwd=tmp_path)
+        proc = polytrain(
+            *common,
+            *extra,
+            "--save-final",
+            str(out),
+            "--out-dir",
+            str(tmp_path / name),
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr
         weights[name] = load_file(str(out))
         metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
@@ -51,8 +71,17 @@ def test_mlp_layouts_agree_to_fp32_roundoff(tmp_path: Path) -> None:
 
 
 def test_gpt_run_prints_sample_and_metrics_path(tmp_path: Path) -> None:
-    proc = polytrain("train", "--steps", "8", "--eval-every", "4", "--set", "model.n_layer=1",
-                     "--no-progress", cwd=tmp_path)
+    proc = polytrain(
+        "train",
+        "--steps",
+        "8",
+        "--eval-every",
+        "4",
+        "--set",
+        "model.n_layer=1",
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "sample:" in proc.stdout and "metrics: runs/" in proc.stdout
     run_dir = next((tmp_path / "runs").iterdir())
@@ -64,16 +93,102 @@ def test_gpt_run_prints_sample_and_metrics_path(tmp_path: Path) -> None:
 
 
 def test_user_factory_model_trains(tmp_path: Path) -> None:
-    proc = polytrain("train", "--model", "tests.helpers.models:sequential", "--steps", "5",
-                     "--set", "model.block_size=8", "--no-progress", cwd=tmp_path)
+    proc = polytrain(
+        "train",
+        "--model",
+        "tests.helpers.models:sequential",
+        "--steps",
+        "5",
+        "--set",
+        "model.block_size=8",
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "final loss" in proc.stdout
 
 
 def test_failed_worker_is_one_line_naming_the_rank(tmp_path: Path) -> None:
-    proc = polytrain("train", "--model", "tests.helpers.models:exploding", "--steps", "3",
-                     "--no-progress", cwd=tmp_path)
+    proc = polytrain(
+        "train",
+        "--model",
+        "tests.helpers.models:exploding",
+        "--steps",
+        "3",
+        "--no-progress",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.strip().splitlines() if line]
     assert len(lines) == 1, proc.stderr
-    assert "worker rank" in lines[0] and "RuntimeError: the user model cannot run forward" in lines[0]
+    assert (
+        "worker rank" in lines[0] and "RuntimeError: the user model cannot run forward" in lines[0]
+    )
+
+
+def test_two_nodes_on_loopback(tmp_path: Path) -> None:
+    """--nnodes/--node-rank/--rdzv-endpoint mean what they mean for torchrun."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = [
+        "train",
+        "--model",
+        "mlp",
+        "--steps",
+        "5",
+        "--nnodes",
+        "2",
+        "--nproc",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--no-progress",
+        "--optimizer",
+        "sgd",
+        "--seed",
+        "1",
+        "--save-final",
+        "two_nodes.safetensors",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Whichever node's worker becomes global rank 0 writes the weights.
+    node0 = subprocess.Popen(
+        [sys.executable, "-m", "polytrain.cli.app", *common, "--node-rank", "0", "--out-dir", "n0"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        node1 = polytrain(*common, "--node-rank", "1", "--out-dir", "n1", cwd=tmp_path)
+        out0, err0 = node0.communicate(timeout=120)
+    finally:
+        node0.kill()
+    assert node1.returncode == 0 and node0.returncode == 0, err0 + node1.stderr
+    single = polytrain(
+        "train",
+        "--model",
+        "mlp",
+        "--steps",
+        "5",
+        "--nproc",
+        "1",
+        "--seed",
+        "1",
+        "--optimizer",
+        "sgd",
+        "--no-progress",
+        "--save-final",
+        "one.safetensors",
+        cwd=tmp_path,
+    )
+    assert single.returncode == 0, single.stderr
+    assert (tmp_path / "n0" / "metrics.jsonl").exists() != (
+        tmp_path / "n1" / "metrics.jsonl"
+    ).exists()
+    two = load_file(str(tmp_path / "two_nodes.safetensors"))
+    assert max_abs_diff(two, load_file(str(tmp_path / "one.safetensors"))) <= 1e-5
