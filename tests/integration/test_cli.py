@@ -165,7 +165,7 @@ def test_two_nodes_on_loopback(tmp_path: Path) -> None:
     )
     try:
         node1 = polytrain(*common, "--node-rank", "1", "--out-dir", "n1", cwd=tmp_path)
-        out0, err0 = node0.communicate(timeout=120)
+        _, err0 = node0.communicate(timeout=120)
     finally:
         node0.kill()
     assert node1.returncode == 0 and node0.returncode == 0, err0 + node1.stderr
