@@ -202,13 +202,36 @@ class PSConfig:
     staleness: int = option(0, "ssp: how many clocks a worker may run ahead of the slowest")
     hierarchical: bool = option(False, "reduce within a host first; one worker per host talks")
     chunk_kb: int = option(256, "chunk size of pipelined pushes and pulls in KiB")
+    ranks_per_host: int = option(
+        0, "hierarchical: worker ranks per host (0 = LOCAL_WORLD_SIZE, else launch.nproc)"
+    )
+    worker_timeout_s: float = option(
+        300.0, "async/ssp: a worker silent this long is dropped (a closed connection at once)"
+    )
+    spare_workers: int = option(
+        0, "async/ssp: the last N worker ranks join the running job after join_delay_s"
+    )
+    join_delay_s: float = option(2.0, "seconds a spare worker waits before it joins")
+    straggler_delay_s: float = option(
+        0.0, "fault injection (benchmarks): the last worker sleeps this long every step"
+    )
 
     def __post_init__(self) -> None:
+        from polytrain.ps.consistency import check_consistency  # pure, no torch
+
         _positive("ps", "servers", self.servers)
         _positive("ps", "chunk_kb", self.chunk_kb)
-        if self.staleness < 0:
+        _positive("ps", "ranks_per_host", self.ranks_per_host, allow_zero=True)
+        _positive("ps", "worker_timeout_s", self.worker_timeout_s)
+        _positive("ps", "spare_workers", self.spare_workers, allow_zero=True)
+        _positive("ps", "join_delay_s", self.join_delay_s, allow_zero=True)
+        _positive("ps", "straggler_delay_s", self.straggler_delay_s, allow_zero=True)
+        check_consistency(self.mode, self.staleness)
+        if self.spare_workers and (self.mode == "sync" or self.hierarchical):
             raise ConfigError(
-                f"ps.staleness = {self.staleness}: expected a non-negative number of clocks"
+                f"ps.spare_workers = {self.spare_workers}: joining workers need ps.mode = "
+                f"'async' or 'ssp' without ps.hierarchical (got mode {self.mode!r}, "
+                f"hierarchical {self.hierarchical}); set ps.spare_workers = 0"
             )
 
 
@@ -303,6 +326,11 @@ class JobConfig:
             raise ConfigError(
                 f"ps.servers = {self.ps.servers} leaves no worker among {self.world_size} "
                 f"ranks: use at most {self.world_size - 1} servers or launch more processes"
+            )
+        if self.parallel.sync == "ps" and self.ps.spare_workers >= trainers:
+            raise ConfigError(
+                f"ps.spare_workers = {self.ps.spare_workers} leaves no worker to start the job "
+                f"among {trainers} workers: use at most {trainers - 1} spare workers"
             )
         model_ranks = p.tp * p.pp
         if p.dp == 0:

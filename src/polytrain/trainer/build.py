@@ -15,6 +15,7 @@ from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.parallel.data_parallel import apply_data_parallel
 from polytrain.parallel.recompute import apply_recompute
+from polytrain.parallel.tensor_parallel import apply_tensor_parallel
 from polytrain.parallel.zero import apply_zero
 from polytrain.topology import ParallelDims
 from polytrain.trainer.strategy import SPMDStrategy, Strategy
@@ -29,8 +30,15 @@ def build_strategy(
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, world_size=ctx.world_size)
     mesh = build_mesh(dims, ctx.device.type)
     model = model.to(ctx.device)
+    if p.pp > 1:  # the pipeline runtime owns its stages, recomputation and dp all-reduce
+        from polytrain.pipeline.strategy import PipelineStrategy
+
+        return PipelineStrategy(job, model, mesh, batches, ctx.device)
     name = f"dp{p.dp}"
     wrapped: torch.nn.Module = model
+    if p.tp > 1:
+        apply_tensor_parallel(model, mesh.sub("tp"), job.model.name, p.tp_plan)
+        name = f"dp{p.dp}-tp{p.tp}"
     if p.recompute:
         apply_recompute(model)
     if p.zero:

@@ -26,6 +26,7 @@ from polytrain.data.sampler import Batches
 from polytrain.errors import PolytrainError
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
+from polytrain.parallel.grad_norm import clip_grad_norm_
 from polytrain.trainer.optim import build_optimizer
 
 __all__ = ["NonFiniteLossError", "SPMDStrategy", "StepOutput", "Strategy"]
@@ -130,7 +131,7 @@ class SPMDStrategy:
         if not math.isfinite(value):
             return self._nonfinite(step, value)
         if self.job.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip)
+            clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip)
         self.optimizer.step()
         return StepOutput(loss=value)
 
