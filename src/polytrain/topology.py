@@ -86,9 +86,7 @@ class ParallelDims:
         """The ranks that share every coordinate with ``rank`` except along ``axis``."""
         self._check_axis(axis)
         coords = self.coords(rank)
-        return [
-            self.rank_of(**{**coords, axis: i}) for i in range(int(getattr(self, axis)))
-        ]
+        return [self.rank_of(**{**coords, axis: i}) for i in range(int(getattr(self, axis)))]
 
     def all_groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``, each a list of ranks, in rank order of their first member."""
