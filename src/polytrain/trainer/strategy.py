@@ -27,6 +27,7 @@ from polytrain.errors import PolytrainError
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.grad_norm import clip_grad_norm_
+from polytrain.trainer.health import nonfinite_flag
 from polytrain.trainer.optim import build_optimizer
 
 __all__ = ["NonFiniteLossError", "SPMDStrategy", "StepOutput", "Strategy"]
@@ -127,21 +128,29 @@ class SPMDStrategy:
                 with self.tracer.span("backward", microbatch=micro, step=step):
                     loss.backward()
             total += loss.detach()
-        value = float(all_reduce_mean(total, self.mesh.group("dp")))
-        if not math.isfinite(value):
-            return self._nonfinite(step, value)
+        # The loss and a NaN/Inf-gradient flag share the one all-reduce (issue 6).
+        stats = torch.stack([total, nonfinite_flag(self.model.parameters(), self.device)])
+        all_reduce_mean(stats, self.mesh.group("dp"))
+        if self.mesh.dims.tp > 1:  # tensor-parallel peers hold different gradient shards
+            all_reduce_mean(stats, self.mesh.group("tp"))
+        value, bad_grad = float(stats[0]), float(stats[1]) > 0
+        if not math.isfinite(value) or bad_grad:
+            return self._nonfinite(step, value, bad_grad)
         if self.job.optim.grad_clip > 0:
             clip_grad_norm_(self.model.parameters(), self.job.optim.grad_clip)
         self.optimizer.step()
         return StepOutput(loss=value)
 
-    def _nonfinite(self, step: int, value: float) -> StepOutput:
-        # Every rank holds the same all-reduced loss, so every rank takes the same branch.
+    def _nonfinite(self, step: int, value: float, bad_grad: bool = False) -> StepOutput:
+        # Every rank holds the same all-reduced loss and flag, so every rank takes the same branch.
         self.optimizer.zero_grad(set_to_none=True)
         if self.job.train.on_nonfinite == "skip":
             return StepOutput(loss=value, skipped=True)
+        what = f"loss is {value}"
+        if bad_grad and math.isfinite(value):
+            what = f"a gradient is NaN/Inf (loss {value:.4g})"
         raise NonFiniteLossError(
-            f"loss is {value} at step {step}: lower optim.lr, enable optim.grad_clip, or set "
+            f"{what} at step {step + 1}: lower optim.lr, enable optim.grad_clip, or set "
             "train.on_nonfinite = 'skip'"
         )
 
