@@ -155,6 +155,12 @@ class ParallelConfig:
             )
         if self.zero not in (0, 2, 3):
             raise ConfigError(f"parallel.zero = {self.zero!r}: expected one of 0, 2, 3")
+        if self.tp > 1 and self.grad_compression != "none":
+            raise ConfigError(
+                f"parallel.grad_compression = {self.grad_compression!r} is a DDP hook, and a "
+                f"tensor-parallel model (parallel.tp = {self.tp}) is replicated without DDP: "
+                "set --grad-compression none"
+            )
         if self.sufficient_factor != "off":
             clash = {
                 "tp": self.tp > 1,

@@ -15,6 +15,7 @@ from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.parallel.data_parallel import apply_data_parallel
 from polytrain.parallel.recompute import apply_recompute
+from polytrain.parallel.replicate import apply_replicate
 from polytrain.parallel.tensor_parallel import apply_tensor_parallel
 from polytrain.parallel.zero import apply_zero
 from polytrain.topology import ParallelDims
@@ -38,12 +39,15 @@ def build_strategy(
     wrapped: torch.nn.Module = model
     if p.tp > 1:
         apply_tensor_parallel(model, mesh.sub("tp"), job.model.name, p.tp_plan)
-        name = f"dp{p.dp}-tp{p.tp}"
+        name = f"tp{p.tp}"
     if p.recompute:
         apply_recompute(model)
     if p.zero:
         wrapped = apply_zero(model, mesh, p)  # type: ignore[assignment]  # FSDPModule is an nn.Module
-        name = f"zero{p.zero}-dp{p.dp}"
+        name = f"zero{p.zero}-dp{p.dp}" + (f"-tp{p.tp}" if p.tp > 1 else "")
+    elif p.dp > 1 and p.tp > 1:
+        wrapped = apply_replicate(model, mesh)  # type: ignore[assignment]  # an nn.Module
+        name = f"replicate-dp{p.dp}-tp{p.tp}"
     elif p.dp > 1:
         wrapped = apply_data_parallel(model, mesh, p)
         name = f"ddp-dp{p.dp}"

@@ -1,0 +1,30 @@
+"""Data parallelism for a tensor-parallel model: replicas over ``dp``, shards over ``tp``.
+
+DDP cannot take DTensor parameters (its bucket flattening mixes DTensor and plain tensors), so a
+model split by `tensor_parallel` is replicated with torch's FSDP2-based ``replicate``: the same
+per-block structure as `zero` (one gradient all-reduce per block, issued as soon as backward has
+produced that block's gradients, overlapping the rest of backward), with parameters kept whole
+on every ``dp`` rank. The ``tp`` placements are preserved: each parameter becomes a DTensor on
+the 2-D ``(dp, tp)`` mesh, ``(Replicate(), Shard(i))``, and the all-reduce runs over the ``dp``
+group of each tp shard. ``replicate`` lives in ``torch.distributed._composable`` (not yet a
+public API); the parity tests pin its behaviour.
+"""
+
+from __future__ import annotations
+
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import FSDPModule
+
+from polytrain.comm.mesh import Mesh
+from polytrain.models.base import BlockModel
+
+__all__ = ["apply_replicate"]
+
+
+def apply_replicate(module: BlockModel, mesh: Mesh) -> FSDPModule:
+    """Replicate every block with parameters, then the root, over the ``dp`` axis."""
+    dp_mesh = mesh.sub("dp")
+    for block in module.blocks:
+        if any(p.requires_grad for p in block.parameters()):
+            replicate(block, mesh=dp_mesh)
+    return replicate(module, mesh=dp_mesh)
