@@ -116,11 +116,11 @@ def test_exact_resume_same_layout(root: str) -> None:
 
 @pytest.mark.parametrize(
     ("nproc", "parallel"),
-    [(1, {}), (2, {"zero": 3})],
-    ids=["dp1", "zero3-dp2"],
+    [(1, {}), (2, {"zero": 3}), (2, {"tp": 2})],
+    ids=["dp1", "zero3-dp2", "tp2"],
 )
 def test_resume_under_another_layout(root: str, nproc: int, parallel: dict[str, Any]) -> None:
-    ckpt = stopped_at_step_3(root, f"layout-{nproc}-{parallel.get('zero', 0)}")
+    ckpt = stopped_at_step_3(root, "layout-" + "-".join(f"{k}{v}" for k, v in parallel.items()))
     resumed = run(job(ckpt, nproc=nproc, parallel=parallel, resume=True))
     assert resumed["start"] == SAVED
     ref = single_process()
@@ -143,3 +143,13 @@ def test_corrupt_checkpoint_is_refused_and_the_previous_used(root: str) -> None:
     full = uninterrupted(root)
     for name, expected in full["state"].items():
         assert torch.equal(resumed["state"][name], expected), name
+
+
+def test_sharded_save_resumes_under_another_sharding(root: str) -> None:
+    """Saved from tensor-parallel shards (DTensor), resumed as FSDP2 (ZeRO-3) shards."""
+    ckpt = Path(root) / "from-tp2"
+    run(job(ckpt, parallel={"tp": 2}))
+    shutil.rmtree(step_dir(ckpt, STEPS))
+    resumed = run(job(ckpt, parallel={"zero": 3}, resume=True))
+    assert resumed["start"] == SAVED
+    assert_state_close(resumed["state"], single_process()["state"], atol=1e-5)
