@@ -28,6 +28,10 @@ def build_strategy(
     job: JobConfig, ctx: DistContext, model: BlockModel, batches: Batches
 ) -> Strategy:
     p = job.parallel
+    if p.sync == "ps":  # dedicated server ranks, no SPMD mesh (polytrain.ps.strategy)
+        from polytrain.ps.strategy import PSStrategy
+
+        return PSStrategy(job, ctx.rank, ctx.world_size, model, batches)
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, world_size=ctx.world_size)
     mesh = build_mesh(dims, ctx.device.type)
     model = model.to(ctx.device)

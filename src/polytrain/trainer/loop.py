@@ -119,6 +119,7 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
                 record["mfu"] = flops * samples_per_step / step_time / (peak * ctx.world_size)
             if out.skipped:
                 record["skipped"] = True
+            record.update(out.metrics)
             last = step + 1 == steps
             every = job.train.eval_every
             if last or (every and (step + 1) % every == 0):
@@ -158,7 +159,10 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             )
             result.sample = spec.decode(ids[0, 1:].tolist())
     metrics.close()
-    barrier()
+    # A parameter-server run in async/ssp survives dead workers, so it ends without a world
+    # collective ([Note: no world collectives] in polytrain.ps.strategy).
+    if getattr(strategy, "world_collectives", True):
+        barrier()
     return result
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -41,6 +41,7 @@ class NonFiniteLossError(PolytrainError):
 class StepOutput:
     loss: float  # mean loss over the global batch (the same value on every rank)
     skipped: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)  # extra fields for the record
 
 
 class Strategy(Protocol):

@@ -1,0 +1,189 @@
+"""The parameter server's c10d point-to-point calls: header + payload messages on fixed tags.
+
+Everything the parameter server sends goes through here (ARCHITECTURE layering: only comm/
+calls c10d). A message is an encoded `polytrain.ps.protocol.Header` (int64) on a header tag,
+followed for payload ops by one flat tensor on the matching payload tag. Tags keep the two
+apart, so a server can wait for the next header from *any* worker while a payload is still on
+its way from another (``recv_header_any``), and payloads always match their header: messages
+between two ranks on one tag arrive in the order they were posted.
+
+[Note: no timeouts on gloo waits] A gloo ``wait(timeout)`` that expires leaves its receive
+posted (it later swallows a message meant for someone else) and closes the pair it waited on.
+So nothing here waits with a timeout. Liveness is learnt from the transport instead: a peer
+whose process died has a closed connection, and posting a receive from it fails at once
+(`peer_is_gone`); a receive from a live peer on the probe tag, which nobody sends on, just stays
+posted. Every failure of an operation with a known peer is raised as `PeerLost` naming it.
+
+[Note: payload guard] Gloo cannot tell a receiver how long a message was: a shorter message
+fills the front of the buffer silently, and a longer one aborts the receiving process inside
+gloo. Payloads are therefore received into a buffer one element longer than the header
+announced, whose last announced element and guard element are pre-filled with a NaN bit
+pattern no sane sender produces: a short payload leaves the last element unwritten, a payload
+one element too long overwrites the guard; `check_guarded` turns either into a `ProtocolError`
+before anything is applied. A payload two or more elements longer than announced still aborts
+the receiver in gloo (documented limit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from polytrain.errors import ProtocolError
+
+__all__ = [
+    "TAG_PARAMS",
+    "TAG_PROBE",
+    "TAG_PUSH",
+    "TAG_REPLY",
+    "TAG_REQUEST",
+    "PeerLost",
+    "all_reduce_sum",
+    "broadcast",
+    "check_guarded",
+    "guarded_buffer",
+    "new_group",
+    "peer_is_gone",
+    "post_recv",
+    "post_send",
+    "recv_header_any",
+    "wait_all",
+]
+
+TAG_REQUEST = 11
+"""Worker -> server headers (PULL, PUSH, CLOCK, JOIN, LEAVE, SHUTDOWN)."""
+TAG_PUSH = 12
+"""Worker -> server payloads (gradient chunks)."""
+TAG_REPLY = 13
+"""Server -> worker headers (ACK, PARAMS, SHUTDOWN, ERROR)."""
+TAG_PARAMS = 14
+"""Server -> worker payloads (parameter chunks)."""
+TAG_PROBE = 15
+"""Never sent on: a receive posted here fails at once if and only if the peer is gone."""
+
+
+class PeerLost(RuntimeError):
+    """A point-to-point operation with ``peer`` failed: its process died or its link broke."""
+
+    def __init__(self, peer: int, detail: str) -> None:
+        super().__init__(f"lost rank {peer}: {detail.splitlines()[0] if detail else ''}")
+        self.peer = peer
+
+
+class _Op:
+    """A posted send or receive with its peer, so a failure names the peer."""
+
+    def __init__(self, work: dist.Work | None, peer: int, keep: torch.Tensor) -> None:
+        self.work, self.peer, self.keep = work, peer, keep
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise PeerLost(self.peer, str(exc)) from None
+
+
+def post_send(tensor: torch.Tensor, dst: int, tag: int) -> _Op:
+    """Start sending ``tensor`` to ``dst`` on ``tag``; keep the result until `wait_all`."""
+    try:
+        return _Op(dist.isend(tensor, dst=dst, tag=tag), dst, tensor)
+    except RuntimeError as exc:
+        raise PeerLost(dst, str(exc)) from None
+
+
+def post_recv(tensor: torch.Tensor, src: int, tag: int) -> _Op:
+    """Start receiving into ``tensor`` from ``src`` on ``tag``."""
+    try:
+        return _Op(dist.irecv(tensor, src=src, tag=tag), src, tensor)
+    except RuntimeError as exc:
+        raise PeerLost(src, str(exc)) from None
+
+
+def wait_all(ops: Sequence[_Op]) -> None:
+    """Wait for every op; the first failure is raised (as `PeerLost`) after all were waited."""
+    first: PeerLost | None = None
+    for op in ops:
+        try:
+            op.wait()
+        except PeerLost as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+def recv_header_any(buffer: torch.Tensor, tag: int = TAG_REQUEST) -> int:
+    """Block until a header arrives from any rank on ``tag``; return the sender's rank."""
+    src = dist.recv(buffer, src=None, tag=tag)
+    return int(src)
+
+
+def peer_is_gone(peer: int) -> bool:
+    """Whether ``peer``'s process is gone (its connection is closed); see the module note.
+
+    A live peer leaves one small receive posted on `TAG_PROBE`; call this rarely.
+    """
+    try:
+        work = dist.irecv(torch.zeros(1, dtype=torch.uint8), src=peer, tag=TAG_PROBE)
+    except RuntimeError:
+        return True
+    if work is not None:
+        _PROBES.append(work)  # keep the posted receive (and its buffer) alive
+    return False
+
+
+_PROBES: list[dist.Work] = []
+
+
+def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """A process group over ``ranks``; every rank of the world must call it, in the same order."""
+    group = dist.new_group(sorted(ranks))
+    assert group is not None
+    return group
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """In-place sum over ``group`` (hierarchical reduction within a host, norms over servers)."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
+    """In-place broadcast from global rank ``src`` over ``group``."""
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(tensor, src=src, group=group)
+
+
+_GUARD_BITS = {torch.float32: 0x7FA5A5A5, torch.float64: 0x7FF4A5A5A5A5A5A5}
+
+
+def guarded_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A receive buffer of ``numel + 1`` elements with the guard pattern ([Note: payload guard])."""
+    buf = torch.zeros(numel + 1, dtype=dtype)
+    bits = _GUARD_BITS.get(dtype)
+    if bits is not None:
+        int_dtype = torch.int32 if dtype.itemsize == 4 else torch.int64
+        buf[-2:].view(int_dtype).fill_(bits)
+    return buf
+
+
+def check_guarded(buf: torch.Tensor, src: int) -> torch.Tensor:
+    """The payload (a view without the guard) if its length was as announced, else raise."""
+    bits = _GUARD_BITS.get(buf.dtype)
+    if bits is not None:
+        int_dtype = torch.int32 if buf.dtype.itemsize == 4 else torch.int64
+        last, guard = buf[-2:].view(int_dtype).tolist()
+        if guard != bits:
+            raise ProtocolError(
+                f"payload from rank {src} is longer than its header field numel = "
+                f"{buf.numel() - 1}: the message was rejected and nothing was applied"
+            )
+        if last == bits:
+            raise ProtocolError(
+                f"payload from rank {src} is shorter than its header field numel = "
+                f"{buf.numel() - 1}: the message was rejected and nothing was applied"
+            )
+    return buf[:-1]

@@ -1,0 +1,447 @@
+"""One parameter-server rank: holds a shard, runs its optimizer, answers pushes and pulls.
+
+The sharded server of DistBelief (Dean et al., NIPS 2012) and Li et al. (OSDI 2014) with the
+consistency models of `polytrain.ps.consistency` (sync, async / Downpour, SSP of Ho et al.,
+NIPS 2013). Shapes: P = elements of this server's shard.
+
+[Note: server threads] A receiver thread blocks on "next header from any worker" and, for a
+PUSH, on its payload; it decodes and validates every message ([Note: validate before use] in
+`polytrain.ps.protocol`) and hands it to the main thread through a queue. The main thread owns
+all state (clocks, buffers, optimizer) and all sends. It wakes up at least every
+`_POLL_S` seconds, so it can notice dead workers without ever waiting on gloo with a timeout
+([Note: no timeouts on gloo waits] in `polytrain.comm.ps_wire`).
+
+[Note: atomic pushes] A push is a sequence of chunks followed by a CLOCK message. Chunks land in
+a per-worker staging buffer and reach the parameters (async, ssp) or the clock's sum (sync) only
+when the CLOCK arrives with every chunk in. A worker that dies mid-push, or a chunk that fails
+validation, therefore changes nothing.
+
+[Note: gradient scale] Every pusher sends the sum of its workers' mean gradients times
+``num_pushers / num_workers`` (a worker alone: its own gradient). sync sums one clock's pushes
+and divides by their number: the global-batch mean, as in the single-process run. async and
+ssp apply each push divided by ``num_pushers``: for SGD that is lr / num_workers per worker
+gradient, so one round of pushes moves the weights as far as one synchronous step (Downpour
+with a scaled learning rate); Adam normalizes the scale away and takes one full step per push.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.comm import ps_wire
+from polytrain.comm.ps_wire import PeerLost
+from polytrain.config.job import OptimConfig
+from polytrain.errors import ProtocolError
+from polytrain.ps.consistency import (
+    ApplyRule,
+    ClockTable,
+    Mode,
+    SyncAggregator,
+    apply_rule,
+    may_proceed,
+)
+from polytrain.ps.layout import ShardLayout
+from polytrain.ps.protocol import HEADER_LEN, Header, Op
+
+__all__ = ["ParameterServer", "ServerStats"]
+
+_POLL_S = 0.2
+_PROBE_AFTER_S = 1.0
+_WORKER_OPS = frozenset({Op.PULL, Op.PUSH, Op.CLOCK, Op.JOIN, Op.LEAVE, Op.SHUTDOWN})
+
+
+@dataclass
+class ServerStats:
+    """What a server did; written to ``<out_dir>/ps/server<i>.json`` at the end."""
+
+    updates: int = 0
+    pushes: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    grants: int = 0
+    events: list[tuple[int, int, int]] = field(default_factory=list)  # (worker, clock, min)
+    joined: list[tuple[int, int]] = field(default_factory=list)  # (worker, start clock)
+    removed: list[tuple[int, int, str]] = field(default_factory=list)  # (worker, clock, why)
+    left: list[tuple[int, int]] = field(default_factory=list)  # (worker, clock)
+
+
+class ParameterServer:
+    """Server ``index`` of the job; talks to worker ranks ``workers`` (the pushers).
+
+    ``spares`` are worker ranks that are not live at the start and may JOIN later.
+    ``lr_at(clock)`` gives the learning rate of an update made from clock ``clock``.
+    """
+
+    def __init__(
+        self,
+        *,
+        index: int,
+        layout: ShardLayout,
+        initial: dict[str, torch.Tensor],
+        optim: OptimConfig,
+        lr_at: Callable[[int], float],
+        mode: Mode,
+        staleness: int,
+        workers: list[int],
+        spares: list[int],
+        num_worker_slots: int,
+        num_pushers: int,
+        coordinator: int = 0,
+        server_group: Any = None,
+        worker_timeout_s: float = 300.0,
+    ) -> None:
+        from polytrain.trainer.optim import build_optimizer
+
+        self.index, self.layout, self.mode, self.staleness = index, layout, mode, staleness
+        self.lr_at, self.optim_cfg = lr_at, optim
+        self.num_worker_slots, self.num_pushers = num_worker_slots, num_pushers
+        self.coordinator, self.server_group = coordinator, server_group
+        self.worker_timeout_s = worker_timeout_s
+        self.spans = layout.spans(index)
+        numel = layout.numel(index)
+        # Parameters are views of one flat buffer, so a pull sends slices of it without a copy.
+        self.flat = layout.flatten(initial, index).clone()
+        self.grad_flat = torch.zeros_like(self.flat)
+        views = layout.unflatten(self.flat, index)
+        grads = layout.unflatten(self.grad_flat, index)
+        self.params: dict[str, nn.Parameter] = {}
+        for name, view in views.items():
+            param = nn.Parameter(view)
+            param.grad = grads[name]
+            self.params[name] = param
+        self.optimizer = build_optimizer(self.params.values(), optim)
+        self.rule = apply_rule(mode, staleness)
+        self.table = ClockTable(workers)
+        self.aggregator = SyncAggregator(workers) if self.rule is ApplyRule.SUM_THEN_APPLY else None
+        self.sum_flat = torch.zeros(numel, dtype=self.flat.dtype)
+        self.staging: dict[int, torch.Tensor] = {}
+        self.chunks_in: dict[int, set[int]] = {}
+        self.state: dict[int, str] = {w: "live" for w in workers}
+        self.state.update({w: "pending" for w in spares})
+        now = time.monotonic()
+        self.last_heard = dict.fromkeys(self.state, now)
+        self.last_probe = dict.fromkeys(self.state, now)
+        self.deferred: list[tuple[int, int]] = []  # (worker, clock) pulls not yet granted
+        self.stats = ServerStats()
+        self.shutdown_received = False
+        self.started = time.perf_counter()
+        self._inbox: queue.Queue[tuple[str, int, Any, Any]] = queue.Queue()
+        self._receiver = threading.Thread(target=self._receive, name="ps-receiver", daemon=True)
+        self._receiver.start()
+
+    # --- receiver thread -----------------------------------------------------------------
+
+    def _receive(self) -> None:
+        """Blocking receives; hands ("msg", src, header, payload) items to the main thread."""
+        while True:
+            wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
+            try:
+                src = ps_wire.recv_header_any(wire)
+            except RuntimeError as exc:  # the transport itself failed: nothing more will come
+                self._inbox.put(("fatal", -1, str(exc), None))
+                return
+            try:
+                header = self._decode(wire, src)
+                payload = None
+                if header.op is Op.PUSH:
+                    buf = ps_wire.guarded_buffer(header.numel, self.layout.dtype)
+                    ps_wire.wait_all([ps_wire.post_recv(buf, src, ps_wire.TAG_PUSH)])
+                    payload = ps_wire.check_guarded(buf, src)
+            except PeerLost as exc:
+                self._inbox.put(("lost", src, str(exc), None))
+                continue
+            except ProtocolError as exc:
+                # The stream from ``src`` is out of step: stop receiving, report, apply nothing.
+                self._inbox.put(("error", src, exc, None))
+                return
+            self._inbox.put(("msg", src, header, payload))
+            if header.op is Op.SHUTDOWN:
+                return
+
+    def _decode(self, wire: torch.Tensor, src: int) -> Header:
+        try:
+            header = Header.decode(
+                wire,
+                expect_job=self.layout.job_id,
+                num_workers=self.num_worker_slots,
+                num_shards=self.layout.num_servers,
+                expect_ops=_WORKER_OPS,
+            )
+        except ProtocolError as exc:
+            raise ProtocolError(f"server {self.index}: message from rank {src}: {exc}") from None
+        where = f"server {self.index}: {header.op.name} from rank {src}"
+        if header.worker != src:
+            raise ProtocolError(f"{where}: header field worker = {header.worker}: expected {src}")
+        if header.shard != self.index:
+            raise ProtocolError(
+                f"{where}: header field shard = {header.shard}: expected {self.index} "
+                f"(this server's shard)"
+            )
+        if header.op is Op.PUSH:
+            if header.num_chunks != len(self.spans):
+                raise ProtocolError(
+                    f"{where}: header field num_chunks = {header.num_chunks}: expected "
+                    f"{len(self.spans)}"
+                )
+            start, stop = self.spans[header.chunk]
+            if header.numel != stop - start or header.dtype != self.layout.dtype_code:
+                raise ProtocolError(
+                    f"{where}: chunk {header.chunk} announces numel = {header.numel}, dtype "
+                    f"code {header.dtype}: expected {stop - start}, {self.layout.dtype_code}"
+                )
+        return header
+
+    # --- main thread ---------------------------------------------------------------------
+
+    @property
+    def active(self) -> list[int]:
+        """Workers that are live or have yet to join."""
+        return sorted(w for w, s in self.state.items() if s in ("live", "pending"))
+
+    def serve_until_clock(self, clock: int) -> None:
+        """Serve until every live worker has completed ``clock`` clocks (or none is left)."""
+        self._serve(lambda: not self.active or self.table.min_clock() >= clock)
+
+    def finish(self, out_dir: str = "") -> None:
+        """Serve until every worker has left, hand the shard to the coordinator, stop."""
+        self._serve(lambda: not self.active)
+        ops = self._params_ops(self.coordinator, self.table.min_clock())
+        ps_wire.wait_all(ops)
+        self._serve(lambda: self.shutdown_received)
+        self._receiver.join(timeout=10)
+        if out_dir:
+            self.write_stats(Path(out_dir) / "ps" / f"server{self.index}.json")
+
+    def metrics(self) -> dict[str, float]:
+        wall = max(time.perf_counter() - self.started, 1e-9)
+        s = self.stats
+        return {
+            "ps_updates": float(s.updates),
+            "ps_updates_per_s": s.updates / wall,
+            "ps_bytes_per_s": (s.bytes_in + s.bytes_out) / wall,
+            "ps_live_workers": float(len(self.table)),
+        }
+
+    def write_stats(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        s = self.stats
+        record = {
+            "server": self.index,
+            "mode": self.mode,
+            "staleness": self.staleness,
+            "wall_s": time.perf_counter() - self.started,
+            "updates": s.updates,
+            "pushes": s.pushes,
+            "grants": s.grants,
+            "bytes_in": s.bytes_in,
+            "bytes_out": s.bytes_out,
+            "events": s.events,
+            "joined": s.joined,
+            "removed": s.removed,
+            "left": s.left,
+            **self.metrics(),
+        }
+        path.write_text(json.dumps(record))
+
+    def _serve(self, done: Callable[[], bool]) -> None:
+        while not done():
+            try:
+                kind, src, a, b = self._inbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._check_liveness()
+                self._grant_ready()
+                continue
+            if kind == "msg":
+                self.last_heard[src] = time.monotonic()
+                self._handle(a, b)
+            elif kind == "lost":
+                self._drop(src, f"lost: {a}")
+            elif kind == "error":
+                raise a
+            else:
+                raise RuntimeError(f"server {self.index}: receiving failed: {a}")
+            self._grant_ready()
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        for w in self.active:
+            silent = now - self.last_heard[w]
+            if silent < _PROBE_AFTER_S or now - self.last_probe[w] < _PROBE_AFTER_S:
+                continue
+            self.last_probe[w] = now
+            if ps_wire.peer_is_gone(w):
+                self._drop(w, "its process is gone (connection closed)")
+            elif silent > self.worker_timeout_s:
+                self._drop(w, f"silent for {silent:.0f} s > ps.worker_timeout_s")
+
+    def _handle(self, header: Header, payload: torch.Tensor | None) -> None:
+        w, op = header.worker, header.op
+        if op is Op.SHUTDOWN:
+            if w != self.coordinator:
+                raise ProtocolError(f"SHUTDOWN from rank {w}: only rank {self.coordinator} may")
+            self.shutdown_received = True
+            return
+        if op is Op.JOIN:
+            self._join(w)
+            return
+        if self.state.get(w) != "live":
+            if op is Op.PULL:  # a worker we dropped is still running: tell it to stop
+                self._reply(w, Header(Op.SHUTDOWN, w, 0, self.layout.job_id, shard=self.index))
+            return
+        clock = self.table.clock(w)
+        if op is not Op.LEAVE and header.clock != clock:
+            raise ProtocolError(
+                f"server {self.index}: {op.name} from worker {w} carries clock {header.clock}: "
+                f"expected {clock}; a message was lost or repeated"
+            )
+        if op is Op.PULL:
+            self.deferred.append((w, clock))
+        elif op is Op.PUSH:
+            assert payload is not None
+            start, stop = self.spans[header.chunk]
+            staging = self.staging.setdefault(w, torch.zeros_like(self.flat))
+            staging[start:stop].copy_(payload)
+            self.chunks_in.setdefault(w, set()).add(header.chunk)
+            self.stats.bytes_in += payload.numel() * payload.element_size()
+        elif op is Op.CLOCK:
+            self._clock(w, clock)
+        elif op is Op.LEAVE:
+            self.state[w] = "left"
+            self.stats.left.append((w, clock))
+            self._remove(w)
+
+    def _clock(self, w: int, clock: int) -> None:
+        chunks = self.chunks_in.pop(w, set())
+        if chunks and len(chunks) != len(self.spans):
+            raise ProtocolError(
+                f"server {self.index}: CLOCK {clock} from worker {w} after {len(chunks)} of "
+                f"{len(self.spans)} chunks: a push must be complete before its clock"
+            )
+        self.table.advance(w, clock)
+        if chunks:
+            self.stats.pushes += 1
+        if self.aggregator is not None:
+            if chunks:
+                self.sum_flat += self.staging[w]
+            if self.aggregator.add(w, clock):
+                self._apply_sum()
+        elif chunks:
+            self.grad_flat.copy_(self.staging[w]).div_(self.num_pushers)
+            self._step(clock)
+
+    def _apply_sum(self) -> None:
+        assert self.aggregator is not None
+        clock = self.aggregator.clock
+        count = self.aggregator.finish()
+        self.grad_flat.copy_(self.sum_flat).div_(count)
+        self.sum_flat.zero_()
+        if self.optim_cfg.grad_clip > 0:
+            # Clip by the norm of the whole gradient, summed over every server's shard.
+            square = self.grad_flat.double().square().sum().reshape(1)
+            if self.server_group is not None:
+                ps_wire.all_reduce_sum(square, self.server_group)
+            norm = math.sqrt(float(square))
+            scale = self.optim_cfg.grad_clip / (norm + 1e-6)
+            if scale < 1.0:
+                self.grad_flat.mul_(scale)
+        self._step(clock)
+
+    def _step(self, clock: int) -> None:
+        if not bool(torch.isfinite(self.grad_flat).all()):
+            return  # a non-finite update is skipped; the workers report their losses
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(clock)
+        self.optimizer.step()
+        self.stats.updates += 1
+
+    def _join(self, w: int) -> None:
+        if self.state.get(w) != "pending":
+            raise ProtocolError(
+                f"server {self.index}: JOIN from worker {w}, which is {self.state.get(w)}: "
+                f"only a spare worker (ps.spare_workers) may join, once"
+            )
+        start = self.table.add_worker(w)
+        if self.aggregator is not None:
+            self.aggregator.add_worker(w)
+        self.state[w] = "live"
+        self.stats.joined.append((w, start))
+        self._reply(w, Header(Op.ACK, w, start, self.layout.job_id, shard=self.index))
+
+    def _drop(self, w: int, why: str) -> None:
+        if self.state.get(w) not in ("live", "pending"):
+            return
+        clock = self.table.clock(w) if w in self.table else -1
+        was_live = self.state[w] == "live"
+        self.state[w] = "dead"
+        self.stats.removed.append((w, clock, why))
+        if was_live:
+            self._remove(w)
+
+    def _remove(self, w: int) -> None:
+        self.table.remove_worker(w)
+        self.staging.pop(w, None)
+        self.chunks_in.pop(w, None)
+        self.deferred = [(v, c) for v, c in self.deferred if v != w]
+        if self.aggregator is not None and self.aggregator.remove_worker(w):
+            self._apply_sum()
+
+    def _grant_ready(self) -> None:
+        """Answer every deferred pull the consistency rule now allows (may_proceed)."""
+        progress = True
+        while progress:
+            progress = False
+            floor = self.table.min_clock()
+            for i, (w, clock) in enumerate(self.deferred):
+                if may_proceed(self.mode, self.staleness, clock, floor):
+                    del self.deferred[i]
+                    self._grant(w, clock, floor)
+                    progress = True
+                    break
+
+    def _grant(self, w: int, clock: int, floor: int) -> None:
+        ack = Header(Op.ACK, w, floor, self.layout.job_id, shard=self.index)
+        try:
+            ps_wire.wait_all(
+                [ps_wire.post_send(ack.encode(), w, ps_wire.TAG_REPLY), *self._params_ops(w, clock)]
+            )
+        except PeerLost as exc:
+            self._drop(w, f"lost: {exc}")
+            return
+        self.stats.events.append((w, clock, floor))
+        self.stats.grants += 1
+
+    def _params_ops(self, dst: int, clock: int) -> list[Any]:
+        ops = []
+        for k, (start, stop) in enumerate(self.spans):
+            header = Header(
+                Op.PARAMS,
+                dst,
+                clock,
+                self.layout.job_id,
+                shard=self.index,
+                chunk=k,
+                num_chunks=len(self.spans),
+                numel=stop - start,
+                dtype=self.layout.dtype_code,
+            )
+            ops.append(ps_wire.post_send(header.encode(), dst, ps_wire.TAG_REPLY))
+            ops.append(ps_wire.post_send(self.flat[start:stop], dst, ps_wire.TAG_PARAMS))
+            self.stats.bytes_out += (stop - start) * self.flat.element_size()
+        return ops
+
+    def _reply(self, w: int, header: Header) -> None:
+        try:
+            ps_wire.wait_all([ps_wire.post_send(header.encode(), w, ps_wire.TAG_REPLY)])
+        except PeerLost as exc:
+            self._drop(w, f"lost: {exc}")

@@ -1,0 +1,266 @@
+"""`PSStrategy`: parameter-server training behind the loop's `Strategy` interface.
+
+Ranks: the last ``ps.servers`` ranks of the world are servers, the others workers (worker id =
+rank, data replica = rank of ``num_workers``). With ``ps.hierarchical`` the workers of one host
+(``ps.ranks_per_host`` consecutive ranks) reduce their gradients first and only the lowest rank
+of each host talks to the servers (Rudra, Gupta et al., ICDM 2016). See docs/parameter_server.md.
+
+[Note: server ranks in the loop] The loop calls ``train_step(step)`` on every rank. On a server
+it serves pushes and pulls until every live worker has completed ``step + 1`` clocks (workers
+run ahead of it in async and ssp; it keeps serving them meanwhile), so the server's per-step
+records carry its update and byte rates. ``full_state_dict`` serves until every worker has
+left, sends the shard to rank 0 and stops. A server holds no model replica: its ``evaluate``
+returns NaN and its loss is NaN; the job's losses are the workers'.
+
+[Note: no world collectives] In async and ssp a worker may die, and every collective over the
+world (or over all workers) would then fail on the survivors. So these modes use none after
+start-up: losses and validation are each worker's own, and the loop skips its final barrier
+(``world_collectives = False``). sync mode (no membership) averages the loss over the workers so
+it equals the single-process run's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.comm import ps_wire
+from polytrain.comm.collectives import all_reduce_mean
+from polytrain.config.job import JobConfig
+from polytrain.data.sampler import Batches
+from polytrain.models.base import BlockModel
+from polytrain.observe.trace import Tracer
+from polytrain.ps.layout import ShardLayout, build_layout
+from polytrain.ps.server import ParameterServer
+from polytrain.ps.sharding import host_groups, leader_of
+from polytrain.ps.worker import WorkerClient
+from polytrain.trainer.optim import lr_at
+from polytrain.trainer.strategy import StepOutput, autocast
+
+__all__ = ["PSStrategy", "ranks_per_host", "server_ranks"]
+
+
+def server_ranks(world_size: int, num_servers: int) -> list[int]:
+    """The server ranks: the last ``num_servers`` ranks of the world."""
+    return list(range(world_size - num_servers, world_size))
+
+
+def ranks_per_host(job: JobConfig) -> int:
+    """``ps.ranks_per_host``, else the launcher's LOCAL_WORLD_SIZE, else ``launch.nproc``."""
+    if job.ps.ranks_per_host:
+        return job.ps.ranks_per_host
+    return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.nproc))
+
+
+class PSStrategy:
+    """One rank of a parameter-server job: a worker or a server (see the module notes)."""
+
+    world_collectives: bool
+
+    def __init__(
+        self, job: JobConfig, rank: int, world_size: int, model: BlockModel, batches: Batches
+    ) -> None:
+        ps = job.ps
+        self.job, self.rank, self.model, self.batches = job, rank, model, batches
+        self.servers = server_ranks(world_size, ps.servers)
+        self.num_workers = world_size - ps.servers
+        workers = list(range(self.num_workers))
+        self.is_server = rank in self.servers
+        self.sync = ps.mode == "sync"
+        self.world_collectives = self.sync
+        self.tracer = Tracer(rank, enabled=bool(job.observe.trace))
+        extra = f"mode={ps.mode};s={ps.staleness};workers={self.num_workers};h={ps.hierarchical}"
+        self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra)
+
+        # Groups: every rank creates every group, in the same order.
+        self.worker_group = ps_wire.new_group(workers)
+        server_group = ps_wire.new_group(self.servers)
+        hosts = host_groups(workers, ranks_per_host(job)) if ps.hierarchical else []
+        host_pgs = [ps_wire.new_group(g) for g in hosts]
+        self.host_group: Any = None
+        self.leader = rank
+        for g, pg in zip(hosts, host_pgs, strict=True):
+            if rank in g:
+                self.host_group, self.leader = pg, leader_of(g)
+        pushers = [leader_of(g) for g in hosts] if ps.hierarchical else workers
+        spares = workers[self.num_workers - ps.spare_workers :] if ps.spare_workers else []
+        self.num_pushers = len(pushers)
+        # [Note: gradient scale] in polytrain.ps.server
+        self.push_scale = self.num_pushers / self.num_workers
+
+        self.server: ParameterServer | None = None
+        self.client: WorkerClient | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.modules: list[nn.Module] = []
+        steps = job.train.steps
+        if self.is_server:
+            index = self.servers.index(rank)
+            self.server = ParameterServer(
+                index=index,
+                layout=self.layout,
+                initial=dict(model.named_parameters()),
+                optim=job.optim,
+                lr_at=lambda clock: lr_at(min(clock, steps - 1), job.optim, steps),
+                mode=ps.mode,
+                staleness=ps.staleness,
+                workers=[w for w in pushers if w not in spares],
+                spares=[w for w in pushers if w in spares],
+                num_worker_slots=self.num_workers,
+                num_pushers=self.num_pushers,
+                server_group=server_group,
+                worker_timeout_s=ps.worker_timeout_s,
+            )
+            self.optimizer = self.server.optimizer
+            self.name = f"ps-{ps.mode}-server{index}"
+        else:
+            self.client = WorkerClient(rank, self.layout, self.servers, self.num_workers)
+            self.modules = [model]
+            self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w" + (
+                "-hier" if ps.hierarchical else ""
+            )
+        self.is_pusher = rank in pushers
+        self.joining = rank in spares
+        self.straggler = rank == self.num_workers - 1 and ps.straggler_delay_s > 0
+        self.clock = 0  # iterations this worker has completed
+        self.fresh = -1  # the clock whose parameters the model holds
+        self.started = time.monotonic()
+        self.last_metrics: dict[str, float] = {}
+
+    # --- Strategy interface --------------------------------------------------------------
+
+    def set_lr(self, lr: float) -> None:
+        """Servers compute each update's learning rate from its clock; nothing to do here."""
+
+    def train_step(self, step: int) -> StepOutput:
+        if self.server is not None:
+            with self.tracer.span("serve", cat="communication", step=step):
+                self.server.serve_until_clock(step + 1)
+            return StepOutput(loss=math.nan, metrics=self.server.metrics())
+        if self.joining:
+            self._join()
+        if step < self.clock:  # a joined worker skips the clocks the job ran before it came
+            return StepOutput(loss=math.nan, skipped=True)
+        assert step == self.clock, f"worker at clock {self.clock} asked to run step {step}"
+        self._ensure_params(step)
+        loss = self._forward_backward(step)
+        if self.straggler:
+            time.sleep(self.job.ps.straggler_delay_s)
+        with self.tracer.span("push", cat="communication", step=step):
+            self._push(step)
+        self.clock += 1
+        if self.sync:
+            loss = float(all_reduce_mean(torch.tensor(loss), self.worker_group))
+        return StepOutput(loss=loss, metrics=dict(self.last_metrics))
+
+    @torch.no_grad()
+    def evaluate(self, num_batches: int) -> float:
+        """Validation loss of the current parameters on the whole validation batches.
+
+        Every worker evaluates the same batches, so in sync mode (identical parameters) every
+        worker gets the same value without a collective; servers return NaN.
+        """
+        if self.server is not None:
+            return math.nan
+        self._ensure_params(self.clock)
+        self.model.eval()
+        total = 0.0
+        for i in range(num_batches):
+            x, y = self.batches.val(i)
+            with autocast(torch.device("cpu"), self.job.train.dtype):
+                total += float(self.model.loss(self.model(x), y))
+        return total / num_batches
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Workers leave; servers serve until all have left and send their shards to rank 0."""
+        if self.server is not None:
+            self.server.finish(self.job.observe.out_dir)
+            return {}
+        assert self.client is not None
+        if self.is_pusher:
+            self.client.leave(self.clock)
+        if self.rank != 0:
+            return {}
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        for s, flat in enumerate(self.client.final_params()):
+            for name, view in self.layout.unflatten(flat, s).items():
+                state[name] = view.clone()
+        return state
+
+    # --- worker internals ----------------------------------------------------------------
+
+    def _join(self) -> None:
+        assert self.client is not None
+        time.sleep(max(0.0, self.job.ps.join_delay_s - (time.monotonic() - self.started)))
+        self.clock = self.client.join()
+        self.joining = False
+
+    def _ensure_params(self, clock: int) -> None:
+        """Hold the parameters for running ``clock`` (a pull, unless we already have them)."""
+        if self.fresh == clock:
+            return
+        t0 = time.perf_counter()
+        with self.tracer.span("pull", cat="communication", step=clock):
+            flats: list[torch.Tensor] = []
+            staleness = 0
+            if self.is_pusher:
+                assert self.client is not None
+                flats, floors = self.client.pull(clock)
+                staleness = max(clock - f for f in floors)
+            if self.host_group is not None:
+                whole = torch.cat(flats) if flats else self._empty_whole()
+                ps_wire.broadcast(whole, self.leader, self.host_group)
+                flats = list(whole.split([self.layout.numel(s) for s in range(len(self.servers))]))
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for s, flat in enumerate(flats):
+                    for name, view in self.layout.unflatten(flat, s).items():
+                        params[name].copy_(view)
+        self.fresh = clock
+        self.last_metrics = {
+            "ps_staleness": float(staleness),
+            "ps_wait_s": time.perf_counter() - t0,
+        }
+
+    def _empty_whole(self) -> torch.Tensor:
+        total = sum(self.layout.numel(s) for s in range(len(self.servers)))
+        return torch.empty(total, dtype=self.layout.dtype)
+
+    def _forward_backward(self, step: int) -> float:
+        accum = self.job.train.grad_accum
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in range(accum):
+            x, y = self.batches.train(step, self.rank, self.num_workers, micro, accum)
+            with self.tracer.span("forward", microbatch=micro, step=step):
+                with autocast(torch.device("cpu"), self.job.train.dtype):
+                    loss = self.model.loss(self.model(x), y) / accum
+            with self.tracer.span("backward", microbatch=micro, step=step):
+                loss.backward()
+            total += float(loss.detach())
+        return total
+
+    def _push(self, step: int) -> None:
+        grads = {
+            n: (p.grad if p.grad is not None else torch.zeros_like(p))
+            for n, p in self.model.named_parameters()
+        }
+        flats = [self.layout.flatten(grads, s) for s in range(len(self.servers))]
+        clip = self.job.optim.grad_clip
+        if not self.sync and clip > 0:  # sync clips the global mean on the servers
+            norm = math.sqrt(sum(float(f.double().square().sum()) for f in flats))
+            if norm > clip:
+                flats = [f * (clip / (norm + 1e-6)) for f in flats]
+        if self.host_group is not None:
+            whole = torch.cat(flats)
+            ps_wire.all_reduce_sum(whole, self.host_group)
+            flats = list(whole.split([f.numel() for f in flats]))
+        if self.is_pusher:
+            assert self.client is not None
+            scaled = [f * self.push_scale for f in flats] if self.push_scale != 1 else flats
+            self.client.push(step, scaled)

@@ -1,0 +1,161 @@
+"""The worker side of the parameter-server protocol: pull, push, join, leave, final weights.
+
+Pulls and pushes move each server's flat shard in chunks, all posted before any is waited for,
+so transfers of different chunks and of different servers overlap (PAI's pipelined chunked
+communication; the push/pull interface of Li et al., OSDI 2014). Shapes: P_s = elements of
+server s's shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polytrain.comm import ps_wire
+from polytrain.errors import PolytrainError, ProtocolError
+from polytrain.ps.layout import ShardLayout
+from polytrain.ps.protocol import HEADER_LEN, Header, Op
+
+__all__ = ["RemovedError", "WorkerClient"]
+
+
+class RemovedError(PolytrainError):
+    """A server dropped this worker (it was silent for longer than ps.worker_timeout_s)."""
+
+
+class WorkerClient:
+    """Worker ``worker`` (its global rank) talking to the server ranks ``servers``."""
+
+    def __init__(
+        self, worker: int, layout: ShardLayout, servers: list[int], num_worker_slots: int
+    ) -> None:
+        self.worker, self.layout, self.servers = worker, layout, servers
+        self.num_worker_slots = num_worker_slots
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _header(self, op: Op, clock: int, shard: int, **kw: int) -> Header:
+        return Header(op, self.worker, clock, self.layout.job_id, shard=shard, **kw)
+
+    def _decode(self, wire: torch.Tensor, ops: set[Op], numel: int | None = None) -> Header:
+        header = Header.decode(
+            wire,
+            expect_job=self.layout.job_id,
+            num_workers=self.num_worker_slots,
+            num_shards=self.layout.num_servers,
+            expect_numel=numel,
+            expect_ops=ops,
+        )
+        if header.worker != self.worker:
+            raise ProtocolError(
+                f"reply addressed to worker {header.worker} reached worker {self.worker}"
+            )
+        return header
+
+    def _send_all(self, op: Op, clock: int) -> None:
+        ops = [
+            ps_wire.post_send(self._header(op, clock, s).encode(), rank, ps_wire.TAG_REQUEST)
+            for s, rank in enumerate(self.servers)
+        ]
+        ps_wire.wait_all(ops)
+
+    def _acks(self) -> list[int]:
+        """The ACK of every server (in server order); its clock field."""
+        wires = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in self.servers]
+        ps_wire.wait_all(
+            [
+                ps_wire.post_recv(w, r, ps_wire.TAG_REPLY)
+                for w, r in zip(wires, self.servers, strict=True)
+            ]
+        )
+        clocks = []
+        for s, wire in enumerate(wires):
+            header = self._decode(wire, {Op.ACK, Op.SHUTDOWN})
+            if header.op is Op.SHUTDOWN:
+                raise RemovedError(
+                    f"server {s} dropped worker {self.worker} (silent for longer than "
+                    f"ps.worker_timeout_s): raise the timeout for slow workers"
+                )
+            clocks.append(header.clock)
+        return clocks
+
+    def _recv_params(self) -> list[torch.Tensor]:
+        """Every server's shard, all chunks posted at once; validated before it is returned."""
+        flats = [
+            torch.empty(self.layout.numel(s), dtype=self.layout.dtype)
+            for s in range(len(self.servers))
+        ]
+        wires: list[tuple[int, int, torch.Tensor]] = []
+        ops = []
+        for s, rank in enumerate(self.servers):
+            for k, (start, stop) in enumerate(self.layout.spans(s)):
+                wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
+                wires.append((s, k, wire))
+                ops.append(ps_wire.post_recv(wire, rank, ps_wire.TAG_REPLY))
+                ops.append(ps_wire.post_recv(flats[s][start:stop], rank, ps_wire.TAG_PARAMS))
+        ps_wire.wait_all(ops)
+        for s, k, wire in wires:
+            start, stop = self.layout.spans(s)[k]
+            header = self._decode(wire, {Op.PARAMS}, numel=stop - start)
+            if header.shard != s or header.chunk != k:
+                raise ProtocolError(
+                    f"PARAMS chunk {header.chunk} of shard {header.shard} arrived where chunk "
+                    f"{k} of shard {s} was expected"
+                )
+            self.bytes_received += (stop - start) * flats[s].element_size()
+        return flats
+
+    def pull(self, clock: int) -> tuple[list[torch.Tensor], list[int]]:
+        """Ask for the parameters to run clock ``clock``; block until every server grants it.
+
+        Returns each server's flat shard and the slowest worker's clock each server saw when
+        it granted the pull (the worker's staleness is ``clock - min_clock``).
+        """
+        self._send_all(Op.PULL, clock)
+        floors = self._acks()
+        return self._recv_params(), floors
+
+    def push(self, clock: int, grads: list[torch.Tensor]) -> None:
+        """Send the gradient of clock ``clock`` (one flat buffer per server), then its CLOCK."""
+        ops: list[Any] = []
+        for s, rank in enumerate(self.servers):
+            spans = self.layout.spans(s)
+            for k, (start, stop) in enumerate(spans):
+                header = self._header(
+                    Op.PUSH,
+                    clock,
+                    s,
+                    chunk=k,
+                    num_chunks=len(spans),
+                    numel=stop - start,
+                    dtype=self.layout.dtype_code,
+                )
+                ops.append(ps_wire.post_send(header.encode(), rank, ps_wire.TAG_REQUEST))
+                ops.append(ps_wire.post_send(grads[s][start:stop], rank, ps_wire.TAG_PUSH))
+                self.bytes_sent += (stop - start) * grads[s].element_size()
+        for s, rank in enumerate(self.servers):
+            clock_msg = self._header(Op.CLOCK, clock, s).encode()
+            ops.append(ps_wire.post_send(clock_msg, rank, ps_wire.TAG_REQUEST))
+        ps_wire.wait_all(ops)
+
+    def join(self) -> int:
+        """Join a running job; return the clock to start at (see [Note: membership])."""
+        self._send_all(Op.JOIN, 0)
+        starts = self._acks()
+        start = max(starts)
+        # Servers that admitted us at a lower clock see empty clocks up to the common start.
+        for s, rank in enumerate(self.servers):
+            for clock in range(starts[s], start):
+                msg = self._header(Op.CLOCK, clock, s).encode()
+                ps_wire.wait_all([ps_wire.post_send(msg, rank, ps_wire.TAG_REQUEST)])
+        return start
+
+    def leave(self, clock: int) -> None:
+        self._send_all(Op.LEAVE, clock)
+
+    def final_params(self) -> list[torch.Tensor]:
+        """Coordinator only: every server's final shard, then stop the servers."""
+        flats = self._recv_params()
+        self._send_all(Op.SHUTDOWN, 0)
+        return flats
