@@ -16,6 +16,7 @@ from polytrain.models.base import BlockModel
 from polytrain.parallel.data_parallel import apply_data_parallel
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.replicate import apply_replicate
+from polytrain.parallel.sufficient_factor import apply_sufficient_factor
 from polytrain.parallel.tensor_parallel import apply_tensor_parallel
 from polytrain.parallel.zero import apply_zero
 from polytrain.topology import ParallelDims
@@ -53,6 +54,16 @@ def build_strategy(
         wrapped = apply_replicate(model, mesh)  # type: ignore[assignment]  # an nn.Module
         name = f"replicate-dp{p.dp}-tp{p.tp}"
     elif p.dp > 1:
-        wrapped = apply_data_parallel(model, mesh, p)
         name = f"ddp-dp{p.dp}"
+        rest = True
+        if p.sufficient_factor != "off":  # before DDP: it hides the chosen layers from DDP
+            sample, _ = batches.train(0, mesh.coord("dp"), p.dp)
+            local_batch = job.train.global_batch_size // (p.dp * job.train.grad_accum)
+            sf = apply_sufficient_factor(
+                model, mesh, p.sufficient_factor, sample.to(ctx.device), local_batch
+            )
+            name += f"-sf{len(sf.chosen)}"
+            rest = bool(sf.allreduce_params)
+        if rest:
+            wrapped = apply_data_parallel(model, mesh, p)
     return SPMDStrategy(job, wrapped, model, mesh, batches, ctx.device, name)

@@ -1,0 +1,301 @@
+"""The stage interpreter: run one rank's lowered action list over `comm.p2p` (schedules as data).
+
+GPipe (Huang et al. 2019) and 1F1B / PipeDream-flush (Narayanan et al. 2021) differ only in the
+action list they hand to `StageRuntime.run`; PipeDream (Narayanan et al. SOSP 2019) adds a
+`WeightStash` and an update after every backward. The interpreter keeps, per micro-batch in
+flight, the stage's input (for its gradient), its output (for backward) and, on the last stage,
+the loss.
+
+[Note: loss scale] The last stage scales micro-batch ``i``'s loss (a mean over its samples) by
+``scale`` before backward: ``1 / m`` for a synchronous step of ``m`` micro-batches, so the
+accumulated gradients equal the gradients of the full-batch mean loss, and ``1`` for
+PipeDream, which updates on each micro-batch's own gradient.
+
+[Note: activation accounting] With ``track_activations`` the runtime counts the bytes autograd
+saves during each forward (through ``saved_tensors_hooks``; weights and tensors shared with an
+earlier save are not counted), adds them to a live total when the forward runs and subtracts
+them after its backward. ``peak_activation_bytes`` is the high-water mark: the activation memory
+a schedule really holds, which is ``m`` micro-batches for GPipe and at most ``p - s`` for 1F1B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from polytrain.comm.p2p import P2P, PendingSends
+from polytrain.models.base import LossFn
+from polytrain.observe.trace import Tracer
+from polytrain.pipeline.schedule import Action, ActionKind
+from polytrain.pipeline.stage import StageModule
+
+__all__ = ["Feed", "StageRuntime", "WeightStash"]
+
+ACT, GRAD = "act", "grad"  # p2p channel names of activations (forward) and gradients (backward)
+
+
+@dataclass
+class Feed:
+    """Where the first stage's inputs and the last stage's targets of micro-batch ``i`` come from."""
+
+    inputs: Callable[[int], torch.Tensor]
+    targets: Callable[[int], torch.Tensor]
+    scale: float
+    """Factor of every micro-batch loss; see [Note: loss scale]."""
+    step: int = 0
+    """Step number recorded in trace spans."""
+
+
+class WeightStash:
+    """PipeDream weight stashing: each micro-batch's backward uses its forward's weight version.
+
+    ``version`` counts the updates applied to the stage's live weights. `forward` returns a
+    snapshot of the live weights for micro-batch ``i`` (one snapshot per version, shared by every
+    micro-batch that runs forward on it) and `release` drops a snapshot when no micro-batch in
+    flight uses it. Snapshots are detached copies that require grad, so the optimizer's in-place
+    updates of the live weights never touch a tensor an autograd graph saved.
+    """
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], bound: int) -> None:
+        self.params = params
+        self.bound = bound
+        self.version = 0
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self._users: dict[int, int] = {}
+        self.version_of: dict[int, int] = {}
+        self.max_stashed = 0
+        self.log: list[tuple[int, int, int]] = []
+        """(micro-batch, version its forward used, version its backward used), in backward order."""
+
+    def forward(self, microbatch: int) -> dict[str, torch.Tensor]:
+        v = self.version
+        if v not in self.snapshots:
+            self.snapshots[v] = {
+                n: p.detach().clone().requires_grad_(p.requires_grad)
+                for n, p in self.params.items()
+            }
+            self._users[v] = 0
+        self._users[v] += 1
+        self.version_of[microbatch] = v
+        self.max_stashed = max(self.max_stashed, len(self.snapshots))
+        assert len(self.snapshots) <= self.bound, (
+            f"{len(self.snapshots)} weight versions stashed, more than the bound {self.bound}"
+        )
+        return self.snapshots[v]
+
+    def backward_weights(self, microbatch: int) -> tuple[int, dict[str, torch.Tensor]]:
+        v = self.version_of[microbatch]
+        return v, self.snapshots[v]
+
+    def release(self, microbatch: int, used_version: int) -> None:
+        v = self.version_of.pop(microbatch)
+        self.log.append((microbatch, v, used_version))
+        self._users[v] -= 1
+        if self._users[v] == 0:
+            del self.snapshots[v], self._users[v]
+
+
+@dataclass
+class _InFlight:
+    """What one micro-batch holds on this stage between its forward and its backward."""
+
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    output_grad: torch.Tensor | None = None
+    input_grad: torch.Tensor | None = None
+    activation_bytes: int = 0
+
+
+@dataclass
+class _Stats:
+    live_activation_bytes: int = 0
+    peak_activation_bytes: int = 0
+    forwards: int = 0
+    backwards: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class StageRuntime:
+    """Interprets F, B, SEND_F, RECV_F, SEND_B and RECV_B actions for one pipeline stage."""
+
+    def __init__(
+        self,
+        stage: StageModule,
+        stage_index: int,
+        num_stages: int,
+        p2p: P2P,
+        *,
+        prev_rank: int | None,
+        next_rank: int | None,
+        loss_fn: LossFn,
+        tracer: Tracer,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None = None,
+        stash: WeightStash | None = None,
+        after_backward: Callable[[int], None] | None = None,
+        track_activations: bool = False,
+    ) -> None:
+        self.stage, self.stage_index, self.num_stages = stage, stage_index, num_stages
+        self.p2p, self.prev_rank, self.next_rank = p2p, prev_rank, next_rank
+        self.loss_fn, self.tracer, self.device = loss_fn, tracer, device
+        self.autocast_dtype = autocast_dtype
+        self.stash = stash
+        self.after_backward = after_backward
+        self.track_activations = track_activations
+        self.pending = PendingSends()
+        self.stats = _Stats()
+        self._flight: dict[int, _InFlight] = {}
+        self._params = dict(stage.named_parameters())
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flight)
+
+    def run(self, actions: Sequence[Action], feed: Feed) -> torch.Tensor:
+        """Run ``actions`` in order; return the sum of the scaled losses (0 off the last stage)."""
+        loss_sum = torch.zeros((), device=self.device)
+        for action in actions:
+            i = action.microbatch_index
+            kind = action.kind
+            cat = "compute" if action.is_compute else "comm"
+            with self.tracer.span(
+                kind.value, cat=cat, microbatch=i, stage=self.stage_index, step=feed.step
+            ):
+                if kind is ActionKind.F:
+                    loss = self._forward(i, feed)
+                    if loss is not None:
+                        loss_sum += loss.detach()
+                elif kind is ActionKind.B:
+                    self._backward(i)
+                elif kind is ActionKind.SEND_F:
+                    output = self._flight[i].output
+                    assert output is not None and self.next_rank is not None
+                    self.p2p.isend(output, self.next_rank, ACT, self.pending)
+                elif kind is ActionKind.RECV_F:
+                    assert self.prev_rank is not None
+                    x = self.p2p.recv(self.prev_rank, ACT)
+                    self._flight.setdefault(i, _InFlight()).input = x.requires_grad_(
+                        x.is_floating_point()
+                    )
+                elif kind is ActionKind.RECV_B:
+                    assert self.next_rank is not None
+                    self._flight[i].output_grad = self.p2p.recv(self.next_rank, GRAD)
+                elif kind is ActionKind.SEND_B:
+                    assert self.prev_rank is not None
+                    state = self._flight.pop(i)
+                    if state.input_grad is None:  # the stage's input needed no gradient
+                        assert state.input is not None
+                        state.input_grad = torch.zeros_like(state.input)
+                    self.p2p.isend(state.input_grad, self.prev_rank, GRAD, self.pending)
+                    if self.after_backward is not None:
+                        self.after_backward(i)
+        return loss_sum
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _forward(self, i: int, feed: Feed) -> torch.Tensor | None:
+        state = self._flight.setdefault(i, _InFlight())
+        if self.is_first:
+            state.input = feed.inputs(i).to(self.device)
+        x = state.input
+        assert x is not None
+        weights = self.stash.forward(i) if self.stash is not None else None
+        with self._count_saved(state), self._autocast():
+            out = self.stage(x, weights)
+            if self.is_last:
+                state.loss = self.loss_fn(out, feed.targets(i).to(self.device)) * feed.scale
+            else:
+                state.output = out
+        self.stats.forwards += 1
+        self.stats.live_activation_bytes += state.activation_bytes
+        self.stats.peak_activation_bytes = max(
+            self.stats.peak_activation_bytes, self.stats.live_activation_bytes
+        )
+        return state.loss
+
+    def _backward(self, i: int) -> None:
+        state = self._flight[i]
+        root = state.loss if self.is_last else state.output
+        assert root is not None
+        grad = None if self.is_last else state.output_grad
+        x = state.input
+        wants_input_grad = x is not None and x.requires_grad and not self.is_first
+        if self.stash is not None:
+            version, weights = self.stash.backward_weights(i)
+            names = [n for n, t in weights.items() if t.requires_grad]
+            targets = [weights[n] for n in names] + (
+                [x] if wants_input_grad and x is not None else []
+            )
+            if root.requires_grad and targets:
+                grads = torch.autograd.grad(
+                    root, targets, grad_outputs=grad, allow_unused=True, materialize_grads=True
+                )
+            else:
+                grads = tuple(torch.zeros_like(t) for t in targets)
+            for n, g in zip(names, grads, strict=False):
+                self._params[n].grad = g
+            if wants_input_grad:
+                state.input_grad = grads[-1]
+            self.stash.release(i, version)
+        else:
+            if root.requires_grad:
+                torch.autograd.backward(root, grad_tensors=grad)
+            if wants_input_grad and x is not None:
+                state.input_grad = x.grad
+        state.output = state.loss = state.output_grad = None
+        self.stats.backwards += 1
+        self.stats.live_activation_bytes -= state.activation_bytes
+        if self.is_first:  # no gradient to send: the micro-batch is done here
+            self._flight.pop(i)
+            if self.after_backward is not None:
+                self.after_backward(i)
+
+    @contextlib.contextmanager
+    def _count_saved(self, state: _InFlight) -> Iterator[None]:
+        if not self.track_activations:
+            yield
+            return
+        weights = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
+        if self.stash is not None:
+            for snapshot in self.stash.snapshots.values():
+                weights |= {t.untyped_storage().data_ptr() for t in snapshot.values()}
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in weights and ptr not in seen:
+                seen.add(ptr)
+                state.activation_bytes += storage.nbytes()
+            return t
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def finish(self) -> None:
+        """Wait for every send posted so far (end of a synchronous step)."""
+        self.pending.wait()
+        assert not self._flight, f"micro-batches still in flight: {sorted(self._flight)}"
+
+    def forward_only(self, x: torch.Tensor) -> torch.Tensor:
+        """Evaluation forward on the live weights (no graph)."""
+        with torch.no_grad(), self._autocast():
+            return self.stage(x.to(self.device))

@@ -1,0 +1,95 @@
+"""One pipeline stage: a contiguous run of a `BlockModel`'s blocks, keyed by their original index.
+
+GPipe (Huang et al. 2019) cuts the layer sequence into stages; this module holds one of them.
+Parameter names stay the unwrapped model's (``blocks.<i>....``): the blocks live in an
+``nn.ModuleDict`` keyed by ``str(i)``, so ``state_dict()`` of stage ``[3, 5)`` has exactly the
+keys ``blocks.3...`` and ``blocks.4...`` of the full model. Checkpoints and exports need nothing
+else.
+
+Re-materialization (GPipe section 2.2; Chen et al. 2016) is optional per stage: each block with
+parameters runs under a non-reentrant ``torch.utils.checkpoint``, keeping only its input.
+``forward`` may also run on a given set of weights instead of the live ones (``weights``), which
+is how PipeDream's weight stashing reuses an older version; recomputation then re-runs on the
+same stashed tensors, because the checkpointed function closes over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from polytrain.errors import PartitionError
+from polytrain.models.base import BlockModel
+
+__all__ = ["StageModule", "block_ranges", "build_stage"]
+
+
+def block_ranges(counts: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
+    """``[n0, n1, ...]`` blocks per stage -> ``[(0, n0), (n0, n0 + n1), ...]``."""
+    if sum(counts) != num_blocks or any(n < 1 for n in counts):
+        raise PartitionError(
+            f"pipeline.partition = {list(counts)} sums to {sum(counts)} but the model has "
+            f"{num_blocks} blocks: give every stage at least one block and make them sum to "
+            f"{num_blocks}"
+        )
+    ranges: list[tuple[int, int]] = []
+    start = 0
+    for n in counts:
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+class StageModule(nn.Module):
+    """Blocks ``[start, stop)`` of a model; ``state_dict`` keys are the full model's."""
+
+    def __init__(self, blocks: Mapping[int, nn.Module], recompute: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({str(i): block for i, block in sorted(blocks.items())})
+        self.recompute = recompute
+
+    @property
+    def block_indices(self) -> list[int]:
+        return [int(k) for k in self.blocks]
+
+    def forward(
+        self, x: torch.Tensor, weights: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Run the blocks in order; ``weights`` (``named_parameters`` keys) replaces the live ones."""
+        for key, block in self.blocks.items():
+            fn: Callable[[torch.Tensor], torch.Tensor] = block
+            if weights is not None:
+                prefix = f"blocks.{key}."
+                local = {n[len(prefix) :]: t for n, t in weights.items() if n.startswith(prefix)}
+                fn = partial(_call, block, local)
+            if self.recompute and self.training and _has_parameters(block):
+                x = checkpoint(fn, x, use_reentrant=False, preserve_rng_state=True)
+            else:
+                x = fn(x)
+        return x
+
+
+def _call(block: nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    out = functional_call(block, weights, (x,))
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def build_stage(
+    model: BlockModel, start: int, stop: int, *, recompute: bool = False
+) -> StageModule:
+    """The stage holding blocks ``[start, stop)`` of ``model`` (the modules are shared, not copied)."""
+    if not 0 <= start < stop <= model.num_blocks:
+        raise PartitionError(
+            f"stage blocks [{start}, {stop}) are outside the model's {model.num_blocks} blocks"
+        )
+    return StageModule({i: model.blocks[i] for i in range(start, stop)}, recompute=recompute)

@@ -1,0 +1,351 @@
+"""`PipelineStrategy`: the training loop's view of a pipeline (GPipe, 1F1B, PipeDream).
+
+GPipe (Huang et al. 2019), PipeDream-flush / 1F1B (Narayanan et al. 2021) and PipeDream with
+weight stashing (Narayanan et al. SOSP 2019); see docs/pipeline.md.
+
+Each rank holds one stage of one pipeline replica: mesh coordinate ``pp`` is the stage, ``dp``
+the replica. Replica ``r`` trains on data-parallel slice ``r`` of the global batch, cut into
+``m`` micro-batches (contract 1), so the synchronous schedules reproduce the single-process run.
+
+[Note: pipeline and data parallel] After a synchronous step's flush, every stage averages its
+gradients over its ``dp`` peers (the same stage of the other replicas) with one flat all-reduce
+(`comm.flat`); there is no DDP wrapper, because DDP's reducer expects each backward to follow
+its own forward, which 1F1B's interleaving breaks. The all-reduce is not overlapped with the
+backward. Gradient clipping uses the global norm: squared norms are summed over the pipeline.
+PipeDream averages over ``dp`` after every micro-batch's backward, then clips per stage (a
+global norm would need a collective across stages that run asynchronously).
+
+[Note: process groups] Training activations and gradients travel on the mesh's ``pp`` group;
+evaluation and the final weight gather use the default group. PipeDream leaves one activation
+per link in flight across step boundaries, and an evaluation between steps must not be matched
+against it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from polytrain.comm.flat import all_reduce_mean_flat_, all_reduce_sum_
+from polytrain.comm.mesh import Mesh
+from polytrain.comm.p2p import P2P, PendingSends, recv_into, send_all
+from polytrain.config.job import JobConfig
+from polytrain.data.sampler import Batches
+from polytrain.errors import ConfigError
+from polytrain.models.base import BlockModel
+from polytrain.observe.trace import Tracer
+from polytrain.pipeline.profile import choose_partition
+from polytrain.pipeline.runtime import Feed, StageRuntime, WeightStash
+from polytrain.pipeline.schedule import Action, ActionKind, build, lower, max_in_flight, validate
+from polytrain.pipeline.stage import StageModule, block_ranges, build_stage
+from polytrain.trainer.optim import build_optimizer
+from polytrain.trainer.strategy import NonFiniteLossError, StepOutput
+
+__all__ = ["PipelineStrategy", "check_pipeline_job"]
+
+EVAL = "eval"
+
+
+def check_pipeline_job(job: JobConfig) -> None:
+    """Combinations the pipeline runtime does not offer; each a one-line `ConfigError`."""
+    p = job.parallel
+    if p.tp > 1:
+        raise ConfigError(
+            f"parallel.tp = {p.tp} with parallel.pp = {p.pp}: tensor parallelism inside "
+            "pipeline stages is not supported; use tp = 1 or pp = 1"
+        )
+    if p.zero:
+        raise ConfigError(
+            f"parallel.zero = {p.zero} with parallel.pp = {p.pp}: ZeRO sharding of pipeline "
+            "stages is not supported; use zero = 0 (stages replicate over dp)"
+        )
+    if p.sync != "allreduce":
+        raise ConfigError(
+            f"parallel.sync = {p.sync!r} with parallel.pp = {p.pp}: pipeline replicas combine "
+            "gradients by all-reduce only; use sync = 'allreduce'"
+        )
+
+
+def _sync_index(step: int, offset: int, microbatch: int) -> tuple[int, int]:
+    """(step, micro-batch of the step) of micro-batch ``microbatch`` of one flush."""
+    return step, offset + microbatch
+
+
+def _stream_index(first_step: int, per_step: int, microbatch: int) -> tuple[int, int]:
+    """(step, micro-batch of the step) of micro-batch ``microbatch`` of a PipeDream stream."""
+    return first_step + microbatch // per_step, microbatch % per_step
+
+
+@dataclass
+class _Stream:
+    """A PipeDream micro-batch stream from step ``first_step`` to the end of training."""
+
+    first_step: int
+    program: list[Action]
+    ends: list[int]  # program index after each step's slice
+    next_step: int
+
+    def slice(self, step: int) -> tuple[list[Action], bool]:
+        r = step - self.first_step
+        start = self.ends[r - 1] if r else 0
+        return self.program[start : self.ends[r]], r == len(self.ends) - 1
+
+
+class PipelineStrategy:
+    """One stage of a (possibly data-parallel) pipeline; implements `trainer.strategy.Strategy`."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        model: BlockModel,
+        mesh: Mesh,
+        batches: Batches,
+        device: torch.device,
+    ) -> None:
+        check_pipeline_job(job)
+        self.job, self.mesh, self.batches, self.device = job, mesh, batches, device
+        self.schedule_name = job.pipeline.schedule
+        self.num_stages = mesh.dims.pp
+        self.stage_index = mesh.coord("pp")
+        self.dp, self.dp_rank = mesh.dims.dp, mesh.coord("dp")
+        self.microbatches = job.pipeline.microbatches
+        self.accum = job.train.grad_accum
+        per_step = self.microbatches * self.accum
+        sample = batches.train(0, self.dp_rank, self.dp, 0, per_step)
+        counts = choose_partition(job, model, sample, self.num_stages)
+        self.ranges = block_ranges(counts, model.num_blocks)
+        start, stop = self.ranges[self.stage_index]
+        self.stage: StageModule = build_stage(
+            model, start, stop, recompute=job.parallel.recompute
+        ).to(device)
+        self._optimizer = build_optimizer(self.stage.parameters(), job.optim)
+        self._tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
+        self._stage_keys = self._keys_per_stage(model)
+
+        pp_ranks = mesh.dims.group_ranks("pp", mesh.rank)
+        s = self.stage_index
+        self.prev_rank = pp_ranks[s - 1] if s > 0 else None
+        self.next_rank = pp_ranks[s + 1] if s < self.num_stages - 1 else None
+        self.eval_p2p = P2P(None, device)
+        pipedream = self.schedule_name == "pipedream"
+        params = dict(self.stage.named_parameters())
+        self.stash = WeightStash(params, max_in_flight(s, self.num_stages)) if pipedream else None
+        dtype = torch.bfloat16 if job.train.dtype == "bf16" else None
+        self.runtime = StageRuntime(
+            self.stage,
+            s,
+            self.num_stages,
+            P2P(mesh.group("pp"), device),
+            prev_rank=self.prev_rank,
+            next_rank=self.next_rank,
+            loss_fn=model.loss_fn,
+            tracer=self._tracer,
+            device=device,
+            autocast_dtype=dtype,
+            stash=self.stash,
+            after_backward=self._pipedream_update if pipedream else None,
+        )
+        self._program: list[Action] = []
+        if not pipedream:
+            schedule = build(self.schedule_name, self.num_stages, self.microbatches)
+            lowered = lower(schedule)
+            validate(lowered, self.num_stages, self.microbatches)
+            self._program = [a for a in lowered[s] if a is not None]
+        self._stream: _Stream | None = None
+        self._data_step = -1
+        self._data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        suffix = f"-dp{self.dp}" if self.dp > 1 else ""
+        self.name = f"{self.schedule_name}-pp{self.num_stages}-m{self.microbatches}{suffix}"
+
+    # -- Strategy properties -------------------------------------------------------------------
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [self.stage]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    @property
+    def tracer(self) -> Tracer:
+        return self._tracer
+
+    def set_lr(self, lr: float) -> None:
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _micro(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``index`` of this replica's slice of step ``step`` (cached per step)."""
+        if step != self._data_step:
+            self._data_step, self._data = step, {}
+        if index not in self._data:
+            per_step = self.microbatches * self.accum
+            self._data[index] = self.batches.train(step, self.dp_rank, self.dp, index, per_step)
+        return self._data[index]
+
+    def train_step(self, step: int) -> StepOutput:
+        self.stage.train()
+        if self.stash is not None:
+            return self._pipedream_step(step)
+        self._optimizer.zero_grad(set_to_none=True)
+        m, accum = self.microbatches, self.accum
+        loss = torch.zeros((), device=self.device)
+        for k in range(accum):
+            feed = self._feed(partial(_sync_index, step, k * m), 1.0 / (m * accum), step)
+            loss += self.runtime.run(self._program, feed)
+            self.runtime.finish()
+        grads = self._grads()
+        if self.dp > 1:
+            with self._tracer.span("allreduce_grads", cat="comm", step=step):
+                all_reduce_mean_flat_(grads, self.mesh.group("dp"))
+        value = float(all_reduce_sum_(loss, None)) / self.dp
+        if not math.isfinite(value):
+            return self._nonfinite(step, value)
+        with self._tracer.span("optimizer", cat="optim", step=step):
+            if self.job.optim.grad_clip > 0:
+                self._clip_global(grads)
+            self._optimizer.step()
+        return StepOutput(loss=value)
+
+    def _feed(self, where: Callable[[int], tuple[int, int]], scale: float, step: int) -> Feed:
+        return Feed(
+            inputs=lambda i: self._micro(*where(i))[0],
+            targets=lambda i: self._micro(*where(i))[1],
+            scale=scale,
+            step=step,
+        )
+
+    def _grads(self) -> list[torch.Tensor]:
+        for p in self.stage.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.stage.parameters() if p.grad is not None]
+
+    def _clip_global(self, grads: list[torch.Tensor]) -> None:
+        """``clip_grad_norm_`` over the whole model: squared norms summed over the pipeline."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            squares += g.detach().float().pow(2).sum()
+        total = all_reduce_sum_(squares, self.mesh.group("pp")).sqrt()
+        coef = torch.clamp(self.job.optim.grad_clip / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+
+    def _nonfinite(self, step: int, value: float) -> StepOutput:
+        self._optimizer.zero_grad(set_to_none=True)
+        if self.job.train.on_nonfinite == "skip" and self.stash is None:
+            return StepOutput(loss=value, skipped=True)
+        raise NonFiniteLossError(
+            f"loss is {value} at step {step}: lower optim.lr, enable optim.grad_clip, or set "
+            "train.on_nonfinite = 'skip' (not available with pipeline.schedule = 'pipedream', "
+            "which has already applied its updates)"
+        )
+
+    # -- PipeDream -----------------------------------------------------------------------------
+
+    def _start_stream(self, step: int) -> _Stream:
+        per_step = self.microbatches * self.accum
+        num_steps = max(self.job.train.steps - step, 1)
+        total = num_steps * per_step
+        lowered = lower(build("pipedream", self.num_stages, total))[self.stage_index]
+        program = [a for a in lowered if a is not None]
+        position = {a: n for n, a in enumerate(program)}
+        s = self.stage_index
+        ends: list[int] = []
+        for r in range(num_steps - 1):
+            end = position[Action(s, ActionKind.B, (r + 1) * per_step - 1)] + 1
+            ends.append(end + (1 if s > 0 else 0))  # SEND_B follows its B
+        ends.append(len(program))
+        return _Stream(step, program, ends, step)
+
+    def _pipedream_step(self, step: int) -> StepOutput:
+        if self._stream is None or self._stream.next_step != step:
+            assert self._stream is None or self.runtime.in_flight == 0, "stream restarted mid-way"
+            self._stream = self._start_stream(step)
+        stream = self._stream
+        actions, last = stream.slice(step)
+        per_step = self.microbatches * self.accum
+        first = stream.first_step
+        feed = self._feed(partial(_stream_index, first, per_step), 1.0, step)
+        loss = self.runtime.run(actions, feed)
+        if last:
+            self.runtime.finish()
+            self._stream = None
+        else:
+            self.runtime.pending.prune()
+            stream.next_step = step + 1
+        value = float(all_reduce_sum_(loss, None)) / self.dp / per_step
+        if not math.isfinite(value):
+            return self._nonfinite(step, value)
+        return StepOutput(loss=value)
+
+    def _pipedream_update(self, microbatch: int) -> None:
+        """PipeDream: apply this micro-batch's gradient right away (one weight version more)."""
+        assert self.stash is not None
+        with self._tracer.span("optimizer", cat="optim", microbatch=microbatch):
+            grads = self._grads()
+            if self.dp > 1:
+                all_reduce_mean_flat_(grads, self.mesh.group("dp"))
+            if self.job.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.stage.parameters(), self.job.optim.grad_clip)
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+            self.stash.version += 1
+
+    # -- evaluation and weights ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, num_batches: int) -> float:
+        """Forward-only through the pipeline on the live weights; the loss reaches every rank."""
+        self.stage.eval()
+        total = torch.zeros((), device=self.device)
+        pending = PendingSends()
+        for i in range(num_batches):
+            if self.prev_rank is None:
+                x = self.batches.val(i, self.dp_rank, self.dp)[0]
+            else:
+                x = self.eval_p2p.recv(self.prev_rank, EVAL)
+            with self._tracer.span("eval_F", cat="eval", microbatch=i, stage=self.stage_index):
+                out = self.runtime.forward_only(x)
+            if self.next_rank is None:
+                y = self.batches.val(i, self.dp_rank, self.dp)[1].to(self.device)
+                total += self.runtime.loss_fn(out, y).float()
+            else:
+                self.eval_p2p.isend(out, self.next_rank, EVAL, pending)
+        pending.wait()
+        self.stage.train()
+        return float(all_reduce_sum_(total, None)) / self.dp / num_batches
+
+    def _keys_per_stage(self, model: BlockModel) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
+        """Every stage's state-dict keys, shapes and dtypes, in the full model's order."""
+        out: list[list[tuple[str, torch.Size, torch.dtype]]] = [[] for _ in self.ranges]
+        for key, value in model.state_dict().items():
+            block = int(key.split(".")[1])
+            stage = next(s for s, (a, b) in enumerate(self.ranges) if a <= block < b)
+            out[stage].append((key, value.shape, value.dtype))
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: stages of replica 0 send their weights to global rank 0 (tensors only)."""
+        state = self.stage.state_dict()
+        if self.dp_rank == 0 and self.stage_index > 0:
+            send_all([state[k] for k, _, _ in self._stage_keys[self.stage_index]], dst=0)
+        if self.mesh.rank != 0:
+            return {}
+        out = {k: state[k].detach().cpu().clone() for k, _, _ in self._stage_keys[0]}
+        for s in range(1, self.num_stages):
+            keys = self._stage_keys[s]
+            buffers = [
+                torch.empty(shape, dtype=dtype, device=self.device) for _, shape, dtype in keys
+            ]
+            recv_into(buffers, src=self.mesh.dims.rank_of(pp=s, dp=0))
+            out.update({k: b.cpu() for (k, _, _), b in zip(keys, buffers, strict=True)})
+        return out
