@@ -36,9 +36,9 @@ from polytrain.comm.mesh import Mesh
 from polytrain.comm.p2p import P2P, PendingSends, recv_into, send_all
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
-from polytrain.errors import ConfigError
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
+from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import choose_partition
 from polytrain.pipeline.runtime import Feed, StageRuntime, WeightStash
 from polytrain.pipeline.schedule import Action, ActionKind, build, lower, max_in_flight, validate
@@ -46,29 +46,9 @@ from polytrain.pipeline.stage import StageModule, block_ranges, build_stage
 from polytrain.trainer.optim import build_optimizer
 from polytrain.trainer.strategy import NonFiniteLossError, StepOutput
 
-__all__ = ["PipelineStrategy", "check_pipeline_job"]
+__all__ = ["PipelineStrategy"]
 
 EVAL = "eval"
-
-
-def check_pipeline_job(job: JobConfig) -> None:
-    """Combinations the pipeline runtime does not offer; each a one-line `ConfigError`."""
-    p = job.parallel
-    if p.tp > 1:
-        raise ConfigError(
-            f"parallel.tp = {p.tp} with parallel.pp = {p.pp}: tensor parallelism inside "
-            "pipeline stages is not supported; use tp = 1 or pp = 1"
-        )
-    if p.zero:
-        raise ConfigError(
-            f"parallel.zero = {p.zero} with parallel.pp = {p.pp}: ZeRO sharding of pipeline "
-            "stages is not supported; use zero = 0 (stages replicate over dp)"
-        )
-    if p.sync != "allreduce":
-        raise ConfigError(
-            f"parallel.sync = {p.sync!r} with parallel.pp = {p.pp}: pipeline replicas combine "
-            "gradients by all-reduce only; use sync = 'allreduce'"
-        )
 
 
 def _sync_index(step: int, offset: int, microbatch: int) -> tuple[int, int]:
@@ -241,12 +221,11 @@ class PipelineStrategy:
 
     def _nonfinite(self, step: int, value: float) -> StepOutput:
         self._optimizer.zero_grad(set_to_none=True)
-        if self.job.train.on_nonfinite == "skip" and self.stash is None:
+        if self.job.train.on_nonfinite == "skip":  # never with pipedream (check_pipeline_job)
             return StepOutput(loss=value, skipped=True)
         raise NonFiniteLossError(
             f"loss is {value} at step {step}: lower optim.lr, enable optim.grad_clip, or set "
-            "train.on_nonfinite = 'skip' (not available with pipeline.schedule = 'pipedream', "
-            "which has already applied its updates)"
+            "train.on_nonfinite = 'skip' (synchronous schedules only)"
         )
 
     # -- PipeDream -----------------------------------------------------------------------------

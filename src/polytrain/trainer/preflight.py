@@ -15,6 +15,7 @@ from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, PartitionError
 from polytrain.models.base import BlockModel
 from polytrain.models.registry import block_size_of, build_model
+from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import check_partition
 
 __all__ = ["preflight"]
@@ -36,4 +37,5 @@ def preflight(job: JobConfig) -> BlockModel:
             f"blocks: use at most {model.num_blocks} stages or a deeper model"
         )
     check_partition(job, model, train_data)
+    check_pipeline_job(job)
     return model

@@ -1,0 +1,76 @@
+"""Bad pipeline input is one line on stderr and exit code 2, before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from polytrain.cli.app import main
+
+PIPE = ["--model", "mlp", "--nproc", "2", "--pp", "2"]  # mlp tiny: 4 blocks
+
+CASES = {
+    "more stages than blocks": (
+        ["--model", "mlp", "--nproc", "8", "--pp", "8", "--batch-size", "8"],
+        "parallel.pp = 8 stages but the model has only 4 blocks",
+    ),
+    "micro-batches do not divide the batch": (
+        [*PIPE, "--microbatches", "3", "--batch-size", "32"],
+        "dp x grad_accum x microbatches = 1 x 1 x 3 = 3",
+    ),
+    "partition does not sum to the blocks": (
+        [*PIPE, "--partition", "1,2"],
+        "pipeline.partition = [1, 2] sums to 3 but the model has 4 blocks",
+    ),
+    "partition has the wrong number of stages": (
+        [*PIPE, "--partition", "2,1,1"],
+        "has 3 stage(s) but parallel.pp = 2",
+    ),
+    "partition with an empty stage": ([*PIPE, "--partition", "4,0"], "at least one block"),
+    "unknown schedule": ([*PIPE, "--schedule", "zigzag"], "pipeline.schedule = 'zigzag'"),
+    "tensor parallel inside stages": (
+        ["--model", "mlp", "--nproc", "4", "--pp", "2", "--tp", "2"],
+        "parallel.tp = 2 with parallel.pp = 2",
+    ),
+    "zero with pipeline": ([*PIPE, "--nproc", "4", "--zero", "3"], "parallel.zero = 3 with"),
+    "pipedream cannot skip a step": (
+        [*PIPE, "--schedule", "pipedream", "--set", "train.on_nonfinite=skip"],
+        "train.on_nonfinite = 'skip' with pipeline.schedule = 'pipedream'",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_pipeline_input(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args, expected = CASES[name]
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--dry-run", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("polytrain: error: ")
+    assert expected in lines[0], lines[0]
+
+
+def test_good_pipeline_job_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    """The same flags with valid values get through preflight (dry run prints the job)."""
+    with pytest.raises(SystemExit) as exc:
+        main(
+            [
+                "train",
+                "--dry-run",
+                *PIPE,
+                "--schedule",
+                "1f1b",
+                "--microbatches",
+                "4",
+                "--partition",
+                "1,3",
+                "--recompute",
+            ]
+        )
+    assert exc.value.code == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert 'schedule = "1f1b"' in out
+    assert "partition = [\n    1,\n    3,\n]" in out
+    assert "recompute = true" in out
