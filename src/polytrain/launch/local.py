@@ -2,7 +2,8 @@
 
 [Note: rendezvous address] With one node and no ``--rdzv-endpoint`` the rendezvous store and the
 workers' master address are ``127.0.0.1`` on a free port, and gloo is pinned to the loopback
-interface, so a local run accepts no connection from another host. Naming an endpoint (multi-node)
+interface, so a local run accepts no connection from another host (torch's stores would listen
+on every interface; see [Note: loopback rendezvous] in launch/loopback.py). Naming an endpoint (multi-node)
 makes the store listen where the user said; see docs/reliability.md for what that exposes.
 
 Workers' output: rank 0's stdout reaches the terminal (progress bar, summary); every rank's
@@ -26,6 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from polytrain.config.job import JobConfig
+from polytrain.launch import loopback
 
 __all__ = ["WorkerFailure", "launch"]
 
@@ -72,7 +74,7 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
         max_nodes=lc.nnodes,
         nproc_per_node=lc.nproc,
         run_id=uuid.uuid4().hex if local else "polytrain",
-        rdzv_backend="c10d",
+        rdzv_backend=loopback.BACKEND if local else "c10d",
         rdzv_endpoint=endpoint,
         rdzv_configs={"rank": lc.node_rank, "timeout": 900} if not local else {"timeout": 900},
         max_restarts=lc.max_restarts,
@@ -81,6 +83,7 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
         local_addr="127.0.0.1" if local else None,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=redirects),
     )
+    loopback.register()  # [Note: loopback rendezvous]
     env_before = dict(os.environ)
     # One compute thread per worker unless the user chose otherwise: N workers on N cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")

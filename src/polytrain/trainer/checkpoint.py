@@ -356,6 +356,8 @@ class Checkpointer:
         if manifest.rng.get("world_size") == self.world_size and rng is not None:
             torch.set_rng_state(rng)
         self.last_saved = step
+        if self.rank == 0:
+            print(f"polytrain: resumed from {path} (step {step})", flush=True)
         return step
 
 
