@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover
     import click.exceptions as cx  # type: ignore[no-redef]
 
 from polytrain.cli.doctor import doctor
+from polytrain.cli.timeline import timeline_command
 from polytrain.cli.train import train_command
 from polytrain.errors import PolytrainError
 from polytrain.launch.local import WorkerFailure
@@ -32,6 +33,7 @@ app = typer.Typer(
 )
 app.command("train")(train_command)
 app.command("doctor")(doctor)
+app.command("timeline")(timeline_command)
 
 
 def _subclasses(cls: type) -> list[type]:
