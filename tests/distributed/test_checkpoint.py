@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from polytrain.config import JobConfig
 from polytrain.testing import assert_state_close, run_distributed
@@ -42,10 +43,15 @@ def run(job: JobConfig) -> dict[str, Any]:
 
 
 def job(
-    ckpt: Path | str = "", nproc: int = 2, resume: bool = False, **sections: dict[str, Any]
+    ckpt: Path | str = "",
+    nproc: int = 2,
+    resume: bool = False,
+    extra: dict[str, Any] | None = None,
+    **sections: dict[str, Any],
 ) -> JobConfig:
     """AdamW with warm-up, cosine decay and clipping: optimizer state and schedule both matter."""
     sections.setdefault("parallel", {})
+    extra = extra or {}
     return small_job(
         optim={
             "name": "adamw",
@@ -55,7 +61,9 @@ def job(
             "grad_clip": 1.0,
         },
         train={"steps": STEPS},
-        checkpoint={"dir": str(ckpt), "every": SAVED, "keep": 5, "resume": resume} if ckpt else {},
+        checkpoint={"dir": str(ckpt), "every": SAVED, "keep": 5, "resume": resume, **extra}
+        if ckpt
+        else {},
         launch={"nproc": nproc},
         **sections,
     )
@@ -153,3 +161,16 @@ def test_sharded_save_resumes_under_another_sharding(root: str) -> None:
     resumed = run(job(ckpt, parallel={"zero": 3}, resume=True))
     assert resumed["start"] == SAVED
     assert_state_close(resumed["state"], single_process()["state"], atol=1e-5)
+
+
+def test_async_save_writes_the_same_bytes_and_keeps_the_newest(root: str, tmp_path: Path) -> None:
+    run(job(tmp_path, extra={"async_save": True, "keep": 1}))
+    assert [s for s, _ in committed(tmp_path)] == [STEPS]
+    uninterrupted(root)
+    for rank in range(2):
+        name = f"rank_{rank:05d}.safetensors"
+        ours = load_file(step_dir(tmp_path, STEPS) / name)
+        sync = load_file(step_dir(Path(root) / "full", STEPS) / name)
+        assert sorted(ours) == sorted(sync)
+        for key, tensor in sync.items():  # generator states depend on the process's history
+            assert key.startswith("rng.") or torch.equal(ours[key], tensor), key
