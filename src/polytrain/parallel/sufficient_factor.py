@@ -54,6 +54,7 @@ __all__ = [
     "apply_sufficient_factor",
     "choose_layers",
     "layer_cost",
+    "plain_linears",
     "probe_rows_per_sample",
 ]
 
@@ -196,7 +197,7 @@ class _SufficientFactorLinear(nn.Linear):
         return out
 
 
-def _plain_linears(model: nn.Module) -> dict[str, nn.Linear]:
+def plain_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Linear layers whose forward is nn.Linear's own (a subclass may compute otherwise)."""
     return {
         name: m
@@ -210,7 +211,7 @@ def probe_rows_per_sample(model: nn.Module, sample: torch.Tensor) -> dict[str, i
     """Rows each plain Linear sees per input sample (1, or T for (B, T, n) activations)."""
     rows: dict[str, int] = {}
     handles = []
-    for name, layer in _plain_linears(model).items():
+    for name, layer in plain_linears(model).items():
 
         def hook(_: nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
             rows[name] = args[0].numel() // args[0].size(-1)
@@ -238,7 +239,7 @@ def apply_sufficient_factor(
     chosen layers' parameters are marked for DDP to ignore.
     """
     world = mesh.dims.dp
-    linears = _plain_linears(model)
+    linears = plain_linears(model)
     per_sample = probe_rows_per_sample(model, sample)
     costs = [
         layer_cost(

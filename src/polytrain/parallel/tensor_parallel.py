@@ -89,7 +89,8 @@ def resolve_tp_plan(
     """Module path -> style for this model and degree, every rule checked (no collectives)."""
     plan = parse_plan(rows) if rows else _builtin_plan(model_name, model, tp)
     infos = module_infos(model)
-    assignment = match_plan(plan, list(infos))
+    splittable = [n for n, i in infos.items() if i.kind != "other"]
+    assignment = match_plan(plan, list(infos), splittable)
     check_plan(assignment, infos, tp)
     return assignment
 

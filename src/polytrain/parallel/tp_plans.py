@@ -87,18 +87,21 @@ def parse_plan(rows: Sequence[str]) -> list[PlanEntry]:
     return plan
 
 
-def match_plan(plan: Sequence[PlanEntry], names: Sequence[str]) -> dict[str, Style]:
+def match_plan(
+    plan: Sequence[PlanEntry], names: Sequence[str], suggest: Sequence[str] = ()
+) -> dict[str, Style]:
     """Module path -> style, first matching row wins. A row that matches nothing is an error
-    naming the pattern and a few module paths it could have meant."""
+    naming the pattern and a few module paths (from ``suggest``, else ``names``) it could mean."""
     out: dict[str, Style] = {}
     for entry in plan:
         hits = [n for n in names if fnmatch.fnmatchcase(n, entry.pattern)]
         if not hits:
-            shown = [n for n in names if n][:8]
+            pool = [n for n in (suggest or names) if n]
+            shown = pool[:6]
             raise ConfigError(
                 f"tensor-parallel plan row {str(entry)!r}: pattern {entry.pattern!r} matches no "
-                f"module; module paths look like {', '.join(shown)}"
-                + (" ..." if len([n for n in names if n]) > len(shown) else "")
+                f"module; splittable module paths look like {', '.join(shown)}"
+                + (f" ... ({len(pool)} in all)" if len(pool) > len(shown) else "")
             )
         for name in hits:
             out.setdefault(name, entry.style)

@@ -15,6 +15,8 @@ from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, PartitionError
 from polytrain.models.base import BlockModel
 from polytrain.models.registry import block_size_of, build_model
+from polytrain.parallel.sufficient_factor import choose_layers, plain_linears
+from polytrain.parallel.tensor_parallel import resolve_tp_plan
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import check_partition
 
@@ -38,4 +40,8 @@ def preflight(job: JobConfig) -> BlockModel:
         )
     check_partition(job, model, train_data)
     check_pipeline_job(job)
+    if job.parallel.tp > 1:  # heads, widths and vocabulary divisible; every plan row matches
+        resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)
+    if job.parallel.sufficient_factor == "on" and not plain_linears(model):
+        choose_layers([], "on")  # raises: nothing to exchange factors for
     return model
