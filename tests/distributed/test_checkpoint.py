@@ -124,8 +124,8 @@ def test_exact_resume_same_layout(root: str) -> None:
 
 @pytest.mark.parametrize(
     ("nproc", "parallel"),
-    [(1, {}), (2, {"zero": 3}), (2, {"tp": 2})],
-    ids=["dp1", "zero3-dp2", "tp2"],
+    [(1, {}), (2, {"zero": 3}), (2, {"tp": 2}), (2, {"pp": 2})],
+    ids=["dp1", "zero3-dp2", "tp2", "pp2"],
 )
 def test_resume_under_another_layout(root: str, nproc: int, parallel: dict[str, Any]) -> None:
     ckpt = stopped_at_step_3(root, "layout-" + "-".join(f"{k}{v}" for k, v in parallel.items()))
@@ -153,10 +153,14 @@ def test_corrupt_checkpoint_is_refused_and_the_previous_used(root: str) -> None:
         assert torch.equal(resumed["state"][name], expected), name
 
 
-def test_sharded_save_resumes_under_another_sharding(root: str) -> None:
-    """Saved from tensor-parallel shards (DTensor), resumed as FSDP2 (ZeRO-3) shards."""
-    ckpt = Path(root) / "from-tp2"
-    run(job(ckpt, parallel={"tp": 2}))
+@pytest.mark.parametrize("saved_under", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_sharded_save_resumes_under_another_sharding(
+    root: str, saved_under: dict[str, int]
+) -> None:
+    """Saved from tensor-parallel shards (DTensor) or pipeline stages (each rank writes its own
+    blocks), resumed as FSDP2 (ZeRO-3) shards."""
+    ckpt = Path(root) / ("from-" + "-".join(f"{k}{v}" for k, v in saved_under.items()))
+    run(job(ckpt, parallel=saved_under))
     shutil.rmtree(step_dir(ckpt, STEPS))
     resumed = run(job(ckpt, parallel={"zero": 3}, resume=True))
     assert resumed["start"] == SAVED
