@@ -306,6 +306,7 @@ class Checkpointer:
             },
             versions={"torch": torch.__version__, "polytrain": polytrain.__version__},
             job_fingerprint=job_fingerprint(job, self.world_size),
+            job=to_dict(job),
         )
         for post in posts:
             manifest.files[post["file"]] = {"sha256": post["sha256"], "bytes": post["bytes"]}
@@ -322,6 +323,9 @@ class Checkpointer:
         _fsync_dir(self.root)
         for _, old in committed(self.root)[self.job.checkpoint.keep :]:
             shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob("step_*.tmp"):  # left by saves that crashed
+            if stale.name[5:-4].isdigit() and int(stale.name[5:-4]) <= step:
+                shutil.rmtree(stale, ignore_errors=True)
 
     # -------------------------------------------------------------------------- restore
     def restore(self) -> int:
@@ -335,6 +339,8 @@ class Checkpointer:
                 _warn(f"no valid checkpoint in {self.root}: starting from step 0")
             else:
                 chosen = found[1].step
+                for difference in _job_differences(found[1].job, to_dict(self.job)):
+                    _warn(f"checkpoint step {chosen} was saved by another job: {difference}")
         step = broadcast_int(chosen)
         if step < 0:
             return 0
@@ -395,6 +401,20 @@ def _like(tensor: torch.Tensor, live: Any, key: str, path: Path) -> Any:
             f"{tuple(live.shape)}: the checkpoint is from a different model size"
         )
     return tensor.to(dtype=live.dtype, device=live.device)
+
+
+_TRAJECTORY = ("model", "data", "optim", "train")  # what a resumed run's trajectory depends on
+
+
+def _job_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``section.key = saved -> current`` for the fields that shape the training trajectory."""
+    out = []
+    for section in _TRAJECTORY:
+        old, new = saved.get(section, {}), current.get(section, {})
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                out.append(f"{section}.{key} = {old.get(key)!r} -> {new.get(key)!r}")
+    return out
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class Manifest:
     job_fingerprint: str
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> sha256, bytes
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> file, dtype, shape
+    job: dict[str, Any] = field(default_factory=dict)  # the saving job's config, for comparison
     format: str = FORMAT
 
     def to_json(self) -> str:
