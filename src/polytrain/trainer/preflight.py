@@ -12,7 +12,7 @@ import torch
 
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
-from polytrain.errors import ConfigError, PartitionError
+from polytrain.errors import ConfigError, MeshError, PartitionError
 from polytrain.models.base import BlockModel
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.parallel.sufficient_factor import choose_layers, plain_linears
@@ -42,6 +42,12 @@ def preflight(job: JobConfig) -> BlockModel:
     check_pipeline_job(job)
     if job.parallel.tp > 1:  # heads, widths and vocabulary divisible; every plan row matches
         resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)
+    if job.launch.nnodes > 1 and job.launch.nproc % job.parallel.tp:
+        raise MeshError(  # consecutive ranks share a host; tp groups are consecutive ranks
+            f"parallel.tp = {job.parallel.tp} does not divide --nproc {job.launch.nproc}: "
+            "tensor-parallel groups would straddle hosts; choose a tp that divides the "
+            "processes per node"
+        )
     if job.parallel.sufficient_factor == "on" and not plain_linears(model):
         choose_layers([], "on")  # raises: nothing to exchange factors for
     return model
