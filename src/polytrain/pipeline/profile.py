@@ -114,26 +114,46 @@ class _BlockRun:
         wrt = self.inputs + self.params
         if wrt and self.value.requires_grad:
             torch.autograd.grad(self.value, wrt, grad_outputs=torch.ones_like(self.value))
-        self.value = None
+        self.out = self.value = None
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """[Note: profile clock] On a CPU with one intra-op thread, the process's CPU time: it
+    leaves out the time other processes on a shared machine take from us, which wall time
+    would charge to whichever block was running. Otherwise (CUDA, or several threads whose CPU
+    time would add up) the wall clock, synchronised around each measurement."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
 
 
 def _median_times(
-    run: _BlockRun, device: torch.device, warmup: int, repeats: int
-) -> tuple[float, float]:
-    forward, backward = [], []
-    for i in range(warmup + repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        run.forward()
-        _sync(device)
-        t1 = time.perf_counter()
-        run.backward()
-        _sync(device)
-        t2 = time.perf_counter()
-        if i >= warmup:
-            forward.append(t1 - t0)
-            backward.append(t2 - t1)
-    return statistics.median(forward), statistics.median(backward)
+    runs: list[_BlockRun], device: torch.device, warmup: int, repeats: int
+) -> list[tuple[float, float]]:
+    """Median (forward, backward) seconds per block, timed in rounds over all blocks.
+
+    Interleaving the blocks spreads any drift in the machine's load (other processes, clock
+    changes) over every block alike, so it skews their ratios, which drive the search, less.
+    """
+    clock = _clock(device)
+    forward: list[list[float]] = [[] for _ in runs]
+    backward: list[list[float]] = [[] for _ in runs]
+    for round_index in range(warmup + repeats):
+        for k, run in enumerate(runs):
+            _sync(device)
+            t0 = clock()
+            run.forward()
+            _sync(device)
+            t1 = clock()
+            run.backward()
+            _sync(device)
+            t2 = clock()
+            if round_index >= warmup:
+                forward[k].append(t1 - t0)
+                backward[k].append(t2 - t1)
+    return [
+        (statistics.median(f), statistics.median(b)) for f, b in zip(forward, backward, strict=True)
+    ]
 
 
 def profile_blocks(
@@ -148,7 +168,7 @@ def profile_blocks(
 
     Block ``i`` runs on the output of block ``i - 1`` (detached, so each block is timed alone);
     the last block's forward and backward include the loss, as on the last pipeline stage.
-    Times are medians over ``repeats`` after ``warmup`` runs. ``optimizer_factor`` is the
+    Times are medians over ``repeats`` after ``warmup`` runs ([Note: profile clock]). ``optimizer_factor`` is the
     optimizer-state bytes per parameter byte (`optimizer_state_factor`: AdamW 2, SGD momentum 1,
     plain SGD 0). Activation bytes are the distinct storages autograd saves, parameters and
     buffers excluded, de-duplicated within a block (two adjacent blocks saving the same tensor
@@ -160,43 +180,48 @@ def profile_blocks(
     device = inputs.device
     static = {_storage_key(t) for t in model.parameters()}
     static |= {_storage_key(t) for t in model.buffers()}
-    profiles: list[BlockProfile] = []
+    runs: list[_BlockRun] = []
+    sizes: list[tuple[int, int, int]] = []  # activation, input, output bytes
     x = inputs
     with _restored(model, device):
         for index, block in enumerate(model.blocks):
-            last = index == len(model.blocks) - 1
             x_in = x.detach()
             if x_in.is_floating_point():
                 x_in.requires_grad_(True)
             loss: Callable[[torch.Tensor], torch.Tensor] | None = None
-            if last:
+            if index == len(model.blocks) - 1:
 
                 def loss(out: torch.Tensor) -> torch.Tensor:
                     return model.loss(out, targets)
 
             run = _BlockRun(block, x_in, loss)
             activation = _saved_bytes(run.forward, static)
+            assert run.out is not None
+            out = run.out.detach()
             run.backward()
-            forward_s, backward_s = _median_times(run, device, warmup, repeats)
-            with torch.no_grad():
-                out = block(x_in)
-            params = [p for p in block.parameters()]
-            param_bytes = sum(_nbytes(p) for p in params)
-            trainable = sum(_nbytes(p) for p in params if p.requires_grad)
-            profiles.append(
-                BlockProfile(
-                    forward_s=forward_s,
-                    backward_s=backward_s,
-                    param_count=sum(p.numel() for p in params),
-                    param_bytes=param_bytes,
-                    grad_bytes=trainable,
-                    optimizer_bytes=optimizer_factor * trainable,
-                    activation_bytes=activation,
-                    input_bytes=_nbytes(x_in),
-                    output_bytes=_nbytes(out),
-                )
-            )
+            runs.append(run)
+            sizes.append((activation, _nbytes(x_in), _nbytes(out)))
             x = out
+        times = _median_times(runs, device, warmup, repeats)
+    profiles: list[BlockProfile] = []
+    for block, (forward_s, backward_s), (activation, input_bytes, output_bytes) in zip(
+        model.blocks, times, sizes, strict=True
+    ):
+        params = list(block.parameters())
+        trainable = sum(_nbytes(p) for p in params if p.requires_grad)
+        profiles.append(
+            BlockProfile(
+                forward_s=forward_s,
+                backward_s=backward_s,
+                param_count=sum(p.numel() for p in params),
+                param_bytes=sum(_nbytes(p) for p in params),
+                grad_bytes=trainable,
+                optimizer_bytes=optimizer_factor * trainable,
+                activation_bytes=activation,
+                input_bytes=input_bytes,
+                output_bytes=output_bytes,
+            )
+        )
     return profiles
 
 
