@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -98,7 +97,8 @@ def check_same_job(job: JobConfig, world_size: int) -> None:
 
 
 def _warn(message: str) -> None:
-    print(f"polytrain: warning: {message}", file=sys.stderr, flush=True)
+    # stdout: rank 0's stdout reaches the user's terminal; its stderr goes to the run's logs.
+    print(f"polytrain: warning: {message}", flush=True)
 
 
 class _Parts:
