@@ -95,3 +95,17 @@ def test_mlp_zero2_dp2_tp2() -> None:
     out = run_job(job)
     assert out["strategy"] == "zero2-dp2-tp2"
     _check(out, mlp_reference(2, "tokens64"))
+
+
+def test_gpt_dp2_tp2_pp2_world8() -> None:
+    """The 3-D mesh: 2 pipeline stages (1F1B, 2 micro-batches), each split over 2 tp ranks,
+    replicated over 2 dp ranks. Stage 0 holds the vocabulary-parallel embedding, stage 1 the
+    gathered output layer; the global-norm clip sums tp shards and pipeline stages."""
+    job = _gpt_job(
+        parallel={"dp": 2, "tp": 2, "pp": 2},
+        pipeline={"schedule": "1f1b", "microbatches": 2},
+        launch={"nproc": 8},
+    )
+    out = run_job(job, timeout_s=300)
+    assert out["strategy"] == "1f1b-pp2-m2-dp2-tp2"
+    _check(out, gpt_reference())

@@ -27,9 +27,9 @@ CASES = {
     ),
     "partition with an empty stage": ([*PIPE, "--partition", "4,0"], "at least one block"),
     "unknown schedule": ([*PIPE, "--schedule", "zigzag"], "pipeline.schedule = 'zigzag'"),
-    "tensor parallel inside stages": (
-        ["--model", "mlp", "--nproc", "4", "--pp", "2", "--tp", "2"],
-        "parallel.tp = 2 with parallel.pp = 2",
+    "tensor parallel inside pipedream stages": (
+        ["--model", "mlp", "--nproc", "4", "--pp", "2", "--tp", "2", "--schedule", "pipedream"],
+        "parallel.tp = 2 with pipeline.schedule = 'pipedream'",
     ),
     "zero with pipeline": ([*PIPE, "--nproc", "4", "--zero", "3"], "parallel.zero = 3 with"),
     "pipedream cannot skip a step": (

@@ -19,11 +19,12 @@ a sharded gradient's norm across tp ranks and a replicated one once; see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -31,6 +32,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from polytrain.comm.flat import all_reduce_sum_
+from polytrain.comm.mesh import Mesh
 from polytrain.errors import MeshError
 from polytrain.parallel.tp_plans import (
     ModuleInfo,
@@ -43,7 +46,15 @@ from polytrain.parallel.tp_plans import (
     parse_plan,
 )
 
-__all__ = ["apply_tensor_parallel", "module_infos", "resolve_tp_plan"]
+__all__ = [
+    "apply_tensor_parallel",
+    "apply_tensor_parallel_to_stage",
+    "full_tensors",
+    "grad_square_sum",
+    "local_tensor",
+    "module_infos",
+    "resolve_tp_plan",
+]
 
 
 def module_infos(model: nn.Module) -> dict[str, ModuleInfo]:
@@ -112,3 +123,50 @@ def apply_tensor_parallel(
     assignment = resolve_tp_plan(model_name, model, tp_mesh.size(), rows)
     parallelize_module(model, tp_mesh, {name: _style(s) for name, s in assignment.items()})
     return model
+
+
+# -- tensor parallel inside a pipeline stage (pp x dp x tp) ------------------------------------
+
+
+def apply_tensor_parallel_to_stage(
+    stage: nn.Module, model: nn.Module, tp_mesh: DeviceMesh, model_name: str, rows: Sequence[str]
+) -> nn.Module:
+    """Split one pipeline stage by the plan of the whole ``model``.
+
+    The plan is resolved (and checked) against the full model, so a row naming a module of
+    another stage is not an error; the stage's module paths are the full model's
+    (``blocks.<i>...``), so the assignment applies to it as it is.
+    """
+    assignment = resolve_tp_plan(model_name, model, tp_mesh.size(), rows)
+    names = {name for name, _ in stage.named_modules()}
+    mine = {name: _style(s) for name, s in assignment.items() if name in names}
+    if mine:
+        parallelize_module(stage, tp_mesh, mine)
+    return stage
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a view sharing storage) if it is a DTensor, else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def grad_square_sum(grads: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
+    """Sum of squares of ``grads`` over this rank's tensor-parallel group: a sharded gradient's
+    squares are summed over its shards, a replicated one (equal on every tp rank) counted once."""
+    sharded = torch.zeros((), dtype=torch.float32)
+    replicated = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        part = local_tensor(g).detach().float().pow(2).sum().cpu()
+        if isinstance(g, DTensor) and any(p.is_shard() for p in g.placements):
+            sharded += part
+        else:
+            replicated += part
+    if mesh.dims.tp > 1:
+        all_reduce_sum_(sharded, mesh.group("tp"))
+    device = grads[0].device if grads else torch.device("cpu")
+    return (sharded + replicated).to(device)
+
+
+def full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Collective over each DTensor's mesh: every value whole (plain tensors pass through)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}

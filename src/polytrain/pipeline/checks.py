@@ -13,10 +13,10 @@ def check_pipeline_job(job: JobConfig) -> None:
     p = job.parallel
     if p.pp < 2:
         return
-    if p.tp > 1:
+    if p.tp > 1 and job.pipeline.schedule == "pipedream":
         raise ConfigError(
-            f"parallel.tp = {p.tp} with parallel.pp = {p.pp}: tensor parallelism inside "
-            "pipeline stages is not supported; use tp = 1 or pp = 1"
+            f"parallel.tp = {p.tp} with pipeline.schedule = 'pipedream': weight stashing of "
+            "tensor-parallel stages is not supported; use gpipe or 1f1b, or tp = 1"
         )
     if p.zero:
         raise ConfigError(

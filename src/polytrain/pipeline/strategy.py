@@ -38,6 +38,12 @@ from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
+from polytrain.parallel.tensor_parallel import (
+    apply_tensor_parallel_to_stage,
+    full_tensors,
+    grad_square_sum,
+    local_tensor,
+)
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import choose_partition
 from polytrain.pipeline.runtime import Feed, StageRuntime, WeightStash
@@ -103,6 +109,11 @@ class PipelineStrategy:
         self.stage: StageModule = build_stage(
             model, start, stop, recompute=job.parallel.recompute
         ).to(device)
+        self.tp = mesh.dims.tp
+        if self.tp > 1:  # tensor parallel inside the stage, before dp (docs/tensor_parallel.md)
+            apply_tensor_parallel_to_stage(
+                self.stage, model, mesh.sub("tp"), job.model.name, job.parallel.tp_plan
+            )
         self._optimizer = build_optimizer(self.stage.parameters(), job.optim)
         self._tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
         self._stage_keys = self._keys_per_stage(model)
@@ -139,7 +150,7 @@ class PipelineStrategy:
         self._stream: _Stream | None = None
         self._data_step = -1
         self._data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        suffix = f"-dp{self.dp}" if self.dp > 1 else ""
+        suffix = (f"-dp{self.dp}" if self.dp > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
         self.name = f"{self.schedule_name}-pp{self.num_stages}-m{self.microbatches}{suffix}"
 
     # -- Strategy properties -------------------------------------------------------------------
@@ -185,8 +196,9 @@ class PipelineStrategy:
         grads = self._grads()
         if self.dp > 1:
             with self._tracer.span("allreduce_grads", cat="comm", step=step):
-                all_reduce_mean_flat_(grads, self.mesh.group("dp"))
-        value = float(all_reduce_sum_(loss, None)) / self.dp
+                all_reduce_mean_flat_([local_tensor(g) for g in grads], self.mesh.group("dp"))
+        # every tp rank of the last stage holds the loss: divide by tp as well
+        value = float(all_reduce_sum_(loss, None)) / self.dp / self.tp
         if not math.isfinite(value):
             return self._nonfinite(step, value)
         with self._tracer.span("optimizer", cat="optim", step=step):
@@ -211,13 +223,11 @@ class PipelineStrategy:
 
     def _clip_global(self, grads: list[torch.Tensor]) -> None:
         """``clip_grad_norm_`` over the whole model: squared norms summed over the pipeline."""
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            squares += g.detach().float().pow(2).sum()
+        squares = grad_square_sum(grads, self.mesh)  # tp shards summed, replicas counted once
         total = all_reduce_sum_(squares, self.mesh.group("pp")).sqrt()
         coef = torch.clamp(self.job.optim.grad_clip / (total + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef.to(g.dtype))
+            local_tensor(g).mul_(coef.to(g.dtype))
 
     def _nonfinite(self, step: int, value: float) -> StepOutput:
         self._optimizer.zero_grad(set_to_none=True)
@@ -301,7 +311,7 @@ class PipelineStrategy:
                 self.eval_p2p.isend(out, self.next_rank, EVAL, pending)
         pending.wait()
         self.stage.train()
-        return float(all_reduce_sum_(total, None)) / self.dp / num_batches
+        return float(all_reduce_sum_(total, None)) / self.dp / self.tp / num_batches
 
     def _keys_per_stage(self, model: BlockModel) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
         """Every stage's state-dict keys, shapes and dtypes, in the full model's order."""
@@ -315,7 +325,9 @@ class PipelineStrategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: stages of replica 0 send their weights to global rank 0 (tensors only)."""
         state = self.stage.state_dict()
-        if self.dp_rank == 0 and self.stage_index > 0:
+        if self.tp > 1 and self.dp_rank == 0:  # gather the tp shards (collective over tp)
+            state = full_tensors(state)
+        if self.dp_rank == 0 and self.stage_index > 0 and self.mesh.coord("tp") == 0:
             send_all([state[k] for k, _, _ in self._stage_keys[self.stage_index]], dst=0)
         if self.mesh.rank != 0:
             return {}
