@@ -80,3 +80,9 @@ def test_ranks_given_different_jobs_are_named_at_start_up() -> None:
     other = faulty("slow", train={"steps": 7})
     with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] were given a different job"):
         run_distributed(_train, 2, [job, other], timeout_s=90)
+
+
+def test_parameter_server_jobs_refuse_checkpoints_clearly(tmp_path: Path) -> None:
+    job = small_job(parallel={"sync": "ps"}, launch={"nproc": 2}, checkpoint={"dir": str(tmp_path)})
+    with pytest.raises(RankFailure, match="parameter-server jobs cannot be checkpointed yet"):
+        run_distributed(_train, 2, [job, job], timeout_s=90)

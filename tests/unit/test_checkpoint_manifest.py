@@ -118,3 +118,20 @@ def test_comm_failures_are_recognised() -> None:
     assert is_comm_failure(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
     assert not is_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_comm_failure(ValueError("timed out"))
+
+
+def test_module_of_names_a_shard_by_its_model_keys() -> None:
+    import torch
+    from torch import nn
+
+    from polytrain.trainer.checkpoint import module_of
+
+    flat = torch.zeros(6)
+    params = {
+        "blocks.0.fc.weight": nn.Parameter(flat[:4].view(2, 2)),
+        "blocks.2.bias": nn.Parameter(flat[4:]),
+    }
+    module = module_of(params)
+    assert list(module.state_dict()) == ["blocks.0.fc.weight", "blocks.2.bias"]
+    module.load_state_dict({"blocks.0.fc.weight": torch.ones(2, 2), "blocks.2.bias": torch.ones(2)})
+    assert torch.equal(flat, torch.ones(6))  # written in place, into the flat buffer

@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ from polytrain.trainer.manifest import (
 from polytrain.trainer.optim import lr_at
 from polytrain.trainer.strategy import NonFiniteLossError, Strategy
 
-__all__ = ["Checkpointer", "check_same_job", "job_fingerprint", "restart_count"]
+__all__ = ["Checkpointer", "check_same_job", "job_fingerprint", "module_of", "restart_count"]
 
 _OPTIONS = StateDictOptions(full_state_dict=True)
 _PER_NODE = {"launch": ("node_rank",), "observe": ("out_dir", "progress", "trace")}
@@ -83,6 +83,27 @@ def job_fingerprint(job: JobConfig, world_size: int) -> str:
     data.get("checkpoint", {}).pop("resume", None)  # restarts resume implicitly
     text = json.dumps({"job": data, "world_size": world_size}, sort_keys=True, default=str)
     return f"{fingerprint(text):016x}"
+
+
+def module_of(params: Mapping[str, nn.Parameter]) -> nn.Module:
+    """A module whose ``state_dict`` keys are the given dotted names (``blocks.3.fc.weight``).
+
+    For a strategy whose rank holds parameters outside any model module (a parameter server's
+    shard): exposing this as ``modules`` makes the shard checkpointable; loading writes into the
+    given parameters in place (they may be views of one flat buffer).
+    """
+    root = nn.Module()
+    for name, param in params.items():
+        *path, leaf = name.split(".")
+        node = root
+        for part in path:
+            child = node._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                node.add_module(part, child)
+            node = child
+        node.register_parameter(leaf, param)
+    return root
 
 
 def check_same_job(job: JobConfig, world_size: int) -> None:
@@ -112,8 +133,11 @@ class _Parts:
     def __init__(self, strategy: Strategy) -> None:
         modules = strategy.modules
         self.multi = len(modules) > 1
-        self.module: nn.Module = nn.ModuleList(modules) if self.multi else modules[0]
-        self.optimizer = strategy.optimizer
+        self.module: nn.Module = nn.ModuleList(modules) if len(modules) != 1 else modules[0]
+        # A rank without model parts (a parameter server before it exposes its shard) has no
+        # state of its own to save; an optimizer over parameters outside the modules cannot be
+        # named, so it is left out too.
+        self.optimizer = strategy.optimizer if modules else None
 
     def _strip(self, key: str) -> str:
         return key.split(".", 1)[1] if self.multi else key
@@ -175,6 +199,12 @@ class Checkpointer:
         self.job, self.strategy = job, strategy
         self.rank, self.world_size = rank, world_size
         self.root = Path(job.checkpoint.dir)
+        if job.parallel.sync == "ps" and not getattr(strategy, "checkpointable", False):
+            raise CheckpointError(
+                f"checkpoint.dir = {job.checkpoint.dir!r} with parallel.sync = 'ps': "
+                "parameter-server jobs cannot be checkpointed yet (server clocks and shards "
+                "live outside the strategy's modules); drop --checkpoint-dir for this job"
+            )
         self.parts = _Parts(strategy)
         self.refused: list[str] = []  # messages about checkpoints refused at restore (rank 0)
         self.last_saved = -1
@@ -239,15 +269,34 @@ class Checkpointer:
             self._executor.shutdown()
 
     def _owners_of(self, state: dict[str, Any]) -> dict[str, int]:
-        """Which rank writes each key: one holder, picked by the key's hash (same on all ranks)."""
+        """Which rank writes each key (the same answer on every rank).
+
+        The candidates for a key are the ranks that hold it; for a weight, only those that
+        also hold its optimizer state when any do: the rank that updates a parameter holds its
+        current value, where another rank may hold a stale copy (a parameter-server worker's
+        replica lags the server's shard by one update). One candidate, picked by the key's
+        hash, writes it, which spreads the writing over the ranks.
+        """
         if self._owners is None:
             hashes = {fingerprint(k): k for k in state}
-            gathered = all_gather_ints(sorted(hashes))
+            updated = {
+                fingerprint("updates:" + k[len("optim.") :].rsplit(".", 1)[0])
+                for k in state
+                if k.startswith("optim.")
+            }
+            gathered = all_gather_ints(sorted(hashes) + sorted(updated))
             holders: dict[int, list[int]] = {}
             for rank, values in enumerate(gathered):
                 for h in values:
                     holders.setdefault(h, []).append(rank)
-            self._owners = {k: holders[h][h % len(holders[h])] for h, k in hashes.items()}
+            owners = {}
+            for h, key in hashes.items():
+                candidates = holders[h]
+                if key.startswith("model."):
+                    updaters = holders.get(fingerprint("updates:" + key[len("model.") :]), [])
+                    candidates = [r for r in candidates if r in updaters] or candidates
+                owners[key] = candidates[h % len(candidates)]
+            self._owners = owners
         return self._owners
 
     def _write(
