@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from polytrain.comm.watchdog import collective_timeout_s
 from polytrain.config import JobConfig
 from polytrain.testing import RankFailure, run_distributed
 from polytrain.trainer.manifest import committed, verify
@@ -67,7 +68,9 @@ def test_a_rank_that_stops_participating_is_named() -> None:
     job = faulty("hang_rank1_step3", launch={"nproc": 2, "timeout_s": timeout})
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_distributed(_train, 2, [job, job], timeout_s=90, collective_timeout_s=timeout)
+        # The harness makes the process group; give it the timeout the loop would.
+        pg_timeout = collective_timeout_s(timeout)
+        run_distributed(_train, 2, [job, job], timeout_s=90, collective_timeout_s=pg_timeout)
     elapsed = time.monotonic() - t0
     message = str(info.value).splitlines()[0]
     assert message.startswith("rank 0 failed: CollectiveTimeoutError: train step 3 of ddp-dp2")

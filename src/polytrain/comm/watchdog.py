@@ -20,13 +20,30 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveTimeoutError", "Watchdog", "default_store", "is_comm_failure"]
+__all__ = [
+    "CollectiveTimeoutError",
+    "Watchdog",
+    "collective_timeout_s",
+    "default_store",
+    "grace_s",
+    "is_comm_failure",
+]
 
 _FAILURE_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")
 
 
 class CollectiveTimeoutError(RuntimeError):
     """A collective did not complete because some rank(s) did not take part in it."""
+
+
+def grace_s(timeout_s: float) -> float:
+    """How long a rank whose collective failed waits for the others to report arriving."""
+    return min(5.0, max(0.5, 0.1 * timeout_s))
+
+
+def collective_timeout_s(timeout_s: float) -> float:
+    """The process-group timeout that, plus the grace period, fits in ``timeout_s``."""
+    return max(timeout_s - grace_s(timeout_s), 0.5 * timeout_s)
 
 
 def default_store() -> dist.Store | None:
@@ -52,7 +69,7 @@ class Watchdog:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.timeout_s = timeout_s
-        self.grace_s = min(5.0, max(1.0, 0.1 * timeout_s))
+        self.grace_s = grace_s(timeout_s)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"polytrain/watchdog/{attempt}"
         self.enabled = self.store is not None and self.world_size > 1

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 import polytrain
 from polytrain.comm.collectives import barrier
 from polytrain.comm.init import DistContext, init_distributed
-from polytrain.comm.watchdog import Watchdog
+from polytrain.comm.watchdog import Watchdog, collective_timeout_s
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
@@ -64,7 +64,10 @@ def _progress(console: Console, enabled: bool) -> Progress:
 
 def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     ctx = ctx or init_distributed(
-        device=job.train.device, backend=job.launch.backend, timeout_s=job.launch.timeout_s
+        device=job.train.device,
+        backend=job.launch.backend,
+        # Leaves the watchdog's grace period inside launch.timeout_s ([Note: hang diagnosis]).
+        timeout_s=collective_timeout_s(job.launch.timeout_s),
     )
     watchdog = Watchdog(job.launch.timeout_s)
     with watchdog.guard("the start-up check that all ranks run the same job"):
