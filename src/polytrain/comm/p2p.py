@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from polytrain.errors import ProtocolError
 
-__all__ = ["MAX_NDIM", "P2P", "PendingSends", "recv_into", "send_all"]
+__all__ = ["MAX_NDIM", "P2P", "PendingSends", "Work", "new_group_of", "recv_into", "send_all"]
 
 MAX_NDIM = 6
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -41,6 +41,9 @@ _DTYPES: tuple[torch.dtype, ...] = (
 )
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _HEADER_LEN = 2 + MAX_NDIM
+
+Work = dist.Work
+"""Handle of a posted send or receive (``wait()``, ``is_completed()``)."""
 
 
 @dataclass
@@ -118,6 +121,10 @@ class P2P:
             )
         pending.add(dist.isend(tensor, dst=dst, group=self.group), tensor)
 
+    def knows(self, src: int, channel: str) -> bool:
+        """True once ``(src, channel)``'s header has arrived: `irecv` on it will not block."""
+        return (src, channel) in self._received
+
     def irecv(self, src: int, channel: str) -> tuple[torch.Tensor, dist.Work | None]:
         """Post a receive from global rank ``src``; the first one on a channel reads the header."""
         key = (src, channel)
@@ -156,3 +163,19 @@ def recv_into(
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+def new_group_of(groups: Sequence[Sequence[int]], rank: int) -> dist.ProcessGroup:
+    """Create a fresh process group for every rank list of ``groups``; return ``rank``'s.
+
+    Collective over the default group: every rank must call it with the same ``groups``. A
+    fresh group is a private channel: messages left in flight on another group (a PipeDream
+    stream between steps) can never be matched by a receive posted on this one.
+    """
+    mine: dist.ProcessGroup | None = None
+    for ranks in groups:
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine = group
+    assert mine is not None, f"rank {rank} is in none of the groups {groups}"
+    return mine

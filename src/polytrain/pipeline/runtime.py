@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from polytrain.comm.p2p import P2P, PendingSends
+from polytrain.comm.p2p import P2P, PendingSends, Work
 from polytrain.models.base import LossFn
 from polytrain.observe.trace import Tracer
 from polytrain.pipeline.schedule import Action, ActionKind
@@ -98,6 +98,58 @@ class WeightStash:
             del self.snapshots[v], self._users[v]
 
 
+class _Receives:
+    """Receives posted one message ahead on each channel ([Note: early receives]).
+
+    [Note: early receives] As soon as a receive completes, the next receive of the same kind
+    in ``actions`` is posted, so its message travels while this stage computes instead of
+    when the stage reaches it (torch.distributed.pipelining posts each receive just before it
+    is needed). Receives on a channel are posted in program order, which is the sender's order,
+    so matching is unchanged. A channel whose shape handshake has not happened yet is never
+    posted early: its header receive blocks, and blocking ahead of program order could
+    deadlock. Only receives of ``actions`` are posted, so none is left over at the end.
+    """
+
+    def __init__(self, runtime: StageRuntime, actions: Sequence[Action]) -> None:
+        self.runtime = runtime
+        self.order: dict[ActionKind, list[Action]] = {ActionKind.RECV_F: [], ActionKind.RECV_B: []}
+        for action in actions:
+            if action.kind in self.order:
+                self.order[action.kind].append(action)
+        self.cursor = {kind: 0 for kind in self.order}
+        self.posted: dict[Action, tuple[torch.Tensor, Work | None]] = {}
+        for kind in self.order:
+            self._post_next(kind)
+
+    def _peer(self, kind: ActionKind) -> tuple[int, str]:
+        peer = self.runtime.prev_rank if kind is ActionKind.RECV_F else self.runtime.next_rank
+        assert peer is not None, f"stage {self.runtime.stage_index} has no peer for {kind.value}"
+        return peer, ACT if kind is ActionKind.RECV_F else GRAD
+
+    def _post_next(self, kind: ActionKind) -> None:
+        queue, n = self.order[kind], self.cursor[kind]
+        if n < len(queue) and queue[n] not in self.posted:
+            peer, channel = self._peer(kind)
+            if self.runtime.p2p.knows(peer, channel):
+                self.posted[queue[n]] = self.runtime.p2p.irecv(peer, channel)
+
+    def take(self, action: Action) -> torch.Tensor:
+        kind = action.kind
+        assert self.order[kind][self.cursor[kind]] == action, f"{action} out of order"
+        if action in self.posted:
+            buffer, work = self.posted.pop(action)
+        else:
+            buffer, work = self.runtime.p2p.irecv(*self._peer(kind))
+        if work is not None:
+            work.wait()
+        self.cursor[kind] += 1
+        self._post_next(kind)
+        return buffer
+
+    def check_drained(self) -> None:
+        assert not self.posted, f"receives posted but never taken: {sorted(map(str, self.posted))}"
+
+
 @dataclass
 class _InFlight:
     """What one micro-batch holds on this stage between its forward and its backward."""
@@ -166,6 +218,7 @@ class StageRuntime:
     def run(self, actions: Sequence[Action], feed: Feed) -> torch.Tensor:
         """Run ``actions`` in order; return the sum of the scaled losses (0 off the last stage)."""
         loss_sum = torch.zeros((), device=self.device)
+        receives = _Receives(self, actions)
         for action in actions:
             i = action.microbatch_index
             kind = action.kind
@@ -184,14 +237,12 @@ class StageRuntime:
                     assert output is not None and self.next_rank is not None
                     self.p2p.isend(output, self.next_rank, ACT, self.pending)
                 elif kind is ActionKind.RECV_F:
-                    assert self.prev_rank is not None
-                    x = self.p2p.recv(self.prev_rank, ACT)
+                    x = receives.take(action)
                     self._flight.setdefault(i, _InFlight()).input = x.requires_grad_(
                         x.is_floating_point()
                     )
                 elif kind is ActionKind.RECV_B:
-                    assert self.next_rank is not None
-                    self._flight[i].output_grad = self.p2p.recv(self.next_rank, GRAD)
+                    self._flight[i].output_grad = receives.take(action)
                 elif kind is ActionKind.SEND_B:
                     assert self.prev_rank is not None
                     state = self._flight.pop(i)
@@ -201,6 +252,7 @@ class StageRuntime:
                     self.p2p.isend(state.input_grad, self.prev_rank, GRAD, self.pending)
                     if self.after_backward is not None:
                         self.after_backward(i)
+        receives.check_drained()
         return loss_sum
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:

@@ -15,10 +15,12 @@ backward. Gradient clipping uses the global norm: squared norms are summed over 
 PipeDream averages over ``dp`` after every micro-batch's backward, then clips per stage (a
 global norm would need a collective across stages that run asynchronously).
 
-[Note: process groups] Training activations and gradients travel on the mesh's ``pp`` group;
-evaluation and the final weight gather use the default group. PipeDream leaves one activation
-per link in flight across step boundaries, and an evaluation between steps must not be matched
-against it.
+[Note: process groups] Training activations and gradients travel on a private process group
+per pipeline, evaluation on a second one, and the final weight gather on the default group.
+PipeDream leaves one activation per link in flight across step boundaries; a receive posted on
+another group (an evaluation between steps, another strategy in the same processes) can never
+be matched against it. The mesh's own ``pp`` group is not used for p2p because a mesh axis
+that spans the whole world may share the default group.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 
 from polytrain.comm.flat import all_reduce_mean_flat_, all_reduce_sum_
 from polytrain.comm.mesh import Mesh
-from polytrain.comm.p2p import P2P, PendingSends, recv_into, send_all
+from polytrain.comm.p2p import P2P, PendingSends, new_group_of, recv_into, send_all
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
@@ -122,7 +124,10 @@ class PipelineStrategy:
         s = self.stage_index
         self.prev_rank = pp_ranks[s - 1] if s > 0 else None
         self.next_rank = pp_ranks[s + 1] if s < self.num_stages - 1 else None
-        self.eval_p2p = P2P(None, device)
+        # Private groups for training and for evaluation; see [Note: process groups].
+        pp_groups = mesh.dims.all_groups("pp")
+        self.eval_p2p = P2P(new_group_of(pp_groups, mesh.rank), device)
+        train_group = new_group_of(pp_groups, mesh.rank)
         pipedream = self.schedule_name == "pipedream"
         params = dict(self.stage.named_parameters())
         self.stash = WeightStash(params, max_in_flight(s, self.num_stages)) if pipedream else None
@@ -131,7 +136,7 @@ class PipelineStrategy:
             self.stage,
             s,
             self.num_stages,
-            P2P(mesh.group("pp"), device),
+            P2P(train_group, device),
             prev_rank=self.prev_rank,
             next_rank=self.next_rank,
             loss_fn=model.loss_fn,
