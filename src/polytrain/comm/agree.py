@@ -24,18 +24,25 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def _device() -> torch.device:
+    """Where the collective's tensors must live: NCCL moves only CUDA tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_gather_ints(values: list[int]) -> list[list[int]]:
     """Every rank's list of ints, in rank order (lists may differ in length)."""
     if _world() == 1:
         return [list(values)]
-    world = _world()
-    length = torch.tensor([len(values)], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    world, dev = _world(), _device()
+    length = torch.tensor([len(values)], dtype=torch.int64, device=dev)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(lengths, length)
     longest = max(int(n) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.int64)
-    padded[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    gathered = [torch.zeros(longest, dtype=torch.int64) for _ in range(world)]
+    padded = torch.zeros(longest, dtype=torch.int64, device=dev)
+    padded[: len(values)] = torch.tensor(values, dtype=torch.int64, device=dev)
+    gathered = [torch.zeros(longest, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(gathered, padded)
     return [g[: int(n)].tolist() for g, n in zip(gathered, lengths, strict=True)]
 
@@ -50,6 +57,6 @@ def broadcast_int(value: int, src: int = 0) -> int:
     """Rank ``src``'s ``value`` on every rank."""
     if _world() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
     dist.broadcast(t, src=src)
     return int(t.item())

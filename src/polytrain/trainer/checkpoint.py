@@ -408,8 +408,12 @@ class Checkpointer:
 
             self.parts.load(fetch)
             rng = files.get_optional(manifest, f"rng.{self.rank}.cpu")
-        if manifest.rng.get("world_size") == self.world_size and rng is not None:
-            torch.set_rng_state(rng)
+            rng_cuda = files.get_optional(manifest, f"rng.{self.rank}.cuda")
+        if manifest.rng.get("world_size") == self.world_size:
+            if rng is not None:
+                torch.set_rng_state(rng)
+            if rng_cuda is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng_cuda)
         self.last_saved = step
         if self.rank == 0:
             print(f"polytrain: resumed from {path} (step {step})", flush=True)
