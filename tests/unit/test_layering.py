@@ -14,6 +14,7 @@ PURE = [
     "topology.py",
     "errors.py",
     "pipeline/schedule",
+    "pipeline/partition.py",
     "planner",
     "ps/sharding.py",
     "ps/consistency.py",
