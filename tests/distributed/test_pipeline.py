@@ -110,6 +110,7 @@ def test_matches_single_process(case: str) -> None:
     atol = 1e-4 if ref_name == "mlp-adam" else 1e-5
     assert_state_close(out["state"], ref["state"], atol=atol)
     assert out["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert out["val_loss"] == pytest.approx(ref["val_loss"], abs=1e-5)  # forward-only pipeline
 
 
 def test_parity_is_not_vacuous() -> None:
@@ -141,15 +142,18 @@ def _pipedream_rank(rank: int, world_size: int, job: JobConfig) -> dict[str, Any
     model = build_model(job.model, spec, job.train.seed)
     strategy = build_strategy(job, ctx, model, batches)
     assert isinstance(strategy, PipelineStrategy) and strategy.stash is not None
-    losses = []
+    losses, val_losses = [], []
     for step in range(job.train.steps):
         strategy.set_lr(lr_at(step, job.optim, job.train.steps))
         losses.append(strategy.train_step(step).loss)
+        # Evaluate mid-stream: micro-batches are in flight between steps, on another group.
+        val_losses.append(strategy.evaluate(1))
     state = strategy.full_state_dict()
     stash = strategy.stash
     return {
         "state": state,
         "losses": losses,
+        "val_losses": val_losses,
         "stage": strategy.stage_index,
         "log": stash.log,
         "max_stashed": stash.max_stashed,
@@ -218,6 +222,7 @@ def test_pipedream_weight_stashing() -> None:
         assert out["bound"] == max_in_flight(s, p)
         assert out["max_stashed"] == max_in_flight(s, p)  # the bound is reached, never passed
         assert out["left"] == 0  # the stream drained: nothing stashed at the end
+    assert all(r["val_losses"] == results[0]["val_losses"] for r in results)  # on every rank
     expected = emulate_pipedream(job)
     assert_state_close(results[0]["state"], expected, atol=1e-5)
     sync = references()["mlp"]["state"]  # same job, synchronous: PipeDream really differs
