@@ -13,6 +13,8 @@ So nothing here waits with a timeout. Liveness is learnt from the transport inst
 whose process died has a closed connection, and posting a receive from it fails at once
 (`peer_is_gone`); a receive from a live peer on the probe tag, which nobody sends on, just stays
 posted. Every failure of an operation with a known peer is raised as `PeerLost` naming it.
+Waits pass an explicit week-long timeout: without one gloo applies the process group's timeout
+(``launch.timeout_s``) and an idle server (every worker busy computing) would close its pairs.
 
 [Note: payload guard] Gloo cannot tell a receiver how long a message was: a shorter message
 fills the front of the buffer silently, and a longer one aborts the receiving process inside
@@ -26,6 +28,7 @@ the receiver in gloo (documented limit).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +54,8 @@ __all__ = [
     "recv_header_any",
     "wait_all",
 ]
+
+_FOREVER = datetime.timedelta(days=7)
 
 TAG_REQUEST = 11
 """Worker -> server headers (PULL, PUSH, CLOCK, JOIN, LEAVE, SHUTDOWN)."""
@@ -82,7 +87,7 @@ class _Op:
         if self.work is None:
             return
         try:
-            self.work.wait()
+            self.work.wait(timeout=_FOREVER)
         except RuntimeError as exc:
             raise PeerLost(self.peer, str(exc)) from None
 
@@ -117,8 +122,10 @@ def wait_all(ops: Sequence[_Op]) -> None:
 
 def recv_header_any(buffer: torch.Tensor, tag: int = TAG_REQUEST) -> int:
     """Block until a header arrives from any rank on ``tag``; return the sender's rank."""
-    src = dist.recv(buffer, src=None, tag=tag)
-    return int(src)
+    work = dist.irecv(buffer, src=None, tag=tag)
+    assert work is not None
+    work.wait(timeout=_FOREVER)
+    return int(work._source_rank())
 
 
 def peer_is_gone(peer: int) -> bool:

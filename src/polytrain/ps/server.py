@@ -16,6 +16,12 @@ a per-worker staging buffer and reach the parameters (async, ssp) or the clock's
 when the CLOCK arrives with every chunk in. A worker that dies mid-push, or a chunk that fails
 validation, therefore changes nothing.
 
+[Note: replies never wait] A worker posts the receives of a reply (ACK, then every PARAMS
+chunk of every server) before it sends the request, and the coordinator posts those of the
+final shards before its LEAVE. So a server's blocking wait on its reply sends only waits for
+the transfer itself, never for a worker that is busy waiting on another server (which would
+be a cycle: two servers each granting one of two workers that waits for the other server).
+
 [Note: gradient scale] Every pusher sends the sum of its workers' mean gradients times
 ``num_pushers / num_workers`` (a worker alone: its own gradient). sync sums one clock's pushes
 and divides by their number: the global-batch mean, as in the single-process run. async and

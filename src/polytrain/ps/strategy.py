@@ -181,12 +181,11 @@ class PSStrategy:
             self.server.finish(self.job.observe.out_dir)
             return {}
         assert self.client is not None
-        if self.is_pusher:
-            self.client.leave(self.clock)
-        if self.rank != 0:
+        posted = self.client.leave(self.clock) if self.is_pusher else None
+        if posted is None:
             return {}
         state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        for s, flat in enumerate(self.client.final_params()):
+        for s, flat in enumerate(self.client.final_params(posted)):
             for name, view in self.layout.unflatten(flat, s).items():
                 state[name] = view.clone()
         return state

@@ -60,15 +60,16 @@ class WorkerClient:
         ]
         ps_wire.wait_all(ops)
 
-    def _acks(self) -> list[int]:
-        """The ACK of every server (in server order); its clock field."""
+    def _post_acks(self) -> tuple[list[torch.Tensor], list[Any]]:
         wires = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in self.servers]
-        ps_wire.wait_all(
-            [
-                ps_wire.post_recv(w, r, ps_wire.TAG_REPLY)
-                for w, r in zip(wires, self.servers, strict=True)
-            ]
-        )
+        ops = [
+            ps_wire.post_recv(w, r, ps_wire.TAG_REPLY)
+            for w, r in zip(wires, self.servers, strict=True)
+        ]
+        return wires, ops
+
+    def _check_acks(self, wires: list[torch.Tensor]) -> list[int]:
+        """The clock field of every server's ACK (in server order)."""
         clocks = []
         for s, wire in enumerate(wires):
             header = self._decode(wire, {Op.ACK, Op.SHUTDOWN})
@@ -80,8 +81,8 @@ class WorkerClient:
             clocks.append(header.clock)
         return clocks
 
-    def _recv_params(self) -> list[torch.Tensor]:
-        """Every server's shard, all chunks posted at once; validated before it is returned."""
+    def _post_params(self) -> tuple[list[torch.Tensor], list[Any], list[Any]]:
+        """Post the receives of every chunk of every server's shard at once."""
         flats = [
             torch.empty(self.layout.numel(s), dtype=self.layout.dtype)
             for s in range(len(self.servers))
@@ -94,7 +95,10 @@ class WorkerClient:
                 wires.append((s, k, wire))
                 ops.append(ps_wire.post_recv(wire, rank, ps_wire.TAG_REPLY))
                 ops.append(ps_wire.post_recv(flats[s][start:stop], rank, ps_wire.TAG_PARAMS))
-        ps_wire.wait_all(ops)
+        return flats, wires, ops
+
+    def _check_params(self, flats: list[torch.Tensor], wires: list[Any]) -> None:
+        """Validate every chunk header before the shard is used."""
         for s, k, wire in wires:
             start, stop = self.layout.spans(s)[k]
             header = self._decode(wire, {Op.PARAMS}, numel=stop - start)
@@ -104,17 +108,23 @@ class WorkerClient:
                     f"{k} of shard {s} was expected"
                 )
             self.bytes_received += (stop - start) * flats[s].element_size()
-        return flats
 
     def pull(self, clock: int) -> tuple[list[torch.Tensor], list[int]]:
         """Ask for the parameters to run clock ``clock``; block until every server grants it.
 
         Returns each server's flat shard and the slowest worker's clock each server saw when
-        it granted the pull (the worker's staleness is ``clock - min_clock``).
+        it granted the pull (the worker's staleness is ``clock - min_clock``). Every receive
+        is posted before the request goes out, so a server's reply never waits for this
+        worker ([Note: replies never wait] in polytrain.ps.server).
         """
+        wires, ack_ops = self._post_acks()
+        flats, chunk_wires, chunk_ops = self._post_params()
         self._send_all(Op.PULL, clock)
-        floors = self._acks()
-        return self._recv_params(), floors
+        ps_wire.wait_all(ack_ops)
+        floors = self._check_acks(wires)
+        ps_wire.wait_all(chunk_ops)
+        self._check_params(flats, chunk_wires)
+        return flats, floors
 
     def push(self, clock: int, grads: list[torch.Tensor]) -> None:
         """Send the gradient of clock ``clock`` (one flat buffer per server), then its CLOCK."""
@@ -141,8 +151,10 @@ class WorkerClient:
 
     def join(self) -> int:
         """Join a running job; return the clock to start at (see [Note: membership])."""
+        wires, ops = self._post_acks()
         self._send_all(Op.JOIN, 0)
-        starts = self._acks()
+        ps_wire.wait_all(ops)
+        starts = self._check_acks(wires)
         start = max(starts)
         # Servers that admitted us at a lower clock see empty clocks up to the common start.
         for s, rank in enumerate(self.servers):
@@ -151,11 +163,17 @@ class WorkerClient:
                 ps_wire.wait_all([ps_wire.post_send(msg, rank, ps_wire.TAG_REQUEST)])
         return start
 
-    def leave(self, clock: int) -> None:
+    def leave(self, clock: int) -> list[Any] | None:
+        """Leave the job. The coordinator (rank 0) first posts the receives of the final
+        shards, which the servers send once every worker has left; `final_params` waits."""
+        posted = self._post_params() if self.worker == 0 else None
         self._send_all(Op.LEAVE, clock)
+        return list(posted) if posted is not None else None
 
-    def final_params(self) -> list[torch.Tensor]:
+    def final_params(self, posted: list[Any]) -> list[torch.Tensor]:
         """Coordinator only: every server's final shard, then stop the servers."""
-        flats = self._recv_params()
+        flats, wires, ops = posted
+        ps_wire.wait_all(ops)
+        self._check_params(flats, wires)
         self._send_all(Op.SHUTDOWN, 0)
         return flats

@@ -1,0 +1,244 @@
+"""Parameter servers on gloo ranks: sync parity, async/ssp quality, staleness bound, faults.
+
+Servers are the last ``ps.servers`` ranks; workers the others (polytrain.ps.strategy).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from polytrain.errors import ProtocolError
+from polytrain.ps import check_staleness_trace
+from polytrain.testing import assert_state_close, run_distributed, run_job
+from polytrain.testing.harness import _entry
+from tests.conftest import small_job
+
+pytestmark = pytest.mark.slow
+
+
+def _server_stats(out_dir: str, num_servers: int) -> list[dict[str, Any]]:
+    return [
+        json.loads((Path(out_dir) / "ps" / f"server{i}.json").read_text())
+        for i in range(num_servers)
+    ]
+
+
+ADAMW_CLIP = {"name": "adamw", "lr": 3e-3, "grad_clip": 0.5, "weight_decay": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("world", "ps", "optim", "batch"),
+    [
+        (3, {"servers": 1}, {}, 16),
+        # Two servers, many chunks per shard, AdamW with global-norm clipping across servers.
+        (4, {"servers": 2, "chunk_kb": 8}, ADAMW_CLIP, 16),
+        # Hierarchical: hosts of 2 ranks -> worker groups [0, 1] and [2]; leaders 0 and 2.
+        (4, {"servers": 1, "hierarchical": True, "ranks_per_host": 2}, {}, 12),
+    ],
+    ids=["1server", "2servers-chunked-adamw-clip", "hierarchical"],
+)
+def test_sync_matches_single_process(
+    world: int, ps: dict[str, Any], optim: dict[str, Any], batch: int
+) -> None:
+    train = {"global_batch_size": batch}
+    ref = run_job(small_job(optim=optim, train=train))
+    job = small_job(
+        parallel={"sync": "ps"}, ps=ps, optim=optim, train=train, launch={"nproc": world}
+    )
+    out = run_job(job)
+    assert out["strategy"].startswith("ps-sync")
+    assert_state_close(out["state"], ref["state"], atol=1e-5)
+    assert out["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+
+
+def _quality_job(out_dir: str, **ps: Any) -> Any:
+    return small_job(
+        parallel={"sync": "ps"},
+        ps={"servers": 1, **ps},
+        launch={"nproc": 3},
+        train={"steps": 120, "eval_batches": 4},
+        optim={"lr": 0.05, "momentum": 0.9},
+        observe={"out_dir": out_dir},
+    )
+
+
+def test_async_and_ssp_reach_sync_quality_within_bound(tmp_path: Path) -> None:
+    """Same samples (steps x global batch); validation loss within 5% of sync; SSP bound holds."""
+    results = {}
+    for name, ps in [
+        ("sync", {"mode": "sync"}),
+        ("async", {"mode": "async"}),
+        ("ssp", {"mode": "ssp", "staleness": 1}),
+    ]:
+        out_dir = str(tmp_path / name)
+        results[name] = run_job(_quality_job(out_dir, **ps))["val_loss"]
+        (stats,) = _server_stats(out_dir, 1)
+        events = [tuple(e) for e in stats["events"]]
+        # Every grant of every worker was recorded: 2 workers x (120 steps + final eval pull).
+        assert len(events) >= 2 * 120
+        bound = {"sync": 0, "ssp": 1}.get(name)
+        if bound is not None:
+            assert check_staleness_trace(events, bound) == [], name
+        if name == "sync":
+            assert stats["updates"] == 120
+        else:
+            assert stats["updates"] == 2 * 120  # one update per push
+    for name in ("async", "ssp"):
+        assert abs(results[name] - results["sync"]) <= 0.05 * results["sync"], results
+
+
+def _train_rank(rank: int, world_size: int, job: Any) -> dict[str, Any]:
+    from polytrain.trainer.loop import train
+
+    result = train(job)
+    return {"val_loss": result.val_loss, "steps": len(result.history)}
+
+
+def test_async_survives_killed_worker_and_admits_joiner(tmp_path: Path) -> None:
+    """Kill worker 1 (SIGKILL, by pid) mid-run; worker 2 joins late; the run finishes."""
+    out_dir = str(tmp_path / "run")
+    job = small_job(
+        parallel={"sync": "ps"},
+        ps={"servers": 1, "mode": "async", "spare_workers": 1, "join_delay_s": 1.0},
+        launch={"nproc": 4},
+        train={"steps": 400, "eval_batches": 2},
+        observe={"out_dir": out_dir, "log_every": 1},
+    )
+    world, victim = 4, 1
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_file = str(tmp_path / "rendezvous")
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(_train_rank, rank, world, init_file, 60.0, results, (job,)),
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        metrics = Path(out_dir) / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # kill once rank 0 has logged 40 steps
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 40:
+                break
+            time.sleep(0.05)
+        assert procs[victim].pid is not None
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        out: dict[int, Any] = {}
+        while len(out) < world - 1:
+            try:
+                rank, ok, value = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world)) - {victim} - set(out))} hung"
+                ) from None
+            assert ok, value
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    assert procs[victim].exitcode == -signal.SIGKILL
+    assert out[0]["steps"] == 400 and out[0]["val_loss"] < 4.5
+    (stats,) = _server_stats(out_dir, 1)
+    removed = {w: (clock, why) for w, clock, why in stats["removed"]}
+    assert victim in removed and 0 < removed[victim][0] < 400, removed
+    assert "gone" in removed[victim][1] or "lost" in removed[victim][1]
+    joined = dict(stats["joined"])
+    assert joined.get(2, 0) > 0, stats["joined"]  # admitted mid-run at the current clock
+    assert sorted(w for w, _ in stats["left"]) == [0, 2]
+    pushes_by = {w for w, _, _ in stats["events"]}
+    assert pushes_by == {0, 1, 2}
+
+
+# --- bad messages ---------------------------------------------------------------------------
+
+
+def _bad_message_rank(rank: int, world_size: int, case: str) -> Any:
+    from polytrain.comm import ps_wire
+    from polytrain.models.registry import build_model
+    from polytrain.ps.layout import build_layout
+    from polytrain.ps.protocol import Header, Op
+    from polytrain.ps.server import ParameterServer
+    from tests.conftest import small_job
+
+    job = small_job()
+    from polytrain.data.datasets import build_datasets
+
+    _, _, spec = build_datasets(job.data, 16)
+    model = build_model(job.model, spec, 0)
+    layout = build_layout(model, 1, 4)
+    spans = layout.spans(0)
+    if rank == 0:  # a rogue worker
+        start, stop = spans[0]
+        n = stop - start
+        header = Header(
+            Op.PUSH, 0, 0, layout.job_id, chunk=0, num_chunks=len(spans), numel=n, dtype=1
+        )
+        if case == "bad-magic":
+            wire = header.encode()
+            wire[0] = 1234
+            ops = [ps_wire.post_send(wire, 1, ps_wire.TAG_REQUEST)]
+        elif case == "other-job":
+            wire = Header(Op.PULL, 0, 0, layout.job_id ^ 1).encode()
+            ops = [ps_wire.post_send(wire, 1, ps_wire.TAG_REQUEST)]
+        else:
+            size = n - 1 if case == "short-payload" else n + 1
+            ops = [
+                ps_wire.post_send(header.encode(), 1, ps_wire.TAG_REQUEST),
+                ps_wire.post_send(torch.ones(size), 1, ps_wire.TAG_PUSH),
+            ]
+        ps_wire.wait_all(ops)
+        return None
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    server = ParameterServer(
+        index=0,
+        layout=layout,
+        initial=initial,
+        optim=job.optim,
+        lr_at=lambda clock: 0.1,
+        mode="async",
+        staleness=0,
+        workers=[0],
+        spares=[],
+        num_worker_slots=1,
+        num_pushers=1,
+    )
+    try:
+        server.serve_until_clock(1)
+    except ProtocolError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("the server accepted a bad message")
+    unchanged = all(torch.equal(server.params[n].detach(), initial[n]) for n in initial)
+    return {"message": message, "unchanged": unchanged, "updates": server.stats.updates}
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("bad-magic", "magic = 0x4d2"),
+        ("other-job", "job_id"),
+        ("short-payload", "shorter than its header"),
+        ("long-payload", "longer than its header"),
+    ],
+)
+def test_server_rejects_bad_message_and_applies_nothing(case: str, words: str) -> None:
+    _, server = run_distributed(_bad_message_rank, 2, case, timeout_s=60)
+    assert words in server["message"], server["message"]
+    assert "rank 0" in server["message"] and "\n" not in server["message"]
+    assert server["unchanged"] and server["updates"] == 0

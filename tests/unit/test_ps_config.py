@@ -1,0 +1,25 @@
+"""Parameter-server mistakes caught before launch (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from polytrain.errors import ConfigError
+from tests.conftest import small_job
+
+
+def test_ps_errors_before_launch() -> None:
+    with pytest.raises(ConfigError, match="ps.servers = 2 leaves no worker among 2 ranks"):
+        small_job(parallel={"sync": "ps"}, ps={"servers": 2}, launch={"nproc": 2})
+    with pytest.raises(ConfigError, match="ps.staleness = -1: expected a non-negative"):
+        small_job(parallel={"sync": "ps"}, ps={"mode": "ssp", "staleness": -1})
+    with pytest.raises(ConfigError, match="ps.staleness = 3 has no effect with ps.mode = 'async'"):
+        small_job(parallel={"sync": "ps"}, ps={"mode": "async", "staleness": 3})
+    with pytest.raises(ConfigError, match="ps.spare_workers = 1: joining workers need"):
+        small_job(parallel={"sync": "ps"}, ps={"spare_workers": 1}, launch={"nproc": 3})
+    with pytest.raises(ConfigError, match="leaves no worker to start the job"):
+        small_job(
+            parallel={"sync": "ps"},
+            ps={"mode": "async", "spare_workers": 1},
+            launch={"nproc": 2},
+        )
