@@ -111,7 +111,7 @@ def test_async_survives_killed_worker_and_admits_joiner(tmp_path: Path) -> None:
         parallel={"sync": "ps"},
         ps={"servers": 1, "mode": "async", "spare_workers": 1, "join_delay_s": 1.0},
         launch={"nproc": 4},
-        train={"steps": 400, "eval_batches": 2},
+        train={"steps": 400, "eval_batches": 2, "global_batch_size": 12},
         observe={"out_dir": out_dir, "log_every": 1},
     )
     world, victim = 4, 1

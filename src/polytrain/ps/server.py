@@ -64,6 +64,7 @@ __all__ = ["ParameterServer", "ServerStats"]
 
 _POLL_S = 0.2
 _PROBE_AFTER_S = 1.0
+_MAX_ANY_FAILURES = 64
 _WORKER_OPS = frozenset({Op.PULL, Op.PUSH, Op.CLOCK, Op.JOIN, Op.LEAVE, Op.SHUTDOWN})
 
 
@@ -150,13 +151,20 @@ class ParameterServer:
 
     def _receive(self) -> None:
         """Blocking receives; hands ("msg", src, header, payload) items to the main thread."""
+        failures = 0
         while True:
             wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
             try:
                 src = ps_wire.recv_header_any(wire)
-            except RuntimeError as exc:  # the transport itself failed: nothing more will come
-                self._inbox.put(("fatal", -1, str(exc), None))
-                return
+            except RuntimeError as exc:
+                # A peer's connection broke while we waited for anyone: the main thread probes
+                # who is gone; we keep receiving from the others.
+                failures += 1
+                kind = "anyfail" if failures <= _MAX_ANY_FAILURES else "fatal"
+                self._inbox.put((kind, -1, str(exc), None))
+                if kind == "fatal":
+                    return
+                continue
             try:
                 header = self._decode(wire, src)
                 payload = None
@@ -273,17 +281,21 @@ class ParameterServer:
                 self._handle(a, b)
             elif kind == "lost":
                 self._drop(src, f"lost: {a}")
+            elif kind == "anyfail":
+                self._check_liveness(force=True)
             elif kind == "error":
                 raise a
             else:
                 raise RuntimeError(f"server {self.index}: receiving failed: {a}")
             self._grant_ready()
 
-    def _check_liveness(self) -> None:
+    def _check_liveness(self, force: bool = False) -> None:
+        """Probe workers silent for a while (all of them when ``force``); drop the gone."""
         now = time.monotonic()
         for w in self.active:
             silent = now - self.last_heard[w]
-            if silent < _PROBE_AFTER_S or now - self.last_probe[w] < _PROBE_AFTER_S:
+            recent = silent < _PROBE_AFTER_S or now - self.last_probe[w] < _PROBE_AFTER_S
+            if recent and not force:
                 continue
             self.last_probe[w] = now
             if ps_wire.peer_is_gone(w):
