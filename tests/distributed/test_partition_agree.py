@@ -41,3 +41,21 @@ def test_every_rank_gets_rank_zeros_partition_or_error() -> None:
     found, failed = out[0]
     assert "counts" in found and sum(found["counts"]) == 6, found
     assert "no 3-stage partition fits" in failed["error"]
+
+
+def test_auto_partition_training_matches_single_process() -> None:
+    # profiling on rank 0 must leave no trace: no .grad, same RNG, same buffers (1f1b, m 4)
+    from polytrain.testing import assert_state_close, run_job
+
+    model = {"name": "mlp", "n_layer": 4}
+    ref = run_job(small_job(model=model))
+    out = run_job(
+        small_job(
+            model=model,
+            parallel={"pp": 2},
+            pipeline={"partition": "auto", "microbatches": 4},
+            launch={"nproc": 2},
+        )
+    )
+    assert_state_close(out["state"], ref["state"], atol=1e-5)
+    assert out["losses"] == pytest.approx(ref["losses"], abs=1e-5)
