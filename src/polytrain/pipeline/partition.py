@@ -221,6 +221,16 @@ class _Costs:
         self._kept = prefix(
             float(b.input_bytes if b.param_count else b.activation_bytes) for b in profiles
         )
+        # and rebuild one block's activations at a time: the largest over [a, b), precomputed
+        n = len(self.profiles)
+        self._rebuilt = [[0.0] * (n + 1) for _ in range(n + 1)] if recompute else []
+        for a in range(n if recompute else 0):
+            largest = 0.0
+            for b in range(a + 1, n + 1):
+                block = self.profiles[b - 1]
+                if block.param_count:
+                    largest = max(largest, float(block.activation_bytes))
+                self._rebuilt[a][b] = largest
 
     def time(self, stage: int, a: int, b: int) -> float:
         t = self._time[b] - self._time[a]
@@ -244,10 +254,7 @@ class _Costs:
         transient = 0.0
         if self.recompute:
             per_mb = self._kept[b] - self._kept[a] + output
-            transient = max(
-                (float(p.activation_bytes) for p in self.profiles[a:b] if p.param_count),
-                default=0.0,
-            )
+            transient = self._rebuilt[a][b]
         else:
             per_mb = self._act[b] - self._act[a] + output
         memory = self._state[b] - self._state[a] + live * per_mb + transient
