@@ -77,7 +77,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) 
     run_dir, ckpt, final = tmp_path / "run", tmp_path / "ckpt", tmp_path / "final.safetensors"
     proc = start(
         *("--model", "tests.helpers.faults:slow", "--set", "model.block_size=16"),
-        *("--steps", "40", "--nproc", "2", "--no-progress", "--max-restarts", "1"),
+        *("--steps", "60", "--nproc", "2", "--no-progress", "--max-restarts", "1"),
         *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"),
         *("--out-dir", str(run_dir), "--save-final", str(final)),
         cwd=tmp_path,
@@ -90,7 +90,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) 
         if shutil.which("ss"):
             addresses = listening([proc.pid, *workers])
             assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses
-        os.kill(workers[1], signal.SIGKILL)  # mid-run: 30 steps of >= 50 ms remain
+        os.kill(workers[1], signal.SIGKILL)  # mid-run: 50 steps of >= 50 ms remain
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
