@@ -66,8 +66,8 @@ def _quality_job(out_dir: str, **ps: Any) -> Any:
         parallel={"sync": "ps"},
         ps={"servers": 1, **ps},
         launch={"nproc": 3},
-        train={"steps": 120, "eval_batches": 4},
-        optim={"lr": 0.05, "momentum": 0.9},
+        train={"steps": 120, "eval_batches": 8},
+        optim={"lr": 0.2, "momentum": 0.0},
         observe={"out_dir": out_dir},
     )
 
@@ -242,3 +242,17 @@ def test_server_rejects_bad_message_and_applies_nothing(case: str, words: str) -
     assert words in server["message"], server["message"]
     assert "rank 0" in server["message"] and "\n" not in server["message"]
     assert server["unchanged"] and server["updates"] == 0
+
+
+def test_hogwild_matches_serial_sgd_on_sparse_problem() -> None:
+    """Two lock-free processes reach the loss of serial SGD with the same number of updates."""
+    from polytrain.ps.hogwild import HogwildConfig, make_problem, run_hogwild
+
+    base = {"features": 50_000, "examples": 10_000, "nonzeros": 16}
+    serial_cfg = HogwildConfig(workers=1, steps=20_000, **base)
+    data = make_problem(serial_cfg)
+    serial = run_hogwild(serial_cfg, data)
+    hogwild = run_hogwild(HogwildConfig(workers=2, steps=10_000, **base), data)
+    assert hogwild.updates == serial.updates
+    assert hogwild.loss < 0.8 * hogwild.initial_loss
+    assert abs(hogwild.loss - serial.loss) < 0.02 * serial.loss, (hogwild, serial)

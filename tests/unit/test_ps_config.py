@@ -23,3 +23,12 @@ def test_ps_errors_before_launch() -> None:
             ps={"mode": "async", "spare_workers": 1},
             launch={"nproc": 2},
         )
+
+
+def test_hogwild_across_hosts_is_an_error() -> None:
+    from polytrain.ps.hogwild import HogwildConfig
+
+    with pytest.raises(ConfigError, match="hogwild.nnodes = 2: .* exactly 1 node"):
+        HogwildConfig(nnodes=2)
+    with pytest.raises(ConfigError, match="hogwild.nonzeros = 9 exceeds"):
+        HogwildConfig(features=8, nonzeros=9)

@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover
     import click.exceptions as cx  # type: ignore[no-redef]
 
 from polytrain.cli.doctor import doctor
+from polytrain.cli.hogwild import hogwild_command
 from polytrain.cli.timeline import timeline_command
 from polytrain.cli.train import train_command
 from polytrain.errors import PolytrainError
@@ -33,6 +34,7 @@ app = typer.Typer(
 )
 app.command("train")(train_command)
 app.command("doctor")(doctor)
+app.command("hogwild")(hogwild_command)
 app.command("timeline")(timeline_command)
 
 
