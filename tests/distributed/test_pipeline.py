@@ -128,8 +128,8 @@ def test_parity_is_not_vacuous() -> None:
 # -- PipeDream: weight stashing -----------------------------------------------------------------
 
 
-def _pipedream_rank(rank: int, world_size: int, job: JobConfig) -> dict[str, Any]:
-    """Train ``job`` through the strategy directly, to read the stage's stash record."""
+def _pipedream_rank(rank: int, world_size: int, jobs: list[JobConfig]) -> list[dict[str, Any]]:
+    """Train each job through the strategy directly, to read the stage's stash record."""
     from polytrain.comm.init import init_distributed
     from polytrain.data.sampler import Batches
     from polytrain.pipeline.strategy import PipelineStrategy
@@ -137,41 +137,49 @@ def _pipedream_rank(rank: int, world_size: int, job: JobConfig) -> dict[str, Any
     from polytrain.trainer.optim import lr_at
 
     ctx = init_distributed()
-    train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
-    batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
-    model = build_model(job.model, spec, job.train.seed)
-    strategy = build_strategy(job, ctx, model, batches)
-    assert isinstance(strategy, PipelineStrategy) and strategy.stash is not None
-    losses, val_losses = [], []
-    for step in range(job.train.steps):
-        strategy.set_lr(lr_at(step, job.optim, job.train.steps))
-        losses.append(strategy.train_step(step).loss)
-        # Evaluate mid-stream: micro-batches are in flight between steps, on another group.
-        val_losses.append(strategy.evaluate(1))
-    state = strategy.full_state_dict()
-    stash = strategy.stash
-    return {
-        "state": state,
-        "losses": losses,
-        "val_losses": val_losses,
-        "stage": strategy.stage_index,
-        "log": stash.log,
-        "max_stashed": stash.max_stashed,
-        "bound": stash.bound,
-        "left": len(stash.snapshots),
-    }
+    outs = []
+    for job in jobs:
+        train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
+        batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
+        model = build_model(job.model, spec, job.train.seed)
+        strategy = build_strategy(job, ctx, model, batches)
+        assert isinstance(strategy, PipelineStrategy) and strategy.stash is not None
+        losses, val_losses = [], []
+        for step in range(job.train.steps):
+            strategy.set_lr(lr_at(step, job.optim, job.train.steps))
+            losses.append(strategy.train_step(step).loss)
+            # Evaluate mid-stream: micro-batches are in flight between steps, on another group.
+            val_losses.append(strategy.evaluate(1))
+        stash = strategy.stash
+        outs.append(
+            {
+                "state": strategy.full_state_dict(),
+                "losses": losses,
+                "val_losses": val_losses,
+                "stage": strategy.stage_index,
+                "log": stash.log,
+                "max_stashed": stash.max_stashed,
+                "bound": stash.bound,
+                "left": len(stash.snapshots),
+            }
+        )
+    return outs
 
 
-def emulate_pipedream(job: JobConfig) -> dict[str, torch.Tensor]:
+def emulate_pipedream(
+    job: JobConfig, update_every: int, *, stale: bool = True
+) -> dict[str, torch.Tensor]:
     """PipeDream's semantics, run sequentially in one process.
 
     Micro-batch ``g`` runs forward and backward through stage ``s`` on the weights stage ``s``
-    had after ``weight_version(s, g, p)`` updates; then every stage applies that gradient. No
-    pipeline, no stash: the bookkeeping is an explicit list of every version of every stage.
+    had after ``stashed_version(s, g, p, u)`` updates; every ``u`` micro-batches each stage
+    applies the mean of their gradients. No pipeline, no stash: the bookkeeping is an explicit
+    list of every version of every stage. ``stale=False`` uses the newest version instead
+    (what a pipeline without stashing and staleness, a synchronous one, would compute).
     """
     from polytrain.data.sampler import Batches
     from polytrain.pipeline.partition import uniform_counts
-    from polytrain.pipeline.schedule import weight_version
+    from polytrain.pipeline.runtime import stashed_version
     from polytrain.pipeline.stage import block_ranges, build_stage
     from polytrain.trainer.optim import build_optimizer, lr_at
 
@@ -186,18 +194,24 @@ def emulate_pipedream(job: JobConfig) -> dict[str, torch.Tensor]:
     for g in range(steps * m):
         step, j = divmod(g, m)
         x, y = batches.train(step, 0, 1, j, m)
+        versions = [
+            stashed_version(s, g, p, update_every) if stale else g // update_every for s in range(p)
+        ]
         weights = [
-            {n: t.clone().requires_grad_() for n, t in history[s][weight_version(s, g, p)].items()}
-            for s in range(p)
+            {n: t.clone().requires_grad_() for n, t in history[s][v].items()}
+            for s, v in enumerate(versions)
         ]
         h = x
         for stage, w in zip(stages, weights, strict=True):
             h = stage(h, w)
         leaves = [t for w in weights for t in w.values()]
-        grads = iter(torch.autograd.grad(model.loss(h, y), leaves))
+        grads = iter(torch.autograd.grad(model.loss(h, y) / update_every, leaves))
         for s, (stage, opt) in enumerate(zip(stages, optimizers, strict=True)):
             for param in stage.parameters():
-                param.grad = next(grads)
+                grad = next(grads)
+                param.grad = grad if param.grad is None else param.grad + grad
+            if (g + 1) % update_every:
+                continue
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, job.optim, steps)
             opt.step()
@@ -208,23 +222,32 @@ def emulate_pipedream(job: JobConfig) -> dict[str, torch.Tensor]:
 
 def test_pipedream_weight_stashing() -> None:
     """Every backward used its forward's stashed version; the stash stayed within its bound;
-    the weights equal the sequential emulation (a backward on the live weights would not)."""
-    from polytrain.pipeline.schedule import max_in_flight, weight_version
+    the weights equal the sequential emulation (a backward on the live weights would not).
+    Both update rules: after every micro-batch (PipeDream) and once per step (PipeDream-2BW)."""
+    from polytrain.pipeline.runtime import stash_bound, stashed_version
 
     p, m, steps = 3, 4, 4
-    job = pipe(MLP, "pipedream", p, m, train={"steps": steps})
-    results = run_distributed(_pipedream_rank, p, job, timeout_s=180.0)
-    for out in results:
-        s = out["stage"]
-        assert [i for i, _, _ in out["log"]] == list(range(steps * m))  # backward order
-        for i, forward_version, backward_version in out["log"]:
-            assert forward_version == backward_version == weight_version(s, i, p)
-        assert out["bound"] == max_in_flight(s, p)
-        assert out["max_stashed"] == max_in_flight(s, p)  # the bound is reached, never passed
-        assert out["left"] == 0  # the stream drained: nothing stashed at the end
-    assert all(r["val_losses"] == results[0]["val_losses"] for r in results)  # on every rank
-    expected = emulate_pipedream(job)
-    assert_state_close(results[0]["state"], expected, atol=1e-5)
-    sync = references()["mlp"]["state"]  # same job, synchronous: PipeDream really differs
-    with pytest.raises(AssertionError):
-        assert_state_close(results[0]["state"], sync, atol=1e-3)
+    modes = {"microbatch": 1, "step": m}
+    # A large step, so that one version of staleness moves the weights by >= 2e-4 (1e-5 tol).
+    sections: dict[str, Any] = {"train": {"steps": steps}, "optim": {"lr": 0.5}}
+    jobs = [
+        pipe(MLP, "pipedream", p, m, pipeline={"pipedream_update": mode}, **sections)
+        for mode in modes
+    ]
+    results = run_distributed(_pipedream_rank, p, jobs, timeout_s=180.0)
+    for n, u in enumerate(modes.values()):
+        for rank_results in results:
+            out = rank_results[n]
+            s = out["stage"]
+            assert [i for i, _, _ in out["log"]] == list(range(steps * m))  # backward order
+            for i, forward_version, backward_version in out["log"]:
+                assert forward_version == backward_version == stashed_version(s, i, p, u)
+            assert out["bound"] == stash_bound(s, p, u) <= p - s
+            assert out["max_stashed"] == out["bound"]  # the bound is reached, never passed
+            assert out["left"] == 0  # the stream drained: nothing stashed at the end
+            assert out["val_losses"] == results[0][n]["val_losses"]  # on every rank
+        expected = emulate_pipedream(jobs[n], u)
+        assert_state_close(results[0][n]["state"], expected, atol=1e-5)
+        fresh = emulate_pipedream(jobs[n], u, stale=False)  # the stash and staleness matter
+        with pytest.raises(AssertionError):
+            assert_state_close(results[0][n]["state"], fresh, atol=1e-4)

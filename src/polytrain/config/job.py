@@ -186,6 +186,11 @@ class PipelineConfig:
         "uniform", "'auto' (profiled), 'uniform', or blocks per stage, e.g. [3, 5]"
     )
     memory_limit_mb: float = option(0.0, "per-stage memory limit for 'auto' (0 = none)")
+    pipedream_update: Literal["step", "microbatch"] = option(
+        "step",
+        "pipedream: one update per step from its micro-batches' gradients (PipeDream-2BW), "
+        "or one after every micro-batch (PipeDream 2019)",
+    )
 
     def __post_init__(self) -> None:
         _positive("pipeline", "microbatches", self.microbatches)

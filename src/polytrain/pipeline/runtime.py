@@ -32,7 +32,7 @@ from polytrain.observe.trace import Tracer
 from polytrain.pipeline.schedule import Action, ActionKind
 from polytrain.pipeline.stage import StageModule
 
-__all__ = ["Feed", "StageRuntime", "WeightStash"]
+__all__ = ["Feed", "StageRuntime", "WeightStash", "stash_bound", "stashed_version"]
 
 ACT, GRAD = "act", "grad"  # p2p channel names of activations (forward) and gradients (backward)
 
@@ -47,6 +47,29 @@ class Feed:
     """Factor of every micro-batch loss; see [Note: loss scale]."""
     step: int = 0
     """Step number recorded in trace spans."""
+
+
+def stashed_version(
+    stage_index: int, microbatch_index: int, num_stages: int, update_every: int = 1
+) -> int:
+    """Updates stage ``s`` has applied when micro-batch ``i``'s forward runs (1F1B order).
+
+    With an update after every ``u``-th backward: ``max(0, (i - (p - 1 - s)) // u)``. For
+    ``u = 1`` this is `schedule.weight_version` (PipeDream); for ``u = m`` it is PipeDream-2BW's
+    double buffering. The forward of ``i`` follows the backward of ``i - (p - 1 - s) - 1``.
+    """
+    warmup = num_stages - 1 - stage_index
+    return max(0, (microbatch_index - warmup) // update_every)
+
+
+def stash_bound(stage_index: int, num_stages: int, update_every: int = 1) -> int:
+    """Most weight versions in flight on a stage: ``ceil((p - 1 - s) / u) + 1``.
+
+    At most ``p - s`` consecutive micro-batches are in flight, and their versions
+    (`stashed_version`) take at most this many distinct values; ``p - s`` for ``u = 1``.
+    """
+    warmup = num_stages - 1 - stage_index
+    return -(-warmup // update_every) + 1
 
 
 class WeightStash:
@@ -299,8 +322,9 @@ class StageRuntime:
                 )
             else:
                 grads = tuple(torch.zeros_like(t) for t in targets)
-            for n, g in zip(names, grads, strict=False):
-                self._params[n].grad = g
+            for n, g in zip(names, grads, strict=False):  # accumulate until the update
+                param = self._params[n]
+                param.grad = g if param.grad is None else param.grad.add_(g)
             if wants_input_grad:
                 state.input_grad = grads[-1]
             self.stash.release(i, version)

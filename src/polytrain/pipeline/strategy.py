@@ -48,8 +48,8 @@ from polytrain.parallel.tensor_parallel import (
 )
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import choose_partition
-from polytrain.pipeline.runtime import Feed, StageRuntime, WeightStash
-from polytrain.pipeline.schedule import Action, ActionKind, build, lower, max_in_flight, validate
+from polytrain.pipeline.runtime import Feed, StageRuntime, WeightStash, stash_bound
+from polytrain.pipeline.schedule import Action, ActionKind, build, lower, validate
 from polytrain.pipeline.stage import StageModule, block_ranges, build_stage
 from polytrain.trainer.optim import build_optimizer
 from polytrain.trainer.strategy import NonFiniteLossError, StepOutput
@@ -130,7 +130,11 @@ class PipelineStrategy:
         train_group = new_group_of(pp_groups, mesh.rank)
         pipedream = self.schedule_name == "pipedream"
         params = dict(self.stage.named_parameters())
-        self.stash = WeightStash(params, max_in_flight(s, self.num_stages)) if pipedream else None
+        # PipeDream updates after every micro-batch, or once per step (PipeDream-2BW).
+        per_micro = job.pipeline.pipedream_update == "microbatch"
+        self.update_every = 1 if per_micro else self.microbatches * self.accum
+        bound = stash_bound(s, self.num_stages, self.update_every)
+        self.stash = WeightStash(params, bound) if pipedream else None
         dtype = torch.bfloat16 if job.train.dtype == "bf16" else None
         self.runtime = StageRuntime(
             self.stage,
@@ -268,7 +272,8 @@ class PipelineStrategy:
         actions, last = stream.slice(step)
         per_step = self.microbatches * self.accum
         first = stream.first_step
-        feed = self._feed(partial(_stream_index, first, per_step), 1.0, step)
+        scale = 1.0 / self.update_every  # the update's gradient is its micro-batches' mean
+        feed = self._feed(partial(_stream_index, first, per_step), scale, step)
         loss = self.runtime.run(actions, feed)
         if last:
             self.runtime.finish()
@@ -276,14 +281,16 @@ class PipelineStrategy:
         else:
             self.runtime.pending.prune()
             stream.next_step = step + 1
-        value = float(all_reduce_sum_(loss, None)) / self.dp / per_step
+        value = float(all_reduce_sum_(loss, None)) / self.dp / (scale * per_step)
         if not math.isfinite(value):
             return self._nonfinite(step, value)
         return StepOutput(loss=value)
 
     def _pipedream_update(self, microbatch: int) -> None:
-        """PipeDream: apply this micro-batch's gradient right away (one weight version more)."""
+        """After every ``update_every``-th backward: apply the accumulated gradient."""
         assert self.stash is not None
+        if (microbatch + 1) % self.update_every:
+            return
         with self._tracer.span("optimizer", cat="optim", microbatch=microbatch):
             grads = self._grads()
             if self.dp > 1:
