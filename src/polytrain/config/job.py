@@ -228,8 +228,6 @@ class PSConfig:
     )
 
     def __post_init__(self) -> None:
-        from polytrain.ps.consistency import check_consistency  # pure, no torch
-
         _positive("ps", "servers", self.servers)
         _positive("ps", "chunk_kb", self.chunk_kb)
         _positive("ps", "ranks_per_host", self.ranks_per_host, allow_zero=True)
@@ -237,7 +235,16 @@ class PSConfig:
         _positive("ps", "spare_workers", self.spare_workers, allow_zero=True)
         _positive("ps", "join_delay_s", self.join_delay_s, allow_zero=True)
         _positive("ps", "straggler_delay_s", self.straggler_delay_s, allow_zero=True)
-        check_consistency(self.mode, self.staleness)
+        if self.staleness < 0:
+            raise ConfigError(
+                f"ps.staleness = {self.staleness}: expected a non-negative number of clocks "
+                f"(0 means synchronous)"
+            )
+        if self.staleness and self.mode != "ssp":  # the rule of ps.consistency.check_consistency
+            raise ConfigError(
+                f"ps.staleness = {self.staleness} has no effect with ps.mode = {self.mode!r}: "
+                f"set ps.mode = 'ssp' to bound staleness, or remove ps.staleness"
+            )
         if self.spare_workers and (self.mode == "sync" or self.hierarchical):
             raise ConfigError(
                 f"ps.spare_workers = {self.spare_workers}: joining workers need ps.mode = "
