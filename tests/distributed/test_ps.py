@@ -168,80 +168,80 @@ def test_async_survives_killed_worker_and_admits_joiner(tmp_path: Path) -> None:
 # --- bad messages ---------------------------------------------------------------------------
 
 
-def _bad_message_rank(rank: int, world_size: int, case: str) -> Any:
+BAD_CASES = {
+    "bad-magic": "magic = 0x4d2",
+    "other-job": "job_id",
+    "short-payload": "shorter than its header",
+    "long-payload": "longer than its header",
+}
+
+
+def _bad_message_rank(rank: int, world_size: int) -> Any:
+    """Rank 0 is a rogue worker sending one bad message per case; rank 1 a fresh server each."""
     from polytrain.comm import ps_wire
+    from polytrain.data.datasets import build_datasets
     from polytrain.models.registry import build_model
     from polytrain.ps.layout import build_layout
     from polytrain.ps.protocol import Header, Op
     from polytrain.ps.server import ParameterServer
-    from tests.conftest import small_job
 
     job = small_job()
-    from polytrain.data.datasets import build_datasets
-
     _, _, spec = build_datasets(job.data, 16)
     model = build_model(job.model, spec, 0)
     layout = build_layout(model, 1, 4)
     spans = layout.spans(0)
-    if rank == 0:  # a rogue worker
-        start, stop = spans[0]
-        n = stop - start
-        header = Header(
-            Op.PUSH, 0, 0, layout.job_id, chunk=0, num_chunks=len(spans), numel=n, dtype=1
+    n = spans[0][1] - spans[0][0]
+    out = {}
+    for case in BAD_CASES:
+        if rank == 0:
+            header = Header(Op.PUSH, 0, 0, layout.job_id, num_chunks=len(spans), numel=n, dtype=1)
+            if case == "bad-magic":
+                wire = header.encode()
+                wire[0] = 1234
+                ops = [ps_wire.post_send(wire, 1, ps_wire.TAG_REQUEST)]
+            elif case == "other-job":
+                wire = Header(Op.PULL, 0, 0, layout.job_id ^ 1).encode()
+                ops = [ps_wire.post_send(wire, 1, ps_wire.TAG_REQUEST)]
+            else:
+                size = n - 1 if case == "short-payload" else n + 1
+                ops = [
+                    ps_wire.post_send(header.encode(), 1, ps_wire.TAG_REQUEST),
+                    ps_wire.post_send(torch.ones(size), 1, ps_wire.TAG_PUSH),
+                ]
+            ps_wire.wait_all(ops)
+            continue
+        initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+        server = ParameterServer(
+            index=0,
+            layout=layout,
+            initial=initial,
+            optim=job.optim,
+            lr_at=lambda clock: 0.1,
+            mode="async",
+            staleness=0,
+            workers=[0],
+            spares=[],
+            num_worker_slots=1,
+            num_pushers=1,
         )
-        if case == "bad-magic":
-            wire = header.encode()
-            wire[0] = 1234
-            ops = [ps_wire.post_send(wire, 1, ps_wire.TAG_REQUEST)]
-        elif case == "other-job":
-            wire = Header(Op.PULL, 0, 0, layout.job_id ^ 1).encode()
-            ops = [ps_wire.post_send(wire, 1, ps_wire.TAG_REQUEST)]
+        try:
+            server.serve_until_clock(1)
+        except ProtocolError as exc:
+            message = str(exc)
         else:
-            size = n - 1 if case == "short-payload" else n + 1
-            ops = [
-                ps_wire.post_send(header.encode(), 1, ps_wire.TAG_REQUEST),
-                ps_wire.post_send(torch.ones(size), 1, ps_wire.TAG_PUSH),
-            ]
-        ps_wire.wait_all(ops)
-        return None
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    server = ParameterServer(
-        index=0,
-        layout=layout,
-        initial=initial,
-        optim=job.optim,
-        lr_at=lambda clock: 0.1,
-        mode="async",
-        staleness=0,
-        workers=[0],
-        spares=[],
-        num_worker_slots=1,
-        num_pushers=1,
-    )
-    try:
-        server.serve_until_clock(1)
-    except ProtocolError as exc:
-        message = str(exc)
-    else:
-        raise AssertionError("the server accepted a bad message")
-    unchanged = all(torch.equal(server.params[n].detach(), initial[n]) for n in initial)
-    return {"message": message, "unchanged": unchanged, "updates": server.stats.updates}
+            raise AssertionError(f"{case}: the server accepted a bad message")
+        unchanged = all(torch.equal(server.params[k].detach(), initial[k]) for k in initial)
+        out[case] = {"message": message, "unchanged": unchanged, "updates": server.stats.updates}
+    return out
 
 
-@pytest.mark.parametrize(
-    ("case", "words"),
-    [
-        ("bad-magic", "magic = 0x4d2"),
-        ("other-job", "job_id"),
-        ("short-payload", "shorter than its header"),
-        ("long-payload", "longer than its header"),
-    ],
-)
-def test_server_rejects_bad_message_and_applies_nothing(case: str, words: str) -> None:
-    _, server = run_distributed(_bad_message_rank, 2, case, timeout_s=60)
-    assert words in server["message"], server["message"]
-    assert "rank 0" in server["message"] and "\n" not in server["message"]
-    assert server["unchanged"] and server["updates"] == 0
+def test_server_rejects_bad_messages_and_applies_nothing() -> None:
+    _, server = run_distributed(_bad_message_rank, 2, timeout_s=60)
+    for case, words in BAD_CASES.items():
+        result = server[case]
+        assert words in result["message"], (case, result["message"])
+        assert "rank 0" in result["message"] and "\n" not in result["message"]
+        assert result["unchanged"] and result["updates"] == 0, case
 
 
 def test_hogwild_matches_serial_sgd_on_sparse_problem() -> None:
