@@ -19,6 +19,7 @@ from polytrain.pipeline.partition import (
     in_flight_microbatches,
     optimizer_state_factor,
     search_partition,
+    stashed_copies,
     uniform_counts,
 )
 from polytrain.pipeline.profile import choose_partition, profile_blocks
@@ -33,6 +34,7 @@ def block(
     activation: int = 100,
     output: int = 10,
     input_bytes: int = 10,
+    update_s: float = 0.0,
 ) -> BlockProfile:
     return BlockProfile(
         forward_s=time_s / 3,
@@ -44,6 +46,7 @@ def block(
         activation_bytes=activation,
         input_bytes=input_bytes,
         output_bytes=output,
+        update_s=update_s,
     )
 
 
@@ -55,6 +58,7 @@ def random_profiles(rng: random.Random, n: int) -> list[BlockProfile]:
             activation=rng.randint(0, 2000),
             output=rng.randint(1, 300),
             input_bytes=rng.randint(1, 300),
+            update_s=rng.choice([0.0, rng.uniform(0.0, 3.0)]),
         )
         for _ in range(n)
     ]
@@ -72,6 +76,7 @@ def test_dp_matches_brute_force(seed: int) -> None:
     schedule = rng.choice(SCHEDULES)
     recompute = rng.random() < 0.3
     link = rng.choice([None, 1000.0])
+    update_every = rng.randint(1, 4)
     profiles = random_profiles(rng, n)
     unlimited = brute_force_partition(
         profiles,
@@ -81,6 +86,7 @@ def test_dp_matches_brute_force(seed: int) -> None:
         memory_limit_bytes=None,
         recompute=recompute,
         link_bytes_per_s=link,
+        update_every=update_every,
     )
     assert unlimited is not None
     # a limit between the leanest and the largest stage memory makes some partitions infeasible
@@ -91,6 +97,7 @@ def test_dp_matches_brute_force(seed: int) -> None:
         "memory_limit_bytes": limit,
         "recompute": recompute,
         "link_bytes_per_s": link,
+        "update_every": update_every,
     }
     best = brute_force_partition(profiles, p, **kwargs)  # type: ignore[arg-type]
     if best is None:
@@ -136,6 +143,30 @@ def test_memory_limit_moves_blocks_off_the_first_stage() -> None:
     assert max(tight.stage_memory_bytes) <= 4000
 
 
+def test_update_is_spread_over_the_microbatches() -> None:
+    # the optimizer update runs once per step: with 4 micro-batches each carries a quarter
+    profiles = [block(1.0, update_s=4.0), block(1.0), block(1.0)]
+    one = evaluate_partition(profiles, [1, 2], schedule="1f1b", num_microbatches=4)
+    assert one.stage_time_s == pytest.approx([2.0, 2.0])
+    best = search_partition(
+        [block(1.0, update_s=8.0), block(1.0), block(1.0), block(1.0)],
+        2,
+        schedule="gpipe",
+        num_microbatches=2,
+        memory_limit_bytes=None,
+    )
+    assert best.counts == [1, 3]  # 1 + 8 / 2 = 5 against 3, not [2, 2]'s 6 against 2
+
+
+def test_stash_bound_matches_the_runtime() -> None:
+    from polytrain.pipeline.runtime import stash_bound
+
+    for p in range(1, 7):
+        for s in range(p):
+            for u in range(1, 6):
+                assert stashed_copies(s, p, u) == stash_bound(s, p, u)
+
+
 def test_in_flight_per_schedule() -> None:
     assert in_flight_microbatches("gpipe", 4, 8) == [8, 8, 8, 8]
     assert in_flight_microbatches("1f1b", 4, 8) == [4, 3, 2, 1]
@@ -149,9 +180,15 @@ def test_memory_model_counts_state_activations_and_stash() -> None:
     # params 40 + grads 40 + adam 80 per block; 3 in flight x (200 saved + 7 output)
     assert one.stage_memory_bytes[0] == 2 * 160 + 3 * (200 + 7)
     assert one.stage_memory_bytes[1] == 2 * 160 + 3 * 200  # the last stage sends no output
+    # pipedream, an update per micro-batch: p - s in flight and p - s stashed copies (live too)
     stash = evaluate_partition(profiles, [2, 2], schedule="pipedream", num_microbatches=1)
-    assert stash.stage_memory_bytes[0] == 2 * 160 + 2 * 207 + 1 * 80  # one stashed version
-    assert stash.stage_memory_bytes[1] == 2 * 160 + 1 * 200
+    assert stash.stage_memory_bytes[0] == 2 * 160 + 2 * 207 + 2 * 80
+    assert stash.stage_memory_bytes[1] == 2 * 160 + 1 * 200 + 1 * 80
+    # an update per step of 4 micro-batches: stage 0 of 4 stashes ceil(3 / 4) + 1 = 2 copies
+    four = evaluate_partition(
+        profiles, [1, 1, 1, 1], schedule="pipedream", num_microbatches=4, update_every=4
+    )
+    assert four.stage_memory_bytes[0] == 160 + 4 * (100 + 7) + 2 * 40
     recompute = evaluate_partition(
         profiles, [2, 2], schedule="gpipe", num_microbatches=3, recompute=True
     )

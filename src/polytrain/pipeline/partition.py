@@ -9,17 +9,21 @@ the profiles and agreeing on the result across ranks, is `polytrain.pipeline.pro
 
 [Note: stage cost model]
 A stage ``s`` of ``p`` holding blocks ``a..b`` for ``m`` micro-batches is predicted to take
-``t_s = sum(forward_s + backward_s)`` per micro-batch (``2 forward + backward`` with
-recomputation), plus ``2 x boundary_bytes / link_bytes_per_s + 2 x link_latency_s`` for each
-boundary it talks across (activation one way, its gradient back) when a link is given. Its peak
-memory is::
+``t_s = sum(forward_s + backward_s) + sum(update_s) / m`` per micro-batch (``2 forward +
+backward`` with recomputation; the optimizer update runs once per step, so each micro-batch
+carries ``1 / m`` of it), plus ``2 x boundary_bytes / link_bytes_per_s + 2 x link_latency_s``
+for each boundary it talks across (activation one way, its gradient back) when a link is given.
+Its peak memory is::
 
     params + grads + optimizer state          (the stage's blocks)
     + in_flight(s) x activations              (one micro-batch's saved tensors + output)
-    + (in_flight(s) - 1) x params             (pipedream only: stashed weight versions)
+    + stashed_copies(s) x params              (pipedream only: stashed weight versions)
 
 where ``in_flight`` is the schedule's `peak_activations` (``m`` for gpipe, ``min(m, p - s)`` for
-1f1b) and ``p - s`` for pipedream, whose micro-batch stream crosses step boundaries. The output
+1f1b) and ``p - s`` for pipedream, whose micro-batch stream crosses step boundaries, and
+``stashed_copies = ceil((p - 1 - s) / u) + 1`` for an update every ``u`` micro-batches (the
+runtime's ``stash_bound``: it copies every version in flight, the live one included; ``u = m``
+for ``pipeline.pipedream_update = "step"``, ``p - s`` copies for ``u = 1``). The output
 is the tensor sent downstream, held until its gradient comes back; the last stage's output is
 the loss, whose saved tensors the last block's profile already includes. With recomputation
 (`polytrain.parallel.recompute` wraps each block that has parameters) such a block keeps only
@@ -50,6 +54,7 @@ __all__ = [
     "in_flight_microbatches",
     "optimizer_state_factor",
     "search_partition",
+    "stashed_copies",
     "uniform_counts",
 ]
 
@@ -71,6 +76,8 @@ class BlockProfile:
     input_bytes: int
     output_bytes: int
     """The block's output: what crosses a stage boundary after it."""
+    update_s: float = 0.0
+    """One optimizer step over the block's parameters (once per step, not per micro-batch)."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,14 @@ def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int
     return [peaks[s] for s in range(num_stages)]
 
 
+def stashed_copies(stage_index: int, num_stages: int, update_every: int = 1) -> int:
+    """Weight copies PipeDream's stash holds at most on a stage: ``ceil((p - 1 - s) / u) + 1``.
+
+    The same bound as the runtime's ``stash_bound`` (kept here so the search stays pure).
+    """
+    return -(-(num_stages - 1 - stage_index) // update_every) + 1
+
+
 def all_partitions(num_blocks: int, num_stages: int) -> Iterator[list[int]]:
     """Every way to cut ``num_blocks`` into ``num_stages`` non-empty contiguous stages."""
     _check_stage_count(num_blocks, num_stages)
@@ -196,6 +211,7 @@ class _Costs:
         recompute: bool,
         link_bytes_per_s: float | None,
         link_latency_s: float,
+        update_every: int,
     ) -> None:
         self.profiles = list(profiles)
         self.num_stages = num_stages
@@ -205,12 +221,19 @@ class _Costs:
         self.link_bytes_per_s = link_bytes_per_s
         self.link_latency_s = link_latency_s
         self.in_flight = in_flight_microbatches(schedule, num_stages, num_microbatches)
+        self.stash = [
+            stashed_copies(s, num_stages, update_every) if schedule == "pipedream" else 0
+            for s in range(num_stages)
+        ]
         forward_factor = 2.0 if recompute else 1.0
 
         def prefix(values: Iterator[float]) -> list[float]:
             return list(itertools.accumulate(values, initial=0.0))
 
-        self._time = prefix(forward_factor * b.forward_s + b.backward_s for b in profiles)
+        self._time = prefix(
+            forward_factor * b.forward_s + b.backward_s + b.update_s / num_microbatches
+            for b in profiles
+        )
         self._params = prefix(float(b.param_count) for b in profiles)
         self._param_bytes = prefix(float(b.param_bytes) for b in profiles)
         self._state = prefix(
@@ -258,9 +281,7 @@ class _Costs:
         else:
             per_mb = self._act[b] - self._act[a] + output
         memory = self._state[b] - self._state[a] + live * per_mb + transient
-        if self.schedule == "pipedream":
-            memory += (live - 1) * (self._param_bytes[b] - self._param_bytes[a])
-        return memory
+        return memory + self.stash[stage] * (self._param_bytes[b] - self._param_bytes[a])
 
     def params(self, a: int, b: int) -> int:
         return int(self._params[b] - self._params[a])
@@ -287,8 +308,11 @@ def _costs(
     recompute: bool,
     link_bytes_per_s: float | None,
     link_latency_s: float,
+    update_every: int,
 ) -> _Costs:
     _check_stage_count(len(profiles), num_stages)
+    if update_every < 1:
+        raise PartitionError(f"update_every = {update_every}: expected at least 1 micro-batch")
     return _Costs(
         profiles,
         num_stages,
@@ -297,6 +321,7 @@ def _costs(
         recompute=recompute,
         link_bytes_per_s=link_bytes_per_s,
         link_latency_s=link_latency_s,
+        update_every=update_every,
     )
 
 
@@ -344,11 +369,14 @@ def search_partition(
     recompute: bool = False,
     link_bytes_per_s: float | None = None,
     link_latency_s: float = 0.0,
+    update_every: int = 1,
 ) -> PartitionResult:
     """The contiguous partition with the fastest slowest stage that fits the memory limit.
 
     Dynamic programming over (stages placed, blocks covered), O(n^2 p); see
-    [Note: stage cost model]. Raises `PartitionError` naming the stage that cannot fit when no
+    [Note: stage cost model]. ``update_every`` is the micro-batches per optimizer update of
+    ``pipedream`` (``m`` for ``pipeline.pipedream_update = "step"``, 1 for ``"microbatch"``),
+    which sets how many weight versions it stashes. Raises `PartitionError` naming the stage that cannot fit when no
     partition respects ``memory_limit_bytes`` (None: no limit).
     """
     costs = _costs(
@@ -359,6 +387,7 @@ def search_partition(
         recompute,
         link_bytes_per_s,
         link_latency_s,
+        update_every,
     )
     limit = memory_limit_bytes
 
@@ -383,6 +412,7 @@ def evaluate_partition(
     recompute: bool = False,
     link_bytes_per_s: float | None = None,
     link_latency_s: float = 0.0,
+    update_every: int = 1,
 ) -> PartitionResult:
     """Predicted time and memory of a given partition (e.g. the uniform one)."""
     counts = check_counts(counts, len(profiles), len(counts))
@@ -394,6 +424,7 @@ def evaluate_partition(
         recompute,
         link_bytes_per_s,
         link_latency_s,
+        update_every,
     )
     return costs.result(counts, memory_limit_bytes)
 
@@ -408,6 +439,7 @@ def brute_force_partition(
     recompute: bool = False,
     link_bytes_per_s: float | None = None,
     link_latency_s: float = 0.0,
+    update_every: int = 1,
 ) -> PartitionResult | None:
     """The best partition by trying all ``C(n-1, p-1)`` of them (None if none fits); for checks."""
     best: PartitionResult | None = None
@@ -421,6 +453,7 @@ def brute_force_partition(
             recompute=recompute,
             link_bytes_per_s=link_bytes_per_s,
             link_latency_s=link_latency_s,
+            update_every=update_every,
         )
         if memory_limit_bytes is not None and max(result.stage_memory_bytes) > memory_limit_bytes:
             continue

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -156,6 +157,30 @@ def _median_times(
     ]
 
 
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _update_seconds(
+    block: nn.Module, optimizer: OptimizerFactory, device: torch.device, warmup: int, repeats: int
+) -> float:
+    """Median time of one optimizer step over copies of ``block``'s trainable parameters."""
+    params = [nn.Parameter(p.detach().clone()) for p in block.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = optimizer(params)
+    clock, times = _clock(device), []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = clock()
+        opt.step()
+        _sync(device)
+        if i >= warmup:
+            times.append(clock() - t0)
+    return statistics.median(times)
+
+
 def profile_blocks(
     model: BlockModel,
     sample: tuple[torch.Tensor, torch.Tensor],
@@ -163,6 +188,7 @@ def profile_blocks(
     warmup: int = 2,
     repeats: int = 5,
     optimizer_factor: int = 2,
+    optimizer: OptimizerFactory | None = None,
 ) -> list[BlockProfile]:
     """Measure every block on one micro-batch ``sample = (inputs, targets)`` where it lives.
 
@@ -172,7 +198,9 @@ def profile_blocks(
     optimizer-state bytes per parameter byte (`optimizer_state_factor`: AdamW 2, SGD momentum 1,
     plain SGD 0). Activation bytes are the distinct storages autograd saves, parameters and
     buffers excluded, de-duplicated within a block (two adjacent blocks saving the same tensor
-    count it twice, which is right when a stage boundary falls between them).
+    count it twice, which is right when a stage boundary falls between them). With
+    ``optimizer`` (params -> optimizer), each block's ``update_s`` is the median time of a step
+    of that optimizer over copies of the block's parameters (not on the meta device).
     """
     if repeats < 1 or warmup < 0:
         raise PartitionError(f"profile repeats = {repeats}, warmup = {warmup}: need >= 1 and >= 0")
@@ -209,6 +237,9 @@ def profile_blocks(
     ):
         params = list(block.parameters())
         trainable = sum(_nbytes(p) for p in params if p.requires_grad)
+        update_s = 0.0
+        if optimizer is not None and device.type != "meta":
+            update_s = _update_seconds(block, optimizer, device, warmup, repeats)
         profiles.append(
             BlockProfile(
                 forward_s=forward_s,
@@ -220,6 +251,7 @@ def profile_blocks(
                 activation_bytes=activation,
                 input_bytes=input_bytes,
                 output_bytes=output_bytes,
+                update_s=update_s,
             )
         )
     return profiles
@@ -232,23 +264,27 @@ def profile_partition(
     num_stages: int,
 ) -> PartitionResult:
     """Profile ``model`` on ``sample`` and search with the job's schedule and memory limit."""
+    from polytrain.trainer.optim import build_optimizer  # trainer imports us (via preflight)
+
     profiles = profile_blocks(
         model,
         sample,
         optimizer_factor=optimizer_state_factor(job.optim.name, job.optim.momentum),
+        optimizer=partial(build_optimizer, cfg=job.optim),
     )
     return _search(job, profiles, num_stages)
 
 
 def _search(job: JobConfig, profiles: list[BlockProfile], num_stages: int) -> PartitionResult:
-    limit_mb = job.pipeline.memory_limit_mb
+    limit_mb, m = job.pipeline.memory_limit_mb, job.pipeline.microbatches
     return search_partition(
         profiles,
         num_stages,
         schedule=job.pipeline.schedule,
-        num_microbatches=job.pipeline.microbatches,
+        num_microbatches=m,
         memory_limit_bytes=limit_mb * _MIB if limit_mb > 0 else None,
         recompute=job.parallel.recompute,
+        update_every=m if job.pipeline.pipedream_update == "step" else 1,
     )
 
 
