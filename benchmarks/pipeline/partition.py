@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -266,13 +267,21 @@ def main() -> None:
         search_partition,
     )
     from polytrain.pipeline.profile import profile_blocks
+    from polytrain.trainer.optim import build_optimizer
 
     torch.set_num_threads(1)  # as each pipeline rank runs
     job = _job("auto", 2, args.steps)
     _, _, spec = build_datasets(job.data, CONTEXT)
     model = build_model(job.model, spec, job.train.seed)
     sample = _sample(model)
-    profiles = profile_blocks(model, sample, warmup=2, repeats=args.repeats, optimizer_factor=0)
+    profiles = profile_blocks(  # as `auto` does inside the runs: the job's optimizer (SGD)
+        model,
+        sample,
+        warmup=2,
+        repeats=args.repeats,
+        optimizer_factor=0,
+        optimizer=partial(build_optimizer, cfg=job.optim),
+    )
     report: dict[str, Any] = {
         "model": f"embed + Wide(hidden = {list(HIDDEN_UNITS)} x {WIDTH}) + head",
         "blocks": model.num_blocks,

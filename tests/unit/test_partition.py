@@ -119,12 +119,23 @@ def test_balances_an_unbalanced_model() -> None:
     result = search_partition(
         profiles, 3, schedule="1f1b", num_microbatches=4, memory_limit_bytes=None
     )
-    assert result.counts == [4, 1, 3] or result.bottleneck_s == pytest.approx(8.0)
+    assert result.counts == [4, 1, 3]
     assert result.bottleneck_s == pytest.approx(8.0)
     uniform = evaluate_partition(
         profiles, uniform_counts(8, 3), schedule="1f1b", num_microbatches=4
     )
     assert uniform.bottleneck_s > result.bottleneck_s
+
+
+def test_ties_prefer_the_most_even_partition() -> None:
+    # block 0 alone sets the bottleneck (9); every split of the other 8 ties on it, and the
+    # even one leaves the most slack for profile error
+    profiles = [block(9.0)] + [block(1.0) for _ in range(8)]
+    result = search_partition(
+        profiles, 3, schedule="1f1b", num_microbatches=4, memory_limit_bytes=None
+    )
+    assert result.counts == [1, 4, 4]
+    assert result.stage_time_s == pytest.approx([9.0, 4.0, 4.0])
 
 
 def test_memory_limit_moves_blocks_off_the_first_stage() -> None:

@@ -30,8 +30,14 @@ the loss, whose saved tensors the last block's profile already includes. With re
 its input, and one block's activations are rebuilt at a time during backward (a transient
 ``max`` term). The received input is counted when the first block saves it. The search
 minimises the largest ``t_s``, which sets a synchronous pipeline's step time
-``sum(t) + (m - 1) x max(t)`` and an asynchronous pipeline's throughput; ties keep the first
-partition found. The model ignores activation-gradient buffers and allocator slack, so a limit
+``sum(t) + (m - 1) x max(t)`` and an asynchronous pipeline's throughput.
+
+[Note: ties] Many partitions often share the optimal bottleneck (the slowest stage is fixed and
+the others can move). A second pass of the same DP picks, among the partitions whose stages all
+stay within that bottleneck (and the memory limit), the one with the smallest sum of squared
+stage times: the most even, which leaves the most slack for error in the profile.
+
+The model ignores activation-gradient buffers and allocator slack, so a limit
 should keep some headroom.
 """
 
@@ -330,11 +336,13 @@ def _min_max(
     num_stages: int,
     cost: Callable[[int, int, int], float],
     allowed: Callable[[int, int, int], bool],
+    combine: Callable[[float, float], float] = max,
 ) -> list[int] | None:
     """Counts minimising ``max_s cost(s, a_s, b_s)`` over allowed stages; None if none fits.
 
     ``best[s][j]``: the smallest bottleneck of stages ``0..s-1`` covering blocks ``0..j-1``.
-    O(num_blocks^2 x num_stages) evaluations of ``cost`` and ``allowed``.
+    O(num_blocks^2 x num_stages) evaluations of ``cost`` and ``allowed``. With ``combine`` a sum
+    instead of ``max``, the same recursion minimises a total.
     """
     inf = float("inf")
     best = [[inf] * (num_blocks + 1) for _ in range(num_stages + 1)]
@@ -346,7 +354,7 @@ def _min_max(
             for i in range(s, j):
                 if best[s][i] == inf or not allowed(s, i, j):
                     continue
-                value = max(best[s][i], cost(s, i, j))
+                value = combine(best[s][i], cost(s, i, j))
                 if value < best[s + 1][j]:
                     best[s + 1][j], cut[s + 1][j] = value, i
     if best[num_stages][num_blocks] == inf:
@@ -399,7 +407,20 @@ def search_partition(
         assert limit is not None
         _raise_infeasible(costs, len(profiles), num_stages, limit, recompute)
     assert counts is not None
-    return costs.result(counts, limit)
+    # [Note: ties] among the partitions with that bottleneck, the most even one
+    bottleneck = max(costs.result(counts, limit).stage_time_s)
+
+    def within(s: int, a: int, b: int) -> bool:
+        return costs.time(s, a, b) <= bottleneck and fits(s, a, b)
+
+    even = _min_max(
+        len(profiles),
+        num_stages,
+        lambda s, a, b: costs.time(s, a, b) ** 2,
+        within,
+        combine=lambda x, y: x + y,
+    )
+    return costs.result(even or counts, limit)
 
 
 def evaluate_partition(
