@@ -109,7 +109,7 @@ def test_async_survives_killed_worker_and_admits_joiner(tmp_path: Path) -> None:
     out_dir = str(tmp_path / "run")
     job = small_job(
         parallel={"sync": "ps"},
-        ps={"servers": 1, "mode": "async", "spare_workers": 1, "join_delay_s": 1.0},
+        ps={"servers": 1, "mode": "async", "spare_workers": 1, "join_delay_s": 2.5},
         launch={"nproc": 4},
         train={"steps": 400, "eval_batches": 2, "global_batch_size": 12},
         observe={"out_dir": out_dir, "log_every": 1},
@@ -161,8 +161,8 @@ def test_async_survives_killed_worker_and_admits_joiner(tmp_path: Path) -> None:
     joined = dict(stats["joined"])
     assert joined.get(2, 0) > 0, stats["joined"]  # admitted mid-run at the current clock
     assert sorted(w for w, _ in stats["left"]) == [0, 2]
-    pushes_by = {w for w, _, _ in stats["events"]}
-    assert pushes_by == {0, 1, 2}
+    granted = {w for w, _, _ in stats["events"]}
+    assert granted == {0, 1, 2}  # the victim before its death, the joiner after it came
 
 
 # --- bad messages ---------------------------------------------------------------------------
