@@ -32,3 +32,13 @@ def test_hogwild_across_hosts_is_an_error() -> None:
         HogwildConfig(nnodes=2)
     with pytest.raises(ConfigError, match="hogwild.nonzeros = 9 exceeds"):
         HogwildConfig(features=8, nonzeros=9)
+
+
+def test_preflight_rejects_what_ps_cannot_run() -> None:
+    from polytrain.trainer.preflight import preflight
+
+    with pytest.raises(ConfigError, match="ps.servers = 8 exceeds the 7 parameters"):
+        preflight(small_job(parallel={"sync": "ps"}, ps={"servers": 8}, launch={"nproc": 9}))
+    with pytest.raises(ConfigError, match="with tp = 2, pp = 1: parameter-server workers"):
+        preflight(small_job(parallel={"sync": "ps", "tp": 2}, launch={"nproc": 5}))
+    preflight(small_job(parallel={"sync": "ps"}, launch={"nproc": 3}))

@@ -19,6 +19,7 @@ from polytrain.parallel.sufficient_factor import choose_layers, plain_linears
 from polytrain.parallel.tensor_parallel import resolve_tp_plan
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import check_partition
+from polytrain.ps.checks import check_ps_job
 
 __all__ = ["preflight"]
 
@@ -50,4 +51,6 @@ def preflight(job: JobConfig) -> BlockModel:
         )
     if job.parallel.sufficient_factor == "on" and not plain_linears(model):
         choose_layers([], "on")  # raises: nothing to exchange factors for
+    if job.parallel.sync == "ps":
+        check_ps_job(job, model)
     return model

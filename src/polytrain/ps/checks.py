@@ -1,0 +1,28 @@
+"""Pre-launch checks of a parameter-server job (run by trainer.preflight; no processes)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from polytrain.config.job import JobConfig
+from polytrain.errors import ConfigError
+from polytrain.ps.sharding import plan_shards
+
+__all__ = ["check_ps_job"]
+
+
+def check_ps_job(job: JobConfig, model: nn.Module) -> None:
+    """Raise `ConfigError` for what `parallel.sync = 'ps'` cannot run (model on any device)."""
+    p = job.parallel
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(
+            f"parallel.sync = 'ps' with tp = {p.tp}, pp = {p.pp}: parameter-server workers each "
+            f"hold a whole model replica; set tp = 1 and pp = 1"
+        )
+    if job.train.device == "cuda":
+        raise ConfigError(
+            "train.device = 'cuda' with parallel.sync = 'ps': the parameter server runs on CPU "
+            "over gloo; set --device cpu, or use parallel.sync = 'allreduce' on GPUs"
+        )
+    params = [(n, t.numel() * t.element_size()) for n, t in model.named_parameters()]
+    plan_shards(params, job.ps.servers)  # more servers than parameters is a ConfigError
