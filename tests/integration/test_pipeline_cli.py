@@ -1,0 +1,42 @@
+"""``polytrain train --pp 2 ... --trace`` then ``polytrain timeline``, end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_cli import polytrain
+
+pytestmark = pytest.mark.slow
+
+
+def test_trace_then_timeline(tmp_path: Path) -> None:
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    args = ["train", "--model", "mlp", "--nproc", "2", "--pp", "2", "--schedule", "1f1b"]
+    args += ["--microbatches", "4", "--steps", "3", "--eval-every", "2", "--no-progress"]
+    run = polytrain(*args, "--trace", str(trace), "--out-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    for rank in (0, 1):
+        for kind in ("F", "B"):
+            seen = {
+                (e["args"]["step"], e["args"]["microbatch"])
+                for e in events
+                if e["pid"] == rank and e["name"] == kind
+            }
+            assert seen == {(t, i) for t in range(3) for i in range(4)}, (rank, kind)
+        assert {
+            e["args"]["stage"] for e in events if e["pid"] == rank and "stage" in e["args"]
+        } == {rank}
+    assert any(e["name"] == "SEND_F" and e["pid"] == 0 for e in events)
+    assert any(e["name"] == "RECV_B" and e["pid"] == 0 for e in events)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert metrics[-1]["strategy"] == "1f1b-pp2-m4" and "val_loss" in metrics[-1]
+
+    drawn = polytrain("timeline", str(trace), "--png", str(png), cwd=tmp_path)
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    again = polytrain("timeline", str(trace), "--png", str(png), cwd=tmp_path)
+    assert again.returncode == 2 and "already exists" in again.stderr
