@@ -3,9 +3,10 @@
 Everything the parameter server sends goes through here (ARCHITECTURE layering: only comm/
 calls c10d). A message is an encoded `polytrain.ps.protocol.Header` (int64) on a header tag,
 followed for payload ops by one flat tensor on the matching payload tag. Tags keep the two
-apart, so a server can wait for the next header from *any* worker while a payload is still on
-its way from another (``recv_header_any``), and payloads always match their header: messages
-between two ranks on one tag arrive in the order they were posted.
+apart, so a server's receiver for one worker waits for headers and payloads separately, and
+payloads always match their header: messages between two ranks on one tag arrive in the order
+they were posted. (Receiving from *any* source is avoided: once one peer's connection breaks,
+every later receive-from-any fails too.)
 
 [Note: no timeouts on gloo waits] A gloo ``wait(timeout)`` that expires leaves its receive
 posted (it later swallows a message meant for someone else) and closes the pair it waited on.
@@ -51,7 +52,6 @@ __all__ = [
     "peer_is_gone",
     "post_recv",
     "post_send",
-    "recv_header_any",
     "wait_all",
 ]
 
@@ -118,14 +118,6 @@ def wait_all(ops: Sequence[_Op]) -> None:
             first = first or exc
     if first is not None:
         raise first
-
-
-def recv_header_any(buffer: torch.Tensor, tag: int = TAG_REQUEST) -> int:
-    """Block until a header arrives from any rank on ``tag``; return the sender's rank."""
-    work = dist.irecv(buffer, src=None, tag=tag)
-    assert work is not None
-    work.wait(timeout=_FOREVER)
-    return int(work._source_rank())
 
 
 def peer_is_gone(peer: int) -> bool:

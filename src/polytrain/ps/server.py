@@ -4,8 +4,8 @@ The sharded server of DistBelief (Dean et al., NIPS 2012) and Li et al. (OSDI 20
 consistency models of `polytrain.ps.consistency` (sync, async / Downpour, SSP of Ho et al.,
 NIPS 2013). Shapes: P = elements of this server's shard.
 
-[Note: server threads] A receiver thread blocks on "next header from any worker" and, for a
-PUSH, on its payload; it decodes and validates every message ([Note: validate before use] in
+[Note: server threads] One receiver thread per worker blocks on that worker's next header and,
+for a PUSH, on its payload; it decodes and validates every message ([Note: validate before use] in
 `polytrain.ps.protocol`) and hands it to the main thread through a queue. The main thread owns
 all state (clocks, buffers, optimizer) and all sends. It wakes up at least every
 `_POLL_S` seconds, so it can notice dead workers without ever waiting on gloo with a timeout
@@ -64,7 +64,6 @@ __all__ = ["ParameterServer", "ServerStats"]
 
 _POLL_S = 0.2
 _PROBE_AFTER_S = 1.0
-_MAX_ANY_FAILURES = 64
 _WORKER_OPS = frozenset({Op.PULL, Op.PUSH, Op.CLOCK, Op.JOIN, Op.LEAVE, Op.SHUTDOWN})
 
 
@@ -144,28 +143,24 @@ class ParameterServer:
         self.shutdown_received = False
         self.started = time.perf_counter()
         self._inbox: queue.Queue[tuple[str, int, Any, Any]] = queue.Queue()
-        self._receiver = threading.Thread(target=self._receive, name="ps-receiver", daemon=True)
-        self._receiver.start()
+        self._receivers = [
+            threading.Thread(target=self._receive, args=(w,), name=f"ps-recv-{w}", daemon=True)
+            for w in sorted(self.state)
+        ]
+        for thread in self._receivers:
+            thread.start()
 
     # --- receiver thread -----------------------------------------------------------------
 
-    def _receive(self) -> None:
-        """Blocking receives; hands ("msg", src, header, payload) items to the main thread."""
-        failures = 0
+    def _receive(self, src: int) -> None:
+        """Blocking receives from worker ``src``; hands ("msg", src, header, payload) items to
+        the main thread. One thread per worker: a receive from any source would fail again and
+        again once one peer's connection broke, and a dead peer must only end its own stream.
+        """
         while True:
             wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
             try:
-                src = ps_wire.recv_header_any(wire)
-            except RuntimeError as exc:
-                # A peer's connection broke while we waited for anyone: the main thread probes
-                # who is gone; we keep receiving from the others.
-                failures += 1
-                kind = "anyfail" if failures <= _MAX_ANY_FAILURES else "fatal"
-                self._inbox.put((kind, -1, str(exc), None))
-                if kind == "fatal":
-                    return
-                continue
-            try:
+                ps_wire.wait_all([ps_wire.post_recv(wire, src, ps_wire.TAG_REQUEST)])
                 header = self._decode(wire, src)
                 payload = None
                 if header.op is Op.PUSH:
@@ -174,13 +169,13 @@ class ParameterServer:
                     payload = ps_wire.check_guarded(buf, src)
             except PeerLost as exc:
                 self._inbox.put(("lost", src, str(exc), None))
-                continue
+                return
             except ProtocolError as exc:
                 # The stream from ``src`` is out of step: stop receiving, report, apply nothing.
                 self._inbox.put(("error", src, exc, None))
                 return
             self._inbox.put(("msg", src, header, payload))
-            if header.op is Op.SHUTDOWN:
+            if header.op is Op.SHUTDOWN or (header.op is Op.LEAVE and src != self.coordinator):
                 return
 
     def _decode(self, wire: torch.Tensor, src: int) -> Header:
@@ -233,7 +228,8 @@ class ParameterServer:
         ops = self._params_ops(self.coordinator, self.table.min_clock())
         ps_wire.wait_all(ops)
         self._serve(lambda: self.shutdown_received)
-        self._receiver.join(timeout=10)
+        for thread in self._receivers:
+            thread.join(timeout=1)  # a dropped worker that is still alive keeps its thread
         if out_dir:
             self.write_stats(Path(out_dir) / "ps" / f"server{self.index}.json")
 
@@ -281,21 +277,18 @@ class ParameterServer:
                 self._handle(a, b)
             elif kind == "lost":
                 self._drop(src, f"lost: {a}")
-            elif kind == "anyfail":
-                self._check_liveness(force=True)
             elif kind == "error":
                 raise a
             else:
                 raise RuntimeError(f"server {self.index}: receiving failed: {a}")
             self._grant_ready()
 
-    def _check_liveness(self, force: bool = False) -> None:
-        """Probe workers silent for a while (all of them when ``force``); drop the gone."""
+    def _check_liveness(self) -> None:
+        """Probe workers silent for a while; drop those that are gone or silent too long."""
         now = time.monotonic()
         for w in self.active:
             silent = now - self.last_heard[w]
-            recent = silent < _PROBE_AFTER_S or now - self.last_probe[w] < _PROBE_AFTER_S
-            if recent and not force:
+            if silent < _PROBE_AFTER_S or now - self.last_probe[w] < _PROBE_AFTER_S:
                 continue
             self.last_probe[w] = now
             if ps_wire.peer_is_gone(w):
