@@ -257,6 +257,10 @@ class ParameterServer:
             "bytes_in": s.bytes_in,
             "bytes_out": s.bytes_out,
             "events": s.events,
+            "max_staleness_by_worker": {
+                str(w): max(c - m for v, c, m in s.events if v == w)
+                for w in sorted({v for v, _, _ in s.events})
+            },
             "joined": s.joined,
             "removed": s.removed,
             "left": s.left,
