@@ -65,6 +65,12 @@ class PendingSends:
         self.works.clear()
         self.buffers.clear()
 
+    def wait_first(self, count: int) -> None:
+        """Block until the first ``count`` sends have completed; keep the later ones."""
+        for work in self.works[:count]:
+            work.wait()
+        del self.works[:count], self.buffers[:count]
+
     def prune(self) -> None:
         """Forget the sends that have completed; keep waiting for none of them."""
         keep = [

@@ -222,6 +222,7 @@ class StageRuntime:
         self.after_backward = after_backward
         self.track_activations = track_activations
         self.pending = PendingSends()
+        self.last_send_f = 0  # index in `pending` of the latest activation send's works
         self.stats = _Stats()
         self._flight: dict[int, _InFlight] = {}
         self._params = dict(stage.named_parameters())
@@ -258,6 +259,7 @@ class StageRuntime:
                 elif kind is ActionKind.SEND_F:
                     output = self._flight[i].output
                     assert output is not None and self.next_rank is not None
+                    self.last_send_f = len(self.pending)
                     self.p2p.isend(output, self.next_rank, ACT, self.pending)
                 elif kind is ActionKind.RECV_F:
                     x = receives.take(action)

@@ -279,7 +279,12 @@ class PipelineStrategy:
             self.runtime.finish()
             self._stream = None
         else:
-            self.runtime.pending.prune()
+            # Every send of the slice has a matching receive in the peers' slices, except the
+            # last activation (the next step's micro-batch): wait for all sends before it.
+            pending = self.runtime.pending
+            pending.wait_first(
+                self.runtime.last_send_f if self.next_rank is not None else len(pending)
+            )
             stream.next_step = step + 1
         value = float(all_reduce_sum_(loss, None)) / self.dp / (scale * per_step)
         if not math.isfinite(value):
