@@ -71,14 +71,6 @@ class PendingSends:
             work.wait()
         del self.works[:count], self.buffers[:count]
 
-    def prune(self) -> None:
-        """Forget the sends that have completed; keep waiting for none of them."""
-        keep = [
-            (w, b) for w, b in zip(self.works, self.buffers, strict=True) if not w.is_completed()
-        ]
-        self.works = [w for w, _ in keep]
-        self.buffers = [b for _, b in keep]
-
     def __len__(self) -> int:
         return len(self.works)
 
