@@ -251,3 +251,20 @@ def test_pipedream_weight_stashing() -> None:
         fresh = emulate_pipedream(jobs[n], u, stale=False)  # the stash and staleness matter
         with pytest.raises(AssertionError):
             assert_state_close(results[0][n]["state"], fresh, atol=1e-4)
+
+
+def test_pipedream_dp2_pp2_with_recompute_and_evaluation() -> None:
+    """dp x pp PipeDream (dp all-reduce after every update), evaluating between steps while
+    micro-batches are in flight; recomputation on stashed weights changes nothing."""
+    common: dict[str, Any] = {"train": {"steps": 6, "eval_every": 2}}
+    plain, recomputed = run_jobs(
+        [
+            pipe(MLP, "pipedream", 2, 4, parallel={"dp": 2}, **common),
+            pipe(MLP, "pipedream", 2, 4, parallel={"dp": 2, "recompute": True}, **common),
+        ]
+    )
+    assert plain["strategy"] == "pipedream-pp2-m4-dp2"
+    assert_state_close(recomputed["state"], plain["state"], atol=1e-6)
+    assert recomputed["losses"] == pytest.approx(plain["losses"], abs=1e-6)
+    assert torch.isfinite(torch.tensor(plain["losses"])).all()
+    assert plain["losses"][-1] < plain["losses"][0]
