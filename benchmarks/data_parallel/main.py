@@ -38,7 +38,9 @@ def _timed_hook(log: list[tuple[int, float]]):  # type: ignore[no-untyped-def]
     import torch
     import torch.distributed as dist
 
-    def hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def hook(
+        group: dist.ProcessGroup, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         start = time.perf_counter()
         buffer.div_(group.size())
@@ -139,9 +141,7 @@ def main() -> None:
 
     from polytrain.testing import run_distributed
 
-    r = run_distributed(
-        _rank, args.world, args.steps, args.reps, args.size, timeout_s=1800
-    )[0]
+    r = run_distributed(_rank, args.world, args.steps, args.reps, args.size, timeout_s=1800)[0]
     result = {
         "world": args.world,
         "model": f"gpt-{args.size}",

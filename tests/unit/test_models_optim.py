@@ -23,9 +23,7 @@ def test_same_seed_same_weights(spec) -> None:  # type: ignore[no-untyped-def]
     a = build_model(ModelConfig(name="gpt", size="tiny", block_size=16), spec, seed=3)
     b = build_model(ModelConfig(name="gpt", size="tiny", block_size=16), spec, seed=3)
     c = build_model(ModelConfig(name="gpt", size="tiny", block_size=16), spec, seed=4)
-    for (name, p), (_, q) in zip(
-        a.named_parameters(), b.named_parameters(), strict=True
-    ):
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(p, q), name
     assert any(not torch.equal(p, r) for p, r in zip(a.parameters(), c.parameters(), strict=True))
 

@@ -104,8 +104,11 @@ class PipelineStrategy:
         self.microbatches = job.pipeline.microbatches
         self.accum = job.train.grad_accum
         per_step = self.microbatches * self.accum
-        sample = batches.train(0, self.dp_rank, self.dp, 0, per_step)
-        counts = choose_partition(job, model, sample, self.num_stages)
+        x, y = batches.train(0, self.dp_rank, self.dp, 0, per_step)
+        # The model is already on `device` (trainer/build.py), so `auto` profiles it there.
+        counts = choose_partition(
+            job, model, (x.to(device), y.to(device)), self.num_stages, verbose=mesh.rank == 0
+        )
         self.ranges = block_ranges(counts, model.num_blocks)
         start, stop = self.ranges[self.stage_index]
         self.stage: StageModule = build_stage(
