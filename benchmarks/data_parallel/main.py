@@ -97,24 +97,33 @@ def _rank(rank: int, world: int, steps: int, reps: int, size: str) -> dict[str, 
     run(ours.train_step, 0)  # warm-up both
     run(plain_step, 0)
     ours_sps, plain_sps = [], []
-    for rep in range(reps):  # interleaved, so drift in machine load hits both alike
-        ours_sps.append(run(ours.train_step, 1000 + rep * steps))
-        plain_sps.append(run(plain_step, 1000 + rep * steps))
+    for rep in range(reps):  # interleaved ABBA, so drift in machine load hits both alike
+        first, second = (
+            (ours.train_step, plain_step) if rep % 2 == 0 else (plain_step, ours.train_step)
+        )
+        a, b = run(first, 1000 + rep * steps), run(second, 1000 + rep * steps)
+        ours_sps.append(a if first is ours.train_step else b)
+        plain_sps.append(b if first is ours.train_step else a)
 
-    # Gradient all-reduce bandwidth: time each bucket's all-reduce inside DDP ...
+    # Gradient all-reduce bandwidth: time each bucket's all-reduce inside DDP ... Both sides
+    # take the fastest of `probes` repetitions: a rank that reaches a collective late makes its
+    # peer wait, and the minimum is the repetition least disturbed by that skew.
+    probes = 20
     log: list[tuple[int, float]] = []
     probe_model = build_model(job.model, spec, 0)
     probe = DDP(probe_model, bucket_cap_mb=job.parallel.bucket_mb)
     probe.register_comm_hook(dist.group.WORLD, _timed_hook(log))
-    for step in range(3):
+    for step in range(probes):
         x, y = batches.train(step, rank, world)
+        dist.barrier()
         probe_model.loss(probe(x), y).backward()
-    sizes = [b for b, _ in log[-len(log) // 3 :]]
-    ddp_time = sum(t for _, t in log[-len(log) // 3 :])
+    per_step = len(log) // probes
+    sizes = [b for b, _ in log[:per_step]]
+    ddp_time = min(sum(t for _, t in log[i * per_step : (i + 1) * per_step]) for i in range(probes))
     # ... and gloo's raw all_reduce on the same sizes, one after another.
     buffers = [torch.randn(b // 4) for b in sizes]
     raw_times = []
-    for _ in range(3):
+    for _ in range(probes):
         dist.barrier()
         t0 = time.perf_counter()
         for buf in buffers:
@@ -127,7 +136,7 @@ def _rank(rank: int, world: int, steps: int, reps: int, size: str) -> dict[str, 
         "plain_ddp_samples_per_s": statistics.median(plain_sps),
         "bucket_bytes": sizes,
         "ddp_busbw_MBps": total * factor / ddp_time / 1e6,
-        "raw_busbw_MBps": total * factor / statistics.median(raw_times) / 1e6,
+        "raw_busbw_MBps": total * factor / min(raw_times) / 1e6,
     }
 
 

@@ -121,12 +121,22 @@ def run_distributed(
             while len(out) < world_size:
                 remaining = (deadline - datetime.datetime.now()).total_seconds()
                 try:
-                    rank, ok, value = results.get(timeout=max(remaining, 0.01))
+                    rank, ok, value = results.get(timeout=min(max(remaining, 0.01), 1.0))
                 except queue.Empty:
                     missing = sorted(set(range(world_size)) - set(out))
-                    raise TimeoutError(
-                        f"ranks {missing} did not finish within {timeout_s:.0f} s"
-                    ) from None
+                    # A rank that died without reporting (a crash at start-up, a signal)
+                    # fails the run now rather than at the deadline.
+                    dead = [r for r in missing if procs[r].exitcode not in (None, 0)]
+                    if dead:
+                        raise RankFailure(
+                            f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                            "before reporting (see its stderr above)"
+                        ) from None
+                    if remaining <= 0:
+                        raise TimeoutError(
+                            f"ranks {missing} did not finish within {timeout_s:.0f} s"
+                        ) from None
+                    continue
                 if not ok:
                     raise RankFailure(f"rank {rank} failed: {value}")
                 out[rank] = _unpack(value)

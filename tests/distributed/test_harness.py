@@ -1,0 +1,60 @@
+"""The multi-process harness reports results, exceptions, crashes and hangs per rank."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from polytrain.testing import RankFailure, run_distributed
+
+pytestmark = pytest.mark.slow
+
+
+def _sum_of_ranks(rank: int, world_size: int) -> torch.Tensor:
+    from polytrain.comm.collectives import all_reduce_mean
+
+    t = torch.tensor([float(rank)])
+    return all_reduce_mean(t) * world_size
+
+
+def _raise_on_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one is broken")
+
+
+def _crash_on_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    time.sleep(30)
+
+
+def _hang_on_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(60)
+
+
+def test_results_come_back_in_rank_order() -> None:
+    out = run_distributed(_sum_of_ranks, 2)
+    assert [float(t) for t in out] == [1.0, 1.0]
+
+
+def test_exception_names_rank_and_carries_traceback() -> None:
+    with pytest.raises(
+        RankFailure, match=r"rank 1 failed: ValueError: rank one is broken(.|\n)*Traceback"
+    ):
+        run_distributed(_raise_on_one, 2)
+
+
+def test_crashed_rank_fails_fast() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 exited with code 3"):
+        run_distributed(_crash_on_one, 2, timeout_s=60)
+    assert time.monotonic() - start < 30
+
+
+def test_hang_becomes_timeout_naming_the_rank() -> None:
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 5 s"):
+        run_distributed(_hang_on_one, 2, timeout_s=5)
