@@ -16,7 +16,6 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-import polytrain
 from polytrain.comm.collectives import barrier
 from polytrain.comm.init import DistContext, init_distributed
 from polytrain.comm.watchdog import Watchdog, collective_timeout_s
@@ -76,7 +75,6 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     train_set, val_set, spec = build_datasets(job.data, block_size)
     batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
     model = build_model(job.model, spec, job.train.seed)
-    sample_model = build_model(job.model, spec, job.train.seed) if ctx.is_main else None
     strategy = build_strategy(job, ctx, model, batches)
     checkpointer = None
     start = 0
@@ -154,7 +152,8 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
         result.state_dict = state
         if job.checkpoint.save_final:
             save_weights(state, job.checkpoint.save_final)
-        if sample_model is not None and job.model.name == "gpt" and job.train.sample_tokens:
+        if job.model.name == "gpt" and job.train.sample_tokens:
+            sample_model = build_model(job.model, spec, job.train.seed)
             sample_model.load_state_dict(state)
             prompt = torch.zeros((1, 1), dtype=torch.long)
             ids = generate(
@@ -167,7 +166,3 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     if getattr(strategy, "world_collectives", True):
         barrier()
     return result
-
-
-def version_info() -> dict[str, str]:
-    return {"polytrain": polytrain.__version__, "torch": torch.__version__}
