@@ -28,8 +28,9 @@ from torch.distributed.launcher.api import elastic_launch
 
 from polytrain.config.job import JobConfig
 from polytrain.launch import loopback
+from polytrain.launch.tolerant import launch_tolerant
 
-__all__ = ["WorkerFailure", "launch"]
+__all__ = ["WorkerFailure", "launch", "tolerated_ranks"]
 
 
 @dataclass
@@ -59,6 +60,20 @@ def _failure_of(err: ChildFailedError, log_dir: Path) -> WorkerFailure:
         exc_type, _, rest = first.partition(": ")
         message = rest or first
     return WorkerFailure(rank, exc_type, message, str(log_dir))
+
+
+def tolerated_ranks(job: JobConfig) -> list[int]:
+    """Ranks whose death the job survives: PS async/ssp workers other than rank 0.
+
+    Rank 0 collects the final weights and the servers (the last ``ps.servers`` ranks) hold them;
+    sync and hierarchical PS, and every other strategy, need all ranks (their steps are
+    collectives). See [Note: tolerated worker deaths] in launch/tolerant.py.
+    """
+    ps = job.ps
+    if job.parallel.sync != "ps" or ps.mode not in ("async", "ssp") or ps.hierarchical:
+        return []
+    world = job.launch.nnodes * job.launch.nproc
+    return list(range(1, world - ps.servers))
 
 
 def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
@@ -92,10 +107,13 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # The agent logs each failure with its own format; we report it once, below.
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    args = ["-u", "-m", "polytrain.trainer.worker", str(job_path)]
+    tolerated = tolerated_ranks(job)
     try:
-        elastic_launch(config, sys.executable)(
-            "-u", "-m", "polytrain.trainer.worker", str(job_path)
-        )
+        if tolerated:
+            launch_tolerant(config, sys.executable, args, tolerated)
+        else:
+            elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as err:
         raise _failure_of(err, log_dir) from None
     finally:

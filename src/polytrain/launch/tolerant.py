@@ -1,0 +1,152 @@
+"""An elastic agent that lets some worker ranks die without stopping the others.
+
+[Note: tolerated worker deaths] In parameter-server ``async``/``ssp`` mode the servers drop a
+dead worker and training goes on without it (docs/parameter_server.md, "Membership"). torch's
+elastic agent would not let it: ``LocalElasticAgent._monitor_workers`` polls the process context
+(``PContext.wait(0)``), and ``SubprocessContext._poll`` closes every worker as soon as any one
+exits non-zero; ``SimpleElasticAgent._invoke_run`` then restarts or fails the whole group
+(torch/distributed/elastic/agent/server/local_elastic_agent.py and api.py, torch 2.13).
+
+``TolerantAgent`` overrides only ``_monitor_workers``. It polls the worker processes itself
+(``proc.poll()`` on the context's ``subprocess_handlers``) instead of calling ``wait(0)``:
+
+- a rank in ``tolerated`` that exits non-zero is reported once, as one line on stderr, and
+  ignored from then on;
+- any other rank that exits non-zero makes the group ``FAILED`` with that failure, exactly as
+  torch would report it, so the agent stops the others and fails (or restarts, with
+  ``max_restarts``) as before; a restart starts a new process context, which forgets the
+  tolerated deaths of the previous round;
+- when every process has exited and no intolerable one failed, the group ``SUCCEEDED``.
+
+``launch_tolerant`` is the part of torch's ``torch.distributed.launcher.api.launch_agent`` that
+builds the agent, with ``TolerantAgent`` in place of ``LocalElasticAgent`` (no health-check
+server, metrics or events, which polytrain does not configure). Not done in tolerant mode:
+torch's opt-in check for workers stuck in uninterruptible sleep
+(``TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT``, off unless that variable is set).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Collection
+from typing import Any
+
+from torch.distributed.elastic import rendezvous
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import (
+    PContext,
+    SignalException,
+    SubprocessContext,
+)
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch.distributed.launcher.api import LaunchConfig
+
+__all__ = ["TolerantAgent", "launch_tolerant"]
+
+
+def _how(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0 and failure.signal_name() != "<N/A>":
+        return failure.signal_name()
+    return f"exit code {failure.exitcode}"
+
+
+class TolerantAgent(LocalElasticAgent):
+    """``LocalElasticAgent`` that keeps the group running when a ``tolerated`` rank dies."""
+
+    def __init__(self, *args: Any, tolerated: Collection[int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tolerated = frozenset(tolerated)
+        self._round: PContext | None = None
+        self._dead: dict[int, ProcessFailure] = {}  # global rank -> its failure, this round
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        pc = self._pcontext
+        if not self.tolerated or not isinstance(pc, SubprocessContext):
+            return super()._monitor_workers(worker_group)
+        if pc is not self._round:  # a new round (first start or restart)
+            self._round, self._dead = pc, {}
+        failures: dict[int, ProcessFailure] = {}
+        running = 0
+        for local_rank, handler in pc.subprocess_handlers.items():
+            rank = worker_group.workers[local_rank].global_rank
+            code = handler.proc.poll()
+            if code is None:
+                running += 1
+            elif code != 0 and rank not in self._dead:
+                failure = ProcessFailure(
+                    local_rank=local_rank,
+                    pid=handler.proc.pid,
+                    exitcode=code,
+                    error_file=pc.error_files[local_rank],
+                )
+                if rank in self.tolerated:
+                    self._dead[rank] = failure
+                    print(
+                        f"polytrain: worker rank {rank} died ({_how(failure)}); "
+                        "training continues with the others",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                else:
+                    failures[rank] = failure
+        if failures:
+            return RunResult(state=WorkerState.FAILED, failures=failures)
+        if running:
+            return RunResult(state=WorkerState.HEALTHY)
+        # Every rank needs an entry: torch's event recording looks each worker up here.
+        done = {w.global_rank: None for w in worker_group.workers}
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
+
+
+def launch_tolerant(
+    config: LaunchConfig, entrypoint: str, args: list[str], tolerated: Collection[int]
+) -> None:
+    """Run ``entrypoint args`` under a ``TolerantAgent``; raise ``ChildFailedError`` on failure."""
+    params = rendezvous.RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=get_rendezvous_handler(params),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+    )
+    assert config.logs_specs is not None
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    agent = TolerantAgent(
+        spec=spec,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,
+        tolerated=tolerated,
+    )
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=entrypoint, failures=result.failures)
+    except SignalException:
+        shutdown_rdzv = False  # as torch: keep the rendezvous open for the other nodes
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
