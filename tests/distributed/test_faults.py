@@ -85,7 +85,12 @@ def test_ranks_given_different_jobs_are_named_at_start_up() -> None:
         run_distributed(_train, 2, [job, other], timeout_s=90)
 
 
-def test_parameter_server_jobs_refuse_checkpoints_clearly(tmp_path: Path) -> None:
-    job = small_job(parallel={"sync": "ps"}, launch={"nproc": 2}, checkpoint={"dir": str(tmp_path)})
-    with pytest.raises(RankFailure, match="parameter-server jobs cannot be checkpointed yet"):
+def test_async_parameter_server_jobs_refuse_checkpoints_clearly(tmp_path: Path) -> None:
+    job = small_job(
+        parallel={"sync": "ps"},
+        ps={"mode": "async"},
+        launch={"nproc": 2},
+        checkpoint={"dir": str(tmp_path)},
+    )
+    with pytest.raises(RankFailure, match="only ps.mode = 'sync' parameter-server jobs can be"):
         run_distributed(_train, 2, [job, job], timeout_s=90)

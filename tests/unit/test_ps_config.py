@@ -41,6 +41,14 @@ def test_preflight_rejects_what_ps_cannot_run() -> None:
         preflight(small_job(parallel={"sync": "ps"}, ps={"servers": 8}, launch={"nproc": 9}))
     with pytest.raises(ConfigError, match="with tp = 2, pp = 1: parameter-server workers"):
         preflight(small_job(parallel={"sync": "ps", "tp": 2}, launch={"nproc": 5}))
-    with pytest.raises(ConfigError, match="parameter-server checkpoints are not implemented"):
-        preflight(small_job(parallel={"sync": "ps"}, checkpoint={"dir": "ck"}, launch={"nproc": 3}))
+    with pytest.raises(ConfigError, match="ps.mode = 'async': only ps.mode = 'sync' parameter"):
+        preflight(
+            small_job(
+                parallel={"sync": "ps"},
+                ps={"mode": "async"},
+                checkpoint={"dir": "ck"},
+                launch={"nproc": 3},
+            )
+        )
+    preflight(small_job(parallel={"sync": "ps"}, checkpoint={"dir": "ck"}, launch={"nproc": 3}))
     preflight(small_job(parallel={"sync": "ps"}, launch={"nproc": 3}))

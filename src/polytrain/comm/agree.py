@@ -8,6 +8,7 @@ numbers.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,8 @@ def fingerprint(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def _world(group: Any = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def _device() -> torch.device:
@@ -31,19 +32,21 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_ints(values: list[int]) -> list[list[int]]:
-    """Every rank's list of ints, in rank order (lists may differ in length)."""
-    if _world() == 1:
+def all_gather_ints(values: list[int], group: Any = None) -> list[list[int]]:
+    """Every rank's list of ints, in rank order (lists may differ in length).
+
+    ``group``: a process group over the whole world to use instead of the default one."""
+    if _world(group) == 1:
         return [list(values)]
-    world, dev = _world(), _device()
+    world, dev = _world(group), _device()
     length = torch.tensor([len(values)], dtype=torch.int64, device=dev)
     lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(lengths, length)
+    dist.all_gather(lengths, length, group=group)
     longest = max(int(n) for n in lengths)
     padded = torch.zeros(longest, dtype=torch.int64, device=dev)
     padded[: len(values)] = torch.tensor(values, dtype=torch.int64, device=dev)
     gathered = [torch.zeros(longest, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(gathered, padded)
+    dist.all_gather(gathered, padded, group=group)
     return [g[: int(n)].tolist() for g, n in zip(gathered, lengths, strict=True)]
 
 
@@ -53,10 +56,10 @@ def differing_ranks(value: int) -> list[int]:
     return [rank for rank, v in enumerate(gathered) if v != gathered[0]]
 
 
-def broadcast_int(value: int, src: int = 0) -> int:
-    """Rank ``src``'s ``value`` on every rank."""
-    if _world() == 1:
+def broadcast_int(value: int, src: int = 0, group: Any = None) -> int:
+    """Rank ``src``'s ``value`` on every rank (``group``: as in `all_gather_ints`)."""
+    if _world(group) == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=_device())
-    dist.broadcast(t, src=src)
+    dist.broadcast(t, src=src, group=group)
     return int(t.item())

@@ -24,11 +24,12 @@ def check_ps_job(job: JobConfig, model: nn.Module) -> None:
             "train.device = 'cuda' with parallel.sync = 'ps': the parameter server runs on CPU "
             "over gloo; set --device cpu, or use parallel.sync = 'allreduce' on GPUs"
         )
-    if job.checkpoint.dir:
+    if job.checkpoint.dir and job.ps.mode != "sync":
         raise ConfigError(
-            f"checkpoint.dir = {job.checkpoint.dir!r} with parallel.sync = 'ps': parameter-server "
-            f"checkpoints are not implemented (the servers hold the weights and optimizer "
-            f"state); remove --checkpoint-dir, or export final weights with --save-final"
+            f"checkpoint.dir = {job.checkpoint.dir!r} with ps.mode = {job.ps.mode!r}: only "
+            f"ps.mode = 'sync' parameter-server jobs can be checkpointed (async/ssp workers run "
+            f"ahead of the servers and must not meet in world collectives); use ps.mode = "
+            f"'sync', or drop --checkpoint-dir and export final weights with --save-final"
         )
     params = [(n, t.numel() * t.element_size()) for n, t in model.named_parameters()]
     plan_shards(params, job.ps.servers)  # more servers than parameters is a ConfigError

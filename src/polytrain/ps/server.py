@@ -139,6 +139,7 @@ class ParameterServer:
         self.last_heard = dict.fromkeys(self.state, now)
         self.last_probe = dict.fromkeys(self.state, now)
         self.deferred: list[tuple[int, int]] = []  # (worker, clock) pulls not yet granted
+        self.granted: dict[int, int] = {}  # worker -> clock of its latest granted pull
         self.stats = ServerStats()
         self.shutdown_received = False
         self.started = time.perf_counter()
@@ -217,6 +218,22 @@ class ParameterServer:
     def active(self) -> list[int]:
         """Workers that are live or have yet to join."""
         return sorted(w for w, s in self.state.items() if s in ("live", "pending"))
+
+    def resume_at(self, clock: int) -> None:
+        """Restart the clocks at ``clock`` (a resumed job; before any message is handled).
+
+        The shard and optimizer state were loaded in place by the checkpointer; the live
+        workers' clocks, the sync aggregator and so the learning-rate schedule continue from
+        the resumed step. Spare workers joining later start at or above it.
+        """
+        live = [w for w, s in self.state.items() if s == "live"]
+        self.table = ClockTable(live, clock=clock)
+        if self.aggregator is not None:
+            self.aggregator = SyncAggregator(live, clock=clock)
+
+    def serve_until_pulled(self, clock: int) -> None:
+        """Serve until every live worker has been granted its pull of ``clock``."""
+        self._serve(lambda: all(self.granted.get(w, -1) >= clock for w in self.table.workers))
 
     def serve_until_clock(self, clock: int) -> None:
         """Serve until every live worker has completed ``clock`` clocks (or none is left)."""
@@ -433,6 +450,7 @@ class ParameterServer:
         except PeerLost as exc:
             self._drop(w, f"lost: {exc}")
             return
+        self.granted[w] = clock
         self.stats.events.append((w, clock, floor))
         self.stats.grants += 1
 

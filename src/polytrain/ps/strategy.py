@@ -17,6 +17,19 @@ world (or over all workers) would then fail on the survivors. So these modes use
 start-up: losses and validation are each worker's own, and the loop skips its final barrier
 (``world_collectives = False``). sync mode (no membership) averages the loss over the workers so
 it equals the single-process run's.
+
+[Note: parameter-server checkpoints] In sync mode a server exposes its shard as ``modules``
+(`module_of` its parameters, views of its flat buffer) and its optimizer as ``optimizer``, so
+the checkpointer's rule "a weight is written by the rank that updates it" makes each server
+write its shard and optimizer state; workers hold no optimizer and their replicas lag one
+update, so they write only their RNG states. A save after step k runs once every server has
+applied clock k - 1 (``serve_until_clock``) and every worker has pushed it, so the saved
+state is exactly the state after k updates. On resume the servers load their shards in place
+and `resume_at` restarts every clock (servers' tables and aggregator, workers' clocks) at k.
+The keys are the model's, so such a checkpoint also resumes under other layouts (plain dp).
+async and ssp are refused: their workers run ahead of the servers (no consistent cut at a
+step) and a save is a world collective, which a dead worker would hang ([Note: no world
+collectives]).
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
 from polytrain.ps.worker import WorkerClient
+from polytrain.trainer.checkpoint import module_of
 from polytrain.trainer.optim import lr_at
 from polytrain.trainer.strategy import StepOutput, autocast
 
@@ -61,6 +75,7 @@ class PSStrategy:
     """One rank of a parameter-server job: a worker or a server (see the module notes)."""
 
     world_collectives: bool
+    checkpointable: bool  # sync mode only ([Note: parameter-server checkpoints])
 
     def __init__(
         self, job: JobConfig, rank: int, world_size: int, model: BlockModel, batches: Batches
@@ -73,6 +88,7 @@ class PSStrategy:
         self.is_server = rank in self.servers
         self.sync = ps.mode == "sync"
         self.world_collectives = self.sync
+        self.checkpointable = self.sync
         self.tracer = Tracer(rank, enabled=bool(job.observe.trace))
         extra = f"mode={ps.mode};s={ps.staleness};workers={self.num_workers};h={ps.hierarchical}"
         self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra)
@@ -87,6 +103,9 @@ class PSStrategy:
         for g, pg in zip(hosts, host_pgs, strict=True):
             if rank in g:
                 self.host_group, self.leader = pg, leader_of(g)
+        # The checkpointer's collectives (sync mode): a world group of their own, since the
+        # default group carries the servers' point-to-point traffic on receiver threads.
+        self.checkpoint_group = ps_wire.new_group(list(range(world_size)))
         pushers = [leader_of(g) for g in hosts] if ps.hierarchical else workers
         spares = workers[self.num_workers - ps.spare_workers :] if ps.spare_workers else []
         self.num_pushers = len(pushers)
@@ -116,6 +135,8 @@ class PSStrategy:
                 worker_timeout_s=ps.worker_timeout_s,
             )
             self.optimizer = self.server.optimizer
+            # The shard under the model's keys: the checkpointer saves and loads it in place.
+            self.modules = [module_of(self.server.params)]
             self.name = f"ps-{ps.mode}-server{index}"
         else:
             self.client = WorkerClient(rank, self.layout, self.servers, self.num_workers)
@@ -135,6 +156,13 @@ class PSStrategy:
 
     def set_lr(self, lr: float) -> None:
         """Servers compute each update's learning rate from its clock; nothing to do here."""
+
+    def resume_at(self, step: int) -> None:
+        """Called by the checkpointer after a restore: continue at clock ``step``."""
+        if self.server is not None:
+            self.server.resume_at(step)
+        self.clock = step
+        self.fresh = -1
 
     def train_step(self, step: int) -> StepOutput:
         if self.server is not None:
@@ -165,6 +193,11 @@ class PSStrategy:
         worker gets the same value without a collective; servers return NaN.
         """
         if self.server is not None:
+            if self.sync:
+                # Grant the workers' evaluation pulls now: in sync mode each worker pulls the
+                # current clock once (here or in its next step), and a checkpoint save may
+                # follow, a collective the server must not enter while a worker waits on it.
+                self.server.serve_until_pulled(self.server.table.min_clock())
             return math.nan
         self._ensure_params(self.clock)
         self.model.eval()

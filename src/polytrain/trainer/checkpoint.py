@@ -165,6 +165,8 @@ class _Parts:
         """Collective: replace every live value ``v`` under our key ``k`` by ``fetch(k, v)``.
 
         The live optimizer keeps its own hyperparameters (the current job's)."""
+        if self.optimizer is not None:
+            _init_optimizer_state(self.optimizer)
         model_sd, optim_sd = self._live()
         model_sd = {k: fetch("model." + self._strip(k), v) for k, v in model_sd.items()}
         if self.optimizer is None:
@@ -186,6 +188,32 @@ class _Parts:
         )
 
 
+@torch.no_grad()
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (one step with zero gradients and lr 0) if it has none.
+
+    ``get_state_dict`` does this itself only when no parameter has a gradient; a parameter
+    server's parameters always do (views of its flat gradient buffer), so without this its
+    empty optimizer state would list no keys to load. The gradients are put back afterwards.
+    """
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(p.grad is None for p in params):
+        return  # get_state_dict initializes it
+    grads = [p.grad for p in params]
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+
+
 def _as_tensor(value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone().contiguous()
@@ -201,11 +229,14 @@ class Checkpointer:
         self.root = Path(job.checkpoint.dir)
         if job.parallel.sync == "ps" and not getattr(strategy, "checkpointable", False):
             raise CheckpointError(
-                f"checkpoint.dir = {job.checkpoint.dir!r} with parallel.sync = 'ps': "
-                "parameter-server jobs cannot be checkpointed yet (server clocks and shards "
-                "live outside the strategy's modules); drop --checkpoint-dir for this job"
+                f"checkpoint.dir = {job.checkpoint.dir!r} with ps.mode = {job.ps.mode!r}: "
+                "only ps.mode = 'sync' parameter-server jobs can be checkpointed; use "
+                "ps.mode = 'sync' or drop --checkpoint-dir"
             )
         self.parts = _Parts(strategy)
+        # A strategy whose default group carries point-to-point traffic on other threads (the
+        # parameter server's receivers) gives a separate world group for our collectives.
+        self.group = getattr(strategy, "checkpoint_group", None)
         self.refused: list[str] = []  # messages about checkpoints refused at restore (rank 0)
         self.last_saved = -1
         self._owners: dict[str, int] | None = None
@@ -284,7 +315,7 @@ class Checkpointer:
                 for k in state
                 if k.startswith("optim.")
             }
-            gathered = all_gather_ints(sorted(hashes) + sorted(updated))
+            gathered = all_gather_ints(sorted(hashes) + sorted(updated), group=self.group)
             holders: dict[int, list[int]] = {}
             for rank, values in enumerate(gathered):
                 for h in values:
@@ -390,7 +421,7 @@ class Checkpointer:
                 chosen = found[1].step
                 for difference in _job_differences(found[1].job, to_dict(self.job)):
                     _warn(f"checkpoint step {chosen} was saved by another job: {difference}")
-        step = broadcast_int(chosen)
+        step = broadcast_int(chosen, group=self.group)
         if step < 0:
             return 0
         path = step_dir(self.root, step)
@@ -415,6 +446,9 @@ class Checkpointer:
             if rng_cuda is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng_cuda)
         self.last_saved = step
+        resume_at = getattr(self.strategy, "resume_at", None)
+        if resume_at is not None:  # e.g. parameter servers restart their clocks here
+            resume_at(step)
         if self.rank == 0:
             print(f"polytrain: resumed from {path} (step {step})", flush=True)
         return step

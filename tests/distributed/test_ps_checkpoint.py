@@ -1,0 +1,89 @@
+"""Parameter-server (sync) checkpoints: exact resume and resume under plain dp (issue 6).
+
+A sync PS job (1 server, 2 workers) that stops after step 3 (``train.steps = 3``, the final
+checkpoint) and is resumed to step 6 must end with the weights of the uninterrupted 6-step run:
+the server wrote its shard and AdamW state, and every clock restarted at step 3.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors import safe_open
+
+from polytrain.config import JobConfig
+from polytrain.testing import assert_state_close, run_distributed
+from polytrain.trainer.manifest import committed, verify
+from tests.conftest import small_job
+
+pytestmark = pytest.mark.slow
+
+STEPS, STOP = 6, 3
+OPTIM = {"name": "adamw", "lr": 3e-3, "grad_clip": 0.5, "weight_decay": 0.1}
+
+
+def _train(rank: int, world_size: int, job: JobConfig) -> dict[str, Any] | None:
+    from polytrain.trainer.loop import train
+
+    result = train(job)
+    if rank != 0:
+        return None
+    return {"state": result.state_dict, "start": result.start_step, "history": result.history}
+
+
+def run(job: JobConfig) -> dict[str, Any]:
+    out = run_distributed(_train, job.world_size, job, timeout_s=120)[0]
+    assert out is not None
+    return out
+
+
+def ps_job(steps: int, ckpt: Path | None = None, resume: bool = False) -> JobConfig:
+    return small_job(
+        parallel={"sync": "ps"},
+        ps={"servers": 1, "mode": "sync"},
+        optim=OPTIM,
+        train={"steps": steps},
+        checkpoint={"dir": str(ckpt), "resume": resume} if ckpt else {},
+        launch={"nproc": 3},
+    )
+
+
+def test_sync_ps_resume_matches_uninterrupted_and_resumes_under_dp(tmp_path: Path) -> None:
+    full = run(ps_job(STEPS))
+
+    ckpt = tmp_path / "ps"
+    stopped = run(ps_job(STOP, ckpt))
+    assert [s for s, _ in committed(ckpt)] == [STOP]
+    manifest = verify(ckpt / f"step_{STOP:09d}")
+    # The server (rank 2) wrote every weight and its optimizer state; workers only RNG states.
+    writers = {info["file"] for k, info in manifest.tensors.items() if not k.startswith("rng.")}
+    assert writers == {"rank_00002.safetensors"}
+    assert any(k.startswith("optim.") and k.endswith(".exp_avg") for k in manifest.tensors)
+    # The saved weights are the server's after 3 updates, i.e. the stopped run's final weights.
+    with safe_open(str(ckpt / f"step_{STOP:09d}" / "rank_00002.safetensors"), "pt") as f:
+        saved = {k[len("model.") :]: f.get_tensor(k) for k in f.keys() if k.startswith("model.")}
+    assert_state_close(saved, stopped["state"], atol=0.0)
+
+    cross = tmp_path / "dp"
+    shutil.copytree(ckpt, cross)
+
+    resumed = run(ps_job(STEPS, ckpt, resume=True))
+    assert resumed["start"] == STOP
+    assert [r["step"] for r in resumed["history"]] == list(range(STOP + 1, STEPS + 1))
+    assert_state_close(resumed["state"], full["state"], atol=1e-6)
+    losses = [r["loss"] for r in resumed["history"]]
+    assert losses == pytest.approx([r["loss"] for r in full["history"]][STOP:], abs=1e-6)
+
+    # The same checkpoint under plain data parallelism (dp 2): same keys, same trajectory.
+    dp = small_job(
+        optim=OPTIM,
+        train={"steps": STEPS},
+        checkpoint={"dir": str(cross), "resume": True},
+        launch={"nproc": 2},
+    )
+    under_dp = run(dp)
+    assert under_dp["start"] == STOP
+    assert_state_close(under_dp["state"], full["state"], atol=1e-5)
