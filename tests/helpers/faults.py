@@ -87,3 +87,43 @@ def hang_rank1_step3(spec: DataSpec) -> nn.Module:
 def slow(spec: DataSpec) -> nn.Module:
     """Every training step takes at least 50 ms (so a test can kill a worker mid-run)."""
     return _model(spec, _Fault("slow", 0, rank=None, seconds=0.05))
+
+
+class _PoisonParamGrad(torch.autograd.Function):
+    """Identity in ``x``; backward passes ``x``'s gradient through and makes ``w``'s NaN."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.full((1,), float("nan"), dtype=grad.dtype, device=grad.device)
+
+
+class _ParamGradFault(nn.Module):
+    """A block with one parameter whose gradient is NaN in training step ``step`` (1-based,
+    ``per_step`` training forwards a step); everything else, the loss included, stays finite."""
+
+    def __init__(self, step: int, per_step: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+        self.step, self.per_step = step, per_step
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        self.calls += 1
+        if (self.calls - 1) // self.per_step + 1 == self.step:
+            return _PoisonParamGrad.apply(x, self.w)
+        return x + self.w * 0.0
+
+
+def nan_param_grad_first_block_step3_m2(spec: DataSpec) -> nn.Module:
+    """Only the first pipeline stage's gradients (a parameter right after the embedding) are
+    NaN at step 3, with 2 micro-batches a step; the gradient flowing back and the loss stay
+    finite. Use with ``pipeline.partition = [2, 2]``."""
+    base = build_mlp(spec, n_layer=1, width=32, block_size=BLOCK_SIZE)
+    first, *rest = base.blocks
+    return BlockModel([first, _ParamGradFault(3, per_step=2), *rest], base.loss_fn)

@@ -15,6 +15,14 @@ backward. Gradient clipping uses the global norm: squared norms are summed over 
 PipeDream averages over ``dp`` after every micro-batch's backward, then clips per stage (a
 global norm would need a collective across stages that run asynchronously).
 
+[Note: pipeline NaN check] A NaN can enter one stage's gradients while the loss (computed on
+the last stage) stays finite. After the dp all-reduce each rank computes
+`trainer.health.nonfinite_flag` of its stage's gradients and stacks it with its loss share in
+the one world all-reduce that already sums the loss, so every stage of every replica takes the
+same branch: ``train.on_nonfinite = "stop"`` raises naming the (1-based) step, ``"skip"`` drops
+the update everywhere. PipeDream updates inside the stream, so it flags each update's gradients
+and stops at the end of the step (the bad update is already applied; ``skip`` is refused).
+
 [Note: process groups] Training activations and gradients travel on a private process group
 per pipeline, evaluation on a second one, and the final weight gather on the default group.
 PipeDream leaves one activation per link in flight across step boundaries; a receive posted on
@@ -51,6 +59,7 @@ from polytrain.pipeline.profile import choose_partition
 from polytrain.pipeline.runtime import Feed, StageRuntime, WeightStash, stash_bound
 from polytrain.pipeline.schedule import Action, ActionKind, build, lower, validate
 from polytrain.pipeline.stage import StageModule, block_ranges, build_stage
+from polytrain.trainer.health import nonfinite_flag
 from polytrain.trainer.optim import build_optimizer
 from polytrain.trainer.strategy import NonFiniteLossError, StepOutput
 
@@ -160,6 +169,7 @@ class PipelineStrategy:
             validate(lowered, self.num_stages, self.microbatches)
             self._program = [a for a in lowered[s] if a is not None]
         self._stream: _Stream | None = None
+        self._bad_grad = torch.zeros((), device=device)  # PipeDream: a non-finite update seen
         self._data_step = -1
         self._data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         suffix = (f"-dp{self.dp}" if self.dp > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
@@ -210,8 +220,10 @@ class PipelineStrategy:
             with self._tracer.span("allreduce_grads", cat="comm", step=step):
                 all_reduce_mean_flat_([local_tensor(g) for g in grads], self.mesh.group("dp"))
         # every tp rank of the last stage holds the loss: divide by tp as well
-        value = float(all_reduce_sum_(loss, None)) / self.dp / self.tp
-        if not math.isfinite(value):
+        flag = nonfinite_flag(self.stage.parameters(), self.device)
+        stats = all_reduce_sum_(torch.stack([loss.float(), flag]), None)
+        value = float(stats[0]) / self.dp / self.tp
+        if not math.isfinite(value) or float(stats[1]) > 0:
             return self._nonfinite(step, value)
         with self._tracer.span("optimizer", cat="optim", step=step):
             if self.job.optim.grad_clip > 0:
@@ -242,11 +254,15 @@ class PipelineStrategy:
             local_tensor(g).mul_(coef.to(g.dtype))
 
     def _nonfinite(self, step: int, value: float) -> StepOutput:
+        """A NaN/Inf loss or gradient on some rank ([Note: pipeline NaN check])."""
         self._optimizer.zero_grad(set_to_none=True)
         if self.job.train.on_nonfinite == "skip":  # never with pipedream (check_pipeline_job)
             return StepOutput(loss=value, skipped=True)
+        what = f"loss is {value}"
+        if math.isfinite(value):
+            what = f"a gradient is NaN/Inf (loss {value:.4g})"
         raise NonFiniteLossError(
-            f"loss is {value} at step {step}: lower optim.lr, enable optim.grad_clip, or set "
+            f"{what} at step {step + 1}: lower optim.lr, enable optim.grad_clip, or set "
             "train.on_nonfinite = 'skip' (synchronous schedules only)"
         )
 
@@ -289,8 +305,10 @@ class PipelineStrategy:
                 self.runtime.last_send_f if self.next_rank is not None else len(pending)
             )
             stream.next_step = step + 1
-        value = float(all_reduce_sum_(loss, None)) / self.dp / (scale * per_step)
-        if not math.isfinite(value):
+        bad, self._bad_grad = self._bad_grad, torch.zeros((), device=self.device)
+        stats = all_reduce_sum_(torch.stack([loss.float(), bad]), None)
+        value = float(stats[0]) / self.dp / (scale * per_step)
+        if not math.isfinite(value) or float(stats[1]) > 0:
             return self._nonfinite(step, value)
         return StepOutput(loss=value)
 
@@ -303,6 +321,9 @@ class PipelineStrategy:
             grads = self._grads()
             if self.dp > 1:
                 all_reduce_mean_flat_(grads, self.mesh.group("dp"))
+            # Reported (and the run stopped) at the end of this step.
+            flag = nonfinite_flag(self.stage.parameters(), self.device)
+            self._bad_grad = torch.maximum(self._bad_grad, flag)
             if self.job.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.stage.parameters(), self.job.optim.grad_clip)
             self._optimizer.step()
