@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from polytrain.config import JobConfig
-from polytrain.testing import assert_state_close, run_distributed
+from polytrain.testing import assert_state_close, run_job
 from polytrain.trainer.manifest import committed, latest_valid, step_dir, verify
 from tests.conftest import small_job
 
@@ -27,19 +27,8 @@ pytestmark = pytest.mark.slow
 STEPS, SAVED = 6, 3
 
 
-def _train(rank: int, world_size: int, job: JobConfig) -> dict[str, Any] | None:
-    from polytrain.trainer.loop import train
-
-    result = train(job)
-    if rank != 0:
-        return None
-    return {"state": result.state_dict, "start": result.start_step, "history": result.history}
-
-
 def run(job: JobConfig) -> dict[str, Any]:
-    out = run_distributed(_train, job.world_size, job, timeout_s=120)[0]
-    assert out is not None
-    return out
+    return run_job(job, timeout_s=120)
 
 
 def job(

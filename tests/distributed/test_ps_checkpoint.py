@@ -15,7 +15,7 @@ import pytest
 from safetensors import safe_open
 
 from polytrain.config import JobConfig
-from polytrain.testing import assert_state_close, run_distributed
+from polytrain.testing import assert_state_close, run_job
 from polytrain.trainer.manifest import committed, verify
 from tests.conftest import small_job
 
@@ -25,19 +25,8 @@ STEPS, STOP = 6, 3
 OPTIM = {"name": "adamw", "lr": 3e-3, "grad_clip": 0.5, "weight_decay": 0.1}
 
 
-def _train(rank: int, world_size: int, job: JobConfig) -> dict[str, Any] | None:
-    from polytrain.trainer.loop import train
-
-    result = train(job)
-    if rank != 0:
-        return None
-    return {"state": result.state_dict, "start": result.start_step, "history": result.history}
-
-
 def run(job: JobConfig) -> dict[str, Any]:
-    out = run_distributed(_train, job.world_size, job, timeout_s=120)[0]
-    assert out is not None
-    return out
+    return run_job(job, timeout_s=120)
 
 
 def ps_job(steps: int, ckpt: Path | None = None, resume: bool = False) -> JobConfig:
