@@ -55,7 +55,7 @@ def _failure_of(err: ChildFailedError, log_dir: Path) -> WorkerFailure:
     if error_file and error_file.is_file():
         data = json.loads(error_file.read_text()).get("message", {})
         text = data.get("message", "") if isinstance(data, dict) else str(data)
-        # The recorded message is "ExcType: text"; keep the last line of a multi-line one.
+        # The recorded message is "ExcType: text", possibly followed by more lines; keep the first.
         first = text.strip().splitlines()[0] if text.strip() else ""
         exc_type, _, rest = first.partition(": ")
         message = rest or first
