@@ -32,7 +32,7 @@ from polytrain.observe.trace import Tracer
 from polytrain.pipeline.schedule import Action, ActionKind
 from polytrain.pipeline.stage import StageModule
 
-__all__ = ["Feed", "StageRuntime", "WeightStash", "stash_bound", "stashed_version"]
+__all__ = ["ACT", "GRAD", "Feed", "StageRuntime", "WeightStash", "stash_bound", "stashed_version"]
 
 ACT, GRAD = "act", "grad"  # p2p channel names of activations (forward) and gradients (backward)
 

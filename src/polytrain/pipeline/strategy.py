@@ -23,8 +23,9 @@ same branch: ``train.on_nonfinite = "stop"`` raises naming the (1-based) step, `
 the update everywhere. PipeDream updates inside the stream, so it flags each update's gradients
 and stops at the end of the step (the bad update is already applied; ``skip`` is refused).
 
-[Note: process groups] Training activations and gradients travel on a private process group
-per pipeline, evaluation on a second one, and the final weight gather on the default group.
+[Note: process groups] Training activations and gradients travel on two private process groups
+per pipeline (one per direction, [Note: one connection per direction] in `comm.p2p`),
+evaluation on a third one, and the final weight gather on the default group.
 PipeDream leaves one activation per link in flight across step boundaries; a receive posted on
 another group (an evaluation between steps, another strategy in the same processes) can never
 be matched against it. The mesh's own ``pp`` group is not used for p2p because a mesh axis
@@ -56,7 +57,7 @@ from polytrain.parallel.tensor_parallel import (
 )
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import choose_partition
-from polytrain.pipeline.runtime import Feed, StageRuntime, WeightStash, stash_bound
+from polytrain.pipeline.runtime import GRAD, Feed, StageRuntime, WeightStash, stash_bound
 from polytrain.pipeline.schedule import Action, ActionKind, build, lower, validate
 from polytrain.pipeline.stage import StageModule, block_ranges, build_stage
 from polytrain.trainer.health import nonfinite_flag
@@ -139,7 +140,8 @@ class PipelineStrategy:
         # Private groups for training and for evaluation; see [Note: process groups].
         pp_groups = mesh.dims.all_groups("pp")
         self.eval_p2p = P2P(new_group_of(pp_groups, mesh.rank), device)
-        train_group = new_group_of(pp_groups, mesh.rank)
+        act_group = new_group_of(pp_groups, mesh.rank)
+        grad_group = new_group_of(pp_groups, mesh.rank)
         pipedream = self.schedule_name == "pipedream"
         params = dict(self.stage.named_parameters())
         # PipeDream updates after every micro-batch, or once per step (PipeDream-2BW).
@@ -152,7 +154,7 @@ class PipelineStrategy:
             self.stage,
             s,
             self.num_stages,
-            P2P(train_group, device),
+            P2P(act_group, device, channel_groups={GRAD: grad_group}),
             prev_rank=self.prev_rank,
             next_rank=self.next_rank,
             loss_fn=model.loss_fn,
