@@ -66,6 +66,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from polytrain.topology import ParallelDims
     from polytrain.trainer.loop import train
     from polytrain.trainer.optim import build_optimizer
+    from polytrain.trainer.strategy import StepOutput, step_result
 
     m, steps, reps = args["microbatches"], args["steps"], args["reps"]
     ctx = init_distributed()
@@ -147,11 +148,19 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         for name, fn in steppers.items():
             dist.barrier()
             t0 = time.perf_counter()
+            previous = None
             for t in range(rep * steps, (rep + 1) * steps):
                 s0 = time.perf_counter()
-                fn(t)
+                out = fn(t)
+                # As the training loop does: a step's deferred result is read once the next
+                # step has started ([Note: deferred step results], PipeDream only).
+                if previous is not None:
+                    step_result(previous)
+                previous = out if isinstance(out, StepOutput) else None
                 if rep:
                     step_times[name].append(time.perf_counter() - s0)
+            if previous is not None:
+                step_result(previous)
             dist.barrier()
             if rep:
                 samples[name].append(steps * 32 / (time.perf_counter() - t0))

@@ -39,6 +39,7 @@ def _train_jobs(rank: int, world_size: int, jobs: list[JobConfig]) -> list[dict[
             {
                 "state": result.state_dict,
                 "losses": [r["loss"] for r in result.history],
+                "steps": [r["step"] for r in result.history],
                 "val_loss": result.val_loss,
                 "strategy": result.strategy,
             }
@@ -135,6 +136,7 @@ def _pipedream_rank(rank: int, world_size: int, jobs: list[JobConfig]) -> list[d
     from polytrain.pipeline.strategy import PipelineStrategy
     from polytrain.trainer.build import build_strategy
     from polytrain.trainer.optim import lr_at
+    from polytrain.trainer.strategy import step_result
 
     ctx = init_distributed()
     outs = []
@@ -147,7 +149,7 @@ def _pipedream_rank(rank: int, world_size: int, jobs: list[JobConfig]) -> list[d
         losses, val_losses = [], []
         for step in range(job.train.steps):
             strategy.set_lr(lr_at(step, job.optim, job.train.steps))
-            losses.append(strategy.train_step(step).loss)
+            losses.append(step_result(strategy.train_step(step)).loss)
             # Evaluate mid-stream: micro-batches are in flight between steps, on another group.
             val_losses.append(strategy.evaluate(1))
         stash = strategy.stash
@@ -268,3 +270,14 @@ def test_pipedream_dp2_pp2_with_recompute_and_evaluation() -> None:
     assert recomputed["losses"] == pytest.approx(plain["losses"], abs=1e-6)
     assert torch.isfinite(torch.tensor(plain["losses"])).all()
     assert plain["losses"][-1] < plain["losses"][0]
+
+
+def test_pipedream_loop_reads_each_step_after_the_next_has_started() -> None:
+    """The loop finishes a PipeDream step (its loss all-reduce) only after starting the next one
+    ([Note: deferred step results]); every step's record still gets that step's own loss."""
+    job = pipe(MLP, "pipedream", 2, 4, train={"steps": 5})
+    (looped,) = run_jobs([job])
+    direct = run_distributed(_pipedream_rank, 2, [job], timeout_s=180.0)[0][0]["losses"]
+    assert looped["steps"] == [1, 2, 3, 4, 5]
+    assert looped["losses"] == pytest.approx(direct, abs=1e-6)
+    assert len(set(direct)) == 5  # distinct per step: a shifted record could not pass

@@ -7,12 +7,12 @@ over the pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_mean_flat_", "all_reduce_sum_"]
+__all__ = ["all_reduce_mean_flat_", "all_reduce_sum_", "all_reduce_sum_async_"]
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -24,6 +24,22 @@ def all_reduce_sum_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     if _size(group) > 1:
         dist.all_reduce(tensor, group=group)
     return tensor
+
+
+def all_reduce_sum_async_(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> Callable[[], torch.Tensor]:
+    """Start an in-place sum of ``tensor`` over ``group``; the returned function waits for it."""
+    if _size(group) == 1:
+        return lambda: tensor
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+
+    def wait() -> torch.Tensor:
+        if work is not None:
+            work.wait()
+        return tensor
+
+    return wait
 
 
 def all_reduce_mean_flat_(

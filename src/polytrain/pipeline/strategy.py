@@ -21,7 +21,8 @@ the last stage) stays finite. After the dp all-reduce each rank computes
 the one world all-reduce that already sums the loss, so every stage of every replica takes the
 same branch: ``train.on_nonfinite = "stop"`` raises naming the (1-based) step, ``"skip"`` drops
 the update everywhere. PipeDream updates inside the stream, so it flags each update's gradients
-and stops at the end of the step (the bad update is already applied; ``skip`` is refused).
+and stops when the step's result is read, after the next step has run ([Note: deferred step
+results] in `trainer.strategy`; the bad update is already applied, ``skip`` is refused).
 
 [Note: process groups] Training activations and gradients travel on two private process groups
 per pipeline (one per direction, [Note: one connection per direction] in `comm.p2p`),
@@ -42,7 +43,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from polytrain.comm.flat import all_reduce_mean_flat_, all_reduce_sum_
+from polytrain.comm.flat import all_reduce_mean_flat_, all_reduce_sum_, all_reduce_sum_async_
 from polytrain.comm.mesh import Mesh
 from polytrain.comm.p2p import P2P, PendingSends, new_group_of, recv_into, send_all
 from polytrain.config.job import JobConfig
@@ -308,11 +309,18 @@ class PipelineStrategy:
             )
             stream.next_step = step + 1
         bad, self._bad_grad = self._bad_grad, torch.zeros((), device=self.device)
-        stats = all_reduce_sum_(torch.stack([loss.float(), bad]), None)
-        value = float(stats[0]) / self.dp / (scale * per_step)
-        if not math.isfinite(value) or float(stats[1]) > 0:
-            return self._nonfinite(step, value)
-        return StepOutput(loss=value)
+        # Not waited for here: a world collective would end the stream's overlap every step
+        # ([Note: deferred step results] in trainer.strategy).
+        wait = all_reduce_sum_async_(torch.stack([loss.float(), bad]), None)
+
+        def complete() -> StepOutput:
+            stats = wait()
+            value = float(stats[0]) / self.dp / (scale * per_step)
+            if not math.isfinite(value) or float(stats[1]) > 0:
+                return self._nonfinite(step, value)
+            return StepOutput(loss=value)
+
+        return StepOutput(loss=math.nan, complete=complete)
 
     def _pipedream_update(self, microbatch: int) -> None:
         """After every ``update_every``-th backward: apply the accumulated gradient."""

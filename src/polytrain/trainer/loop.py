@@ -31,6 +31,7 @@ from polytrain.trainer.build import build_strategy
 from polytrain.trainer.checkpoint import Checkpointer, check_same_job, restart_count
 from polytrain.trainer.export import save_weights
 from polytrain.trainer.optim import lr_at
+from polytrain.trainer.strategy import StepOutput
 
 __all__ = ["TrainResult", "train"]
 
@@ -96,15 +97,23 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     loss = val_loss = float("nan")
     steps = job.train.steps
     show = ctx.is_main and job.observe.progress
+    every = job.train.eval_every
+
+    def evaluation_due(step: int) -> bool:
+        return step + 1 == steps or bool(every and (step + 1) % every == 0)
+
+    def checkpoint_due(step: int) -> bool:
+        return checkpointer is not None and checkpointer.due(step + 1)
+
     with _progress(console, show) as progress, Checkpointer.guard(checkpointer):
         task = progress.add_task(strategy.name, total=steps, loss="-", speed="", completed=start)
-        for step in range(start, steps):
-            strategy.set_lr(lr_at(step, job.optim, steps))
-            watchdog.check_in(step)
-            t0 = time.perf_counter()
-            with watchdog.guard(f"train step {step + 1} of {strategy.name}"):
-                out = strategy.train_step(step)
-            step_time = time.perf_counter() - t0
+
+        def finish_step(step: int, out: StepOutput, step_time: float) -> None:
+            """Record step ``step`` (0-based), then evaluate and checkpoint when due."""
+            nonlocal loss, val_loss
+            if out.complete is not None:  # [Note: deferred step results]
+                with watchdog.guard(f"the end of train step {step + 1} of {strategy.name}"):
+                    out = out.complete()
             loss = out.loss
             record: dict[str, Any] = {
                 "step": step + 1,
@@ -121,13 +130,11 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             if out.skipped:
                 record["skipped"] = True
             record.update(out.metrics)
-            last = step + 1 == steps
-            every = job.train.eval_every
-            if last or (every and (step + 1) % every == 0):
+            if evaluation_due(step):
                 with watchdog.guard(f"the evaluation after step {step + 1}"):
                     val_loss = strategy.evaluate(job.train.eval_batches)
                 record["val_loss"] = val_loss
-            if last or (step + 1) % job.observe.log_every == 0 or "val_loss" in record:
+            if step + 1 == steps or (step + 1) % job.observe.log_every == 0 or "val_loss" in record:
                 record["memory_mb"] = peak_memory_mb(ctx.device)
                 metrics.write(record)
             history.append(record)
@@ -137,9 +144,25 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
                 else f"{record['samples_per_s']:.0f} samples/s"
             )
             progress.update(task, advance=1, loss=f"{loss:.4f}", speed=speed)
-            if checkpointer is not None and checkpointer.due(step + 1):
+            if checkpointer is not None and checkpoint_due(step):
                 with watchdog.guard(f"the checkpoint save after step {step + 1}"):
                     checkpointer.save(step + 1)
+
+        deferred: tuple[int, StepOutput, float] | None = None
+        for step in range(start, steps):
+            strategy.set_lr(lr_at(step, job.optim, steps))
+            watchdog.check_in(step)
+            t0 = time.perf_counter()
+            with watchdog.guard(f"train step {step + 1} of {strategy.name}"):
+                out = strategy.train_step(step)
+            step_time = time.perf_counter() - t0
+            if deferred is not None:
+                finish_step(*deferred)
+                deferred = None
+            if out.complete is not None and not (evaluation_due(step) or checkpoint_due(step)):
+                deferred = (step, out, step_time)  # finished after the next step has started
+            else:
+                finish_step(step, out, step_time)
 
     if job.observe.trace:
         strategy.tracer.write_part(job.observe.trace)

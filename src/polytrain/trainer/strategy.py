@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,7 +31,7 @@ from polytrain.parallel.grad_norm import clip_grad_norm_
 from polytrain.trainer.health import nonfinite_flag
 from polytrain.trainer.optim import build_optimizer
 
-__all__ = ["NonFiniteLossError", "SPMDStrategy", "StepOutput", "Strategy"]
+__all__ = ["NonFiniteLossError", "SPMDStrategy", "StepOutput", "Strategy", "step_result"]
 
 
 class NonFiniteLossError(PolytrainError):
@@ -39,9 +40,26 @@ class NonFiniteLossError(PolytrainError):
 
 @dataclass(frozen=True)
 class StepOutput:
+    """What one training step reports.
+
+    [Note: deferred step results] A strategy whose ranks run out of step with each other
+    (PipeDream's stream has no flush) would lose its overlap to a world collective that ends
+    every step. It may return ``loss = nan`` and ``complete``: a function that waits for the
+    step's reduction (started without blocking) and returns the final output. The loop calls
+    ``complete`` after it has started the next step, or at once before an evaluation, a
+    checkpoint or the last step; a non-finite stop is then raised one step later, naming the
+    step it belongs to.
+    """
+
     loss: float  # mean loss over the global batch (the same value on every rank)
     skipped: bool = False
     metrics: dict[str, float] = field(default_factory=dict)  # extra fields for the record
+    complete: Callable[[], StepOutput] | None = None
+
+
+def step_result(out: StepOutput) -> StepOutput:
+    """``out`` with its deferred part waited for ([Note: deferred step results])."""
+    return out.complete() if out.complete is not None else out
 
 
 class Strategy(Protocol):
