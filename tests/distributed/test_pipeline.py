@@ -237,6 +237,9 @@ def test_pipedream_weight_stashing() -> None:
         for mode in modes
     ]
     results = run_distributed(_pipedream_rank, p, jobs, timeout_s=180.0)
+    # Per-micro-batch updates: each version in flight is copied, p - s on stage s (the bound)
+    # except the last stage; once per step: one copy, for the step's first p - 1 - s.
+    copies = {1: [3, 2, 0], m: [1, 1, 0]}
     for n, u in enumerate(modes.values()):
         for rank_results in results:
             out = rank_results[n]
@@ -245,7 +248,9 @@ def test_pipedream_weight_stashing() -> None:
             for i, forward_version, backward_version in out["log"]:
                 assert forward_version == backward_version == stashed_version(s, i, p, u)
             assert out["bound"] == stash_bound(s, p, u) <= p - s
-            assert out["max_stashed"] == out["bound"]  # the bound is reached, never passed
+            # Copies only for micro-batches that cross an update ([Note: live forwards]): none
+            # on the last stage, never more than the bound.
+            assert out["max_stashed"] == copies[u][s] <= out["bound"]
             assert out["left"] == 0  # the stream drained: nothing stashed at the end
             assert out["val_losses"] == results[0][n]["val_losses"]  # on every rank
         expected = emulate_pipedream(jobs[n], u)

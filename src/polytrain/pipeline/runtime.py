@@ -32,7 +32,16 @@ from polytrain.observe.trace import Tracer
 from polytrain.pipeline.schedule import Action, ActionKind
 from polytrain.pipeline.stage import StageModule
 
-__all__ = ["ACT", "GRAD", "Feed", "StageRuntime", "WeightStash", "stash_bound", "stashed_version"]
+__all__ = [
+    "ACT",
+    "GRAD",
+    "Feed",
+    "StageRuntime",
+    "WeightStash",
+    "crossing_updates",
+    "stash_bound",
+    "stashed_version",
+]
 
 ACT, GRAD = "act", "grad"  # p2p channel names of activations (forward) and gradients (backward)
 
@@ -72,6 +81,27 @@ def stash_bound(stage_index: int, num_stages: int, update_every: int = 1) -> int
     return -(-warmup // update_every) + 1
 
 
+def crossing_updates(actions: Sequence[Action], update_every: int) -> set[int]:
+    """Micro-batches of ``actions`` (one stage's program) whose backward follows an update that
+    came after their forward: the only ones that need a stashed copy of the weights.
+
+    The update follows the backward of every micro-batch ``j`` with ``(j + 1) % update_every
+    == 0`` (PipeDream's rule in `PipelineStrategy`); every other micro-batch runs forward and
+    backward on one unchanged set of live weights ([Note: live forwards]).
+    """
+    in_flight: set[int] = set()
+    crossing: set[int] = set()
+    for action in actions:
+        i = action.microbatch_index
+        if action.kind is ActionKind.F:
+            in_flight.add(i)
+        elif action.kind is ActionKind.B:
+            in_flight.discard(i)
+            if (i + 1) % update_every == 0:
+                crossing |= in_flight
+    return crossing
+
+
 class WeightStash:
     """PipeDream weight stashing: each micro-batch's backward uses its forward's weight version.
 
@@ -80,21 +110,35 @@ class WeightStash:
     micro-batch that runs forward on it) and `release` drops a snapshot when no micro-batch in
     flight uses it. Snapshots are detached copies that require grad, so the optimizer's in-place
     updates of the live weights never touch a tensor an autograd graph saved.
+
+    [Note: live forwards] A micro-batch with no update between its forward and its backward
+    (not in ``crossing``, see `crossing_updates`) needs no copy: `forward` returns None and it
+    runs on the live parameters like a synchronous schedule, with autograd accumulating into
+    ``.grad``. Copies (and the slower functional call on them) are left to the micro-batches
+    that cross an update: with one update per step (PipeDream-2BW) the first ``p - 1 - s`` of
+    each step on stage ``s``. The versions are the same as with a copy for every micro-batch.
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], bound: int) -> None:
         self.params = params
         self.bound = bound
         self.version = 0
+        self.crossing: set[int] | None = None
+        """Micro-batches that need a copy; None: every micro-batch gets one."""
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._users: dict[int, int] = {}
         self.version_of: dict[int, int] = {}
+        self._live: set[int] = set()
         self.max_stashed = 0
         self.log: list[tuple[int, int, int]] = []
         """(micro-batch, version its forward used, version its backward used), in backward order."""
 
-    def forward(self, microbatch: int) -> dict[str, torch.Tensor]:
+    def forward(self, microbatch: int) -> dict[str, torch.Tensor] | None:
         v = self.version
+        if self.crossing is not None and microbatch not in self.crossing:
+            self.version_of[microbatch] = v
+            self._live.add(microbatch)
+            return None
         if v not in self.snapshots:
             self.snapshots[v] = {
                 n: p.detach().clone().requires_grad_(p.requires_grad)
@@ -109,13 +153,19 @@ class WeightStash:
         )
         return self.snapshots[v]
 
-    def backward_weights(self, microbatch: int) -> tuple[int, dict[str, torch.Tensor]]:
+    def backward_weights(self, microbatch: int) -> tuple[int, dict[str, torch.Tensor] | None]:
+        """The version micro-batch ``i``'s backward runs on, and its copy (None: the live one)."""
+        if microbatch in self._live:
+            return self.version, None
         v = self.version_of[microbatch]
         return v, self.snapshots[v]
 
     def release(self, microbatch: int, used_version: int) -> None:
         v = self.version_of.pop(microbatch)
         self.log.append((microbatch, v, used_version))
+        if microbatch in self._live:
+            self._live.discard(microbatch)
+            return
         self._users[v] -= 1
         if self._users[v] == 0:
             del self.snapshots[v], self._users[v]
@@ -312,8 +362,8 @@ class StageRuntime:
         grad = None if self.is_last else state.output_grad
         x = state.input
         wants_input_grad = x is not None and x.requires_grad and not self.is_first
-        if self.stash is not None:
-            version, weights = self.stash.backward_weights(i)
+        version, weights = self.stash.backward_weights(i) if self.stash else (0, None)
+        if weights is not None:
             names = [n for n, t in weights.items() if t.requires_grad]
             targets = [weights[n] for n in names] + (
                 [x] if wants_input_grad and x is not None else []
@@ -329,12 +379,13 @@ class StageRuntime:
                 param.grad = g if param.grad is None else param.grad.add_(g)
             if wants_input_grad:
                 state.input_grad = grads[-1]
-            self.stash.release(i, version)
         else:
             if root.requires_grad:
                 torch.autograd.backward(root, grad_tensors=grad)
             if wants_input_grad and x is not None:
                 state.input_grad = x.grad
+        if self.stash is not None:
+            self.stash.release(i, version)
         state.output = state.loss = state.output_grad = None
         self.stats.backwards += 1
         self.stats.live_activation_bytes -= state.activation_bytes

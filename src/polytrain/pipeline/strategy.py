@@ -58,7 +58,14 @@ from polytrain.parallel.tensor_parallel import (
 )
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import choose_partition
-from polytrain.pipeline.runtime import GRAD, Feed, StageRuntime, WeightStash, stash_bound
+from polytrain.pipeline.runtime import (
+    GRAD,
+    Feed,
+    StageRuntime,
+    WeightStash,
+    crossing_updates,
+    stash_bound,
+)
 from polytrain.pipeline.schedule import Action, ActionKind, build, lower, validate
 from polytrain.pipeline.stage import StageModule, block_ranges, build_stage
 from polytrain.trainer.health import nonfinite_flag
@@ -277,6 +284,8 @@ class PipelineStrategy:
         total = num_steps * per_step
         lowered = lower(build("pipedream", self.num_stages, total))[self.stage_index]
         program = [a for a in lowered if a is not None]
+        assert self.stash is not None
+        self.stash.crossing = crossing_updates(program, self.update_every)
         position = {a: n for n, a in enumerate(program)}
         s = self.stage_index
         ends: list[int] = []
