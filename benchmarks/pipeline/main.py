@@ -216,8 +216,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="pipeline stages (= processes)")
     parser.add_argument("--microbatches", type=int, default=8)
     # Repetitions long enough that PipeDream's stream, which a barrier between repetitions
-    # drains, spends most steps in its steady state (6-step repetitions measured 0.99-1.02x
-    # for PipeDream / 1F1B where 12-step ones measure 1.05-1.11x).
+    # drains, spends most steps in its steady state (with the same code, 6-step repetitions
+    # measured PipeDream / 1F1B at 1.01-1.02x and 12-step ones at 1.05x).
     parser.add_argument("--steps", type=int, default=12, help="steps per timed repetition")
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--convergence-steps", type=int, default=300)

@@ -22,8 +22,9 @@ Its peak memory is::
 where ``in_flight`` is the schedule's `peak_activations` (``m`` for gpipe, ``min(m, p - s)`` for
 1f1b) and ``p - s`` for pipedream, whose micro-batch stream crosses step boundaries, and
 ``stashed_copies = ceil((p - 1 - s) / u) + 1`` for an update every ``u`` micro-batches (the
-runtime's ``stash_bound``: it copies every version in flight, the live one included; ``u = m``
-for ``pipeline.pipedream_update = "step"``, ``p - s`` copies for ``u = 1``). The output
+runtime's ``stash_bound``, an upper bound: it copies only versions that a micro-batch in flight
+needs across an update, [Note: live forwards]; ``u = m`` for ``pipeline.pipedream_update =
+"step"``, ``p - s`` copies for ``u = 1``). The output
 is the tensor sent downstream, held until its gradient comes back; the last stage's output is
 the loss, whose saved tensors the last block's profile already includes. With recomputation
 (`polytrain.parallel.recompute` wraps each block that has parameters) such a block keeps only
