@@ -8,7 +8,8 @@ Two measurements on the same model, micro-batch and schedule:
 
 1. **Real pipeline** (``--stages 2``, one process per stage, gloo): the whole job runs through
    polytrain's pipeline runtime (1f1b) for every contiguous 2-stage partition, plus ``auto``
-   and ``uniform`` as the user would run them; the step time is the median after warm-up.
+   and ``uniform`` as the user would run them, and ``auto`` with ``partition_trials = 0`` (the
+   profile's choice alone, "auto-profile"); the step time is the best after warm-up.
 2. **Stage proxy** (``--proxy-stages 2 3 4``, one process): every contiguous block range is
    timed forward + backward on one micro-batch; a partition's measured time is its slowest
    stage (the steady-state period of a pipeline) and ``sum + (m - 1) x max`` for a step. This
@@ -73,7 +74,12 @@ def build_unbalanced(spec: Any) -> Any:
 
 
 def _job(partition: str | list[int], stages: int, steps: int) -> Any:
+    """``partition = "auto-profile"``: ``auto`` without trials (the profile's choice alone)."""
     from polytrain.config import job_from_dict
+
+    trials = 0 if partition == "auto-profile" else 4  # 4: the default of partition_trials
+    if partition == "auto-profile":
+        partition = "auto"
 
     return job_from_dict(
         {
@@ -90,7 +96,12 @@ def _job(partition: str | list[int], stages: int, steps: int) -> Any:
             },
             "optim": {"name": "sgd", "lr": 0.01, "schedule": "constant", "warmup_steps": 0},
             "parallel": {"pp": stages},
-            "pipeline": {"schedule": "1f1b", "microbatches": MICROBATCHES, "partition": partition},
+            "pipeline": {
+                "schedule": "1f1b",
+                "microbatches": MICROBATCHES,
+                "partition": partition,
+                "partition_trials": trials,
+            },
             "observe": {"progress": False},
             "launch": {"nproc": stages},
         }
@@ -307,10 +318,10 @@ def main() -> None:
         kw: dict[str, Any] = {"schedule": "1f1b", "num_microbatches": MICROBATCHES}
         every = list(all_partitions(model.num_blocks, args.stages))
         partitions: dict[str, str | list[int]] = {str(c): c for c in every}
-        partitions |= {"uniform": "uniform", "auto": "auto"}
+        partitions |= {"uniform": "uniform", "auto": "auto", "auto-profile": "auto-profile"}
         measured = measure_pipeline(partitions, args.stages, args.steps, args.warmup, args.rounds)
         for key, value in measured.items():
-            if key not in ("uniform", "auto"):
+            if key not in ("uniform", "auto", "auto-profile"):
                 counts = partitions[key]
                 assert isinstance(counts, list)
                 value["predicted_step_s"] = evaluate_partition(
@@ -328,6 +339,7 @@ def main() -> None:
             "steps": args.steps,
             "rounds": args.rounds,
             "auto": measured["auto"],
+            "auto_profile_only": measured["auto-profile"],
             "uniform": measured["uniform"],
             "best_measured": {"counts": best, **measured[str(best)]},
             "auto_predicted_here": search_partition(
@@ -340,6 +352,8 @@ def main() -> None:
             / measured["auto"]["median_step_s"],
             "median_auto_over_best": measured["auto"]["median_step_s"]
             / min(measured[str(c)]["median_step_s"] for c in every),
+            "profile_only_over_best": measured["auto-profile"]["step_s"]
+            / measured[str(best)]["step_s"],
         }
 
     report["load_average_at_end"] = os.getloadavg()[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from polytrain.pipeline.partition import (
     check_counts,
     evaluate_partition,
     in_flight_microbatches,
+    nearby_partitions,
     optimizer_state_factor,
     search_partition,
     stashed_copies,
@@ -339,6 +341,49 @@ def test_choose_partition_single_process() -> None:
     limited = small_job(pipeline={"partition": "auto", "memory_limit_mb": 0.01})
     with pytest.raises(PartitionError, match="no 2-stage partition fits"):
         choose_partition(limited, model, sample(8), 2)
+
+
+def test_nearby_partitions_shift_one_boundary_fastest_first() -> None:
+    profiles = [block(1.0, params=0, activation=1000, output=0) for _ in range(6)]
+    kw = {"schedule": "1f1b", "num_microbatches": 8}
+    # the optimum first, then one boundary moved by 1, then by 2 (slower); within the limit
+    assert nearby_partitions(profiles, [3, 3], 5, **kw) == [[3, 3], [2, 4], [4, 2], [1, 5], [5, 1]]
+    assert nearby_partitions(profiles, [3, 3], 2, **kw) == [[3, 3], [2, 4]]
+    assert nearby_partitions(profiles, [3, 3], 1, **kw) == [[3, 3]]
+    # stage 0 holds 2 micro-batches of 1000 bytes per block under 1f1b: [4, 2] and [5, 1] do not fit
+    tight = nearby_partitions(profiles, [3, 3], 9, memory_limit_bytes=6000, **kw)
+    assert tight == [[3, 3], [2, 4], [1, 5]]
+    three = nearby_partitions(profiles, [2, 2, 2], 20, radius=1, **kw)
+    assert three[0] == [2, 2, 2] and sorted(three[1:]) == [
+        [1, 3, 2],
+        [2, 1, 3],
+        [2, 3, 1],
+        [3, 1, 2],
+    ]
+
+
+def test_choose_partition_keeps_the_fastest_trial() -> None:
+    model = tiny_model()
+    job = small_job(pipeline={"partition": "auto", "microbatches": 2, "partition_trials": 3})
+    seen: list[list[list[int]]] = []
+
+    def measure(times: list[float]) -> Callable[[list[list[int]]], list[float]]:
+        def run(candidates: list[list[int]]) -> list[float]:
+            seen.append(candidates)
+            return times[: len(candidates)]
+
+        return run
+
+    optimum = choose_partition(job, model, sample(8), 2)  # no measure: the profile's choice
+    assert (
+        choose_partition(job, model, sample(8), 2, measure=measure([3.0, 1.0, 2.0])) == seen[-1][1]
+    )
+    assert seen[-1][0] == optimum and len(seen[-1]) == 3
+    # a tie keeps the profile's optimum
+    assert choose_partition(job, model, sample(8), 2, measure=measure([1.0, 1.0, 1.0])) == optimum
+    no_trials = small_job(pipeline={"partition": "auto", "microbatches": 2, "partition_trials": 0})
+    assert choose_partition(no_trials, model, sample(8), 2, measure=measure([1.0])) == optimum
+    assert len(seen) == 2  # trials = 0 never measures
 
 
 # -- pre-launch checks -----------------------------------------------------------------------

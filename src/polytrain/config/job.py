@@ -186,6 +186,12 @@ class PipelineConfig:
         "uniform", "'auto' (profiled), 'uniform', or blocks per stage, e.g. [3, 5]"
     )
     memory_limit_mb: float = option(0.0, "per-stage memory limit for 'auto' (0 = none)")
+    partition_trials: int = option(
+        4,
+        "'auto': time the profile's best partition and up to N - 1 neighbours (one boundary "
+        "moved by 1-2 blocks) for a few steps inside the pipeline and keep the fastest "
+        "(0 or 1: the profile's choice)",
+    )
     pipedream_update: Literal["step", "microbatch"] = option(
         "step",
         "pipedream: one update per step from its micro-batches' gradients (PipeDream-2BW), "
@@ -195,6 +201,7 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         _positive("pipeline", "microbatches", self.microbatches)
         _positive("pipeline", "memory_limit_mb", self.memory_limit_mb, allow_zero=True)
+        _positive("pipeline", "partition_trials", self.partition_trials, allow_zero=True)
         if isinstance(self.partition, str) and self.partition not in ("auto", "uniform"):
             raise ConfigError(
                 f"pipeline.partition = {self.partition!r}: expected 'auto', 'uniform' or a list "

@@ -59,6 +59,7 @@ __all__ = [
     "check_counts",
     "evaluate_partition",
     "in_flight_microbatches",
+    "nearby_partitions",
     "optimizer_state_factor",
     "search_partition",
     "stashed_copies",
@@ -449,6 +450,49 @@ def evaluate_partition(
         update_every,
     )
     return costs.result(counts, memory_limit_bytes)
+
+
+def nearby_partitions(
+    profiles: Sequence[BlockProfile],
+    counts: Sequence[int],
+    limit: int,
+    *,
+    radius: int = 2,
+    schedule: str,
+    num_microbatches: int,
+    memory_limit_bytes: float | None = None,
+    recompute: bool = False,
+    update_every: int = 1,
+) -> list[list[int]]:
+    """``counts`` and up to ``limit - 1`` partitions that move one of its stage boundaries by up
+    to ``radius`` blocks, fastest predicted first, each within the memory limit.
+
+    The candidates `choose_partition` times inside the pipeline ([Note: partition trials]): where
+    the profile errs, the measured best is usually the optimum with one boundary shifted.
+    """
+    costs = _costs(
+        profiles, len(counts), schedule, num_microbatches, recompute, None, 0.0, update_every
+    )
+    best = list(counts)
+    seen = {tuple(best)}
+    scored: list[tuple[float, list[int]]] = []
+    for boundary in range(len(best) - 1):
+        for shift in range(-radius, radius + 1):
+            moved = list(best)
+            moved[boundary] += shift
+            moved[boundary + 1] -= shift
+            if shift == 0 or min(moved) < 1 or tuple(moved) in seen:
+                continue
+            seen.add(tuple(moved))
+            result = costs.result(moved, memory_limit_bytes)
+            if (
+                memory_limit_bytes is not None
+                and max(result.stage_memory_bytes) > memory_limit_bytes
+            ):
+                continue
+            scored.append((result.predicted_step_s, moved))
+    scored.sort(key=lambda item: item[0])
+    return [best] + [moved for _, moved in scored[: max(limit - 1, 0)]]
 
 
 def brute_force_partition(

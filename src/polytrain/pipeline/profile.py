@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from polytrain.pipeline.partition import (
     BlockProfile,
     PartitionResult,
     check_counts,
+    nearby_partitions,
     optimizer_state_factor,
     search_partition,
     uniform_counts,
@@ -38,7 +39,13 @@ if TYPE_CHECKING:
     from polytrain.config.job import JobConfig
     from polytrain.data.datasets import Dataset
 
-__all__ = ["check_partition", "choose_partition", "profile_blocks", "profile_partition"]
+__all__ = [
+    "check_partition",
+    "choose_partition",
+    "leaves_no_trace",
+    "profile_blocks",
+    "profile_partition",
+]
 
 _MIB = 1024.0 * 1024.0
 
@@ -53,7 +60,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 @contextmanager
-def _restored(model: nn.Module, device: torch.device) -> Iterator[None]:
+def leaves_no_trace(model: nn.Module, device: torch.device) -> Iterator[None]:
     """[Note: profiling leaves no trace]: fork the RNG and put the buffers back afterwards."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     devices = [device] if device.type == "cuda" else []
@@ -211,7 +218,7 @@ def profile_blocks(
     runs: list[_BlockRun] = []
     sizes: list[tuple[int, int, int]] = []  # activation, input, output bytes
     x = inputs
-    with _restored(model, device):
+    with leaves_no_trace(model, device):
         for index, block in enumerate(model.blocks):
             x_in = x.detach()
             if x_in.is_floating_point():
@@ -264,28 +271,39 @@ def profile_partition(
     num_stages: int,
 ) -> PartitionResult:
     """Profile ``model`` on ``sample`` and search with the job's schedule and memory limit."""
+    return _search(job, _profile(job, model, sample), num_stages)
+
+
+def _profile(
+    job: JobConfig, model: BlockModel, sample: tuple[torch.Tensor, torch.Tensor]
+) -> list[BlockProfile]:
     from polytrain.trainer.optim import build_optimizer  # trainer imports us (via preflight)
 
-    profiles = profile_blocks(
+    return profile_blocks(
         model,
         sample,
         optimizer_factor=optimizer_state_factor(job.optim.name, job.optim.momentum),
         optimizer=partial(build_optimizer, cfg=job.optim),
     )
-    return _search(job, profiles, num_stages)
+
+
+def _search_args(job: JobConfig) -> dict[str, Any]:
+    limit_mb, m = job.pipeline.memory_limit_mb, job.pipeline.microbatches
+    return {
+        "schedule": job.pipeline.schedule,
+        "num_microbatches": m,
+        "memory_limit_bytes": limit_mb * _MIB if limit_mb > 0 else None,
+        "recompute": job.parallel.recompute,
+        "update_every": m if job.pipeline.pipedream_update == "step" else 1,
+    }
 
 
 def _search(job: JobConfig, profiles: list[BlockProfile], num_stages: int) -> PartitionResult:
-    limit_mb, m = job.pipeline.memory_limit_mb, job.pipeline.microbatches
-    return search_partition(
-        profiles,
-        num_stages,
-        schedule=job.pipeline.schedule,
-        num_microbatches=m,
-        memory_limit_bytes=limit_mb * _MIB if limit_mb > 0 else None,
-        recompute=job.parallel.recompute,
-        update_every=m if job.pipeline.pipedream_update == "step" else 1,
-    )
+    return search_partition(profiles, num_stages, **_search_args(job))
+
+
+Measure = Callable[[list[list[int]]], list[float]]
+"""Seconds per step of each candidate partition, measured inside the pipeline (a collective)."""
 
 
 def choose_partition(
@@ -295,6 +313,7 @@ def choose_partition(
     num_stages: int,
     *,
     verbose: bool = False,
+    measure: Measure | None = None,
 ) -> list[int]:
     """Blocks per stage for ``job.pipeline.partition`` (``uniform``, ``auto`` or a list).
 
@@ -302,10 +321,19 @@ def choose_partition(
     ``auto`` it is a collective over the default process group, so every rank must call it
     with the same ``num_stages``: global rank 0 profiles ``model`` on ``sample`` (one
     micro-batch: per-replica batch / micro-batches rows) and searches, then broadcasts the
-    counts as an int64 tensor (and, if the search failed, its error message as bytes, so every
+    counts as int64 tensors (and, if the search failed, its error message as bytes, so every
     rank raises the same `PartitionError`). Timings differ between ranks, so letting each rank
     search on its own could split the pipeline differently on different ranks. ``verbose``
-    prints the table (pass it on global rank 0 only).
+    prints the tables (pass it on global rank 0 only).
+
+    [Note: partition trials] With ``measure`` and ``pipeline.partition_trials = k > 1``, rank 0
+    also proposes up to ``k - 1`` neighbours of the optimum (`nearby_partitions`: one boundary
+    moved by one or two blocks, the fastest predicted first), every rank times all ``k``
+    inside the real pipeline (``measure``, which sums each candidate's step time over the world,
+    so every rank sees the same numbers) and the fastest wins, the optimum on a tie. A profile
+    of blocks alone misses what stages cost when they run side by side (shared caches, memory
+    bandwidth and cores: on the partition benchmark the first stage's backward ran 1-2 ms per
+    micro-batch slower inside the pipeline); the trials see it.
     """
     num_blocks = model.num_blocks
     setting = job.pipeline.partition
@@ -314,12 +342,16 @@ def choose_partition(
     if setting == "uniform":
         return uniform_counts(num_blocks, num_stages)
     uniform_counts(num_blocks, num_stages)  # more stages than blocks: fail the same way everywhere
-    counts: Sequence[int] | None = None
+    trials = job.pipeline.partition_trials if measure is not None else 0
+    candidates: list[list[int]] = []
     error = ""
     if is_main_rank():
         try:
-            result = profile_partition(job, model, sample, num_stages)
-            counts = result.counts
+            profiles = _profile(job, model, sample)
+            result = _search(job, profiles, num_stages)
+            candidates = [result.counts]
+            if trials > 1:
+                candidates = nearby_partitions(profiles, result.counts, trials, **_search_args(job))
             if verbose:
                 print(result.table(), flush=True)
         except PartitionError as exc:
@@ -327,7 +359,26 @@ def choose_partition(
     error = broadcast_text(error)
     if error:
         raise PartitionError(error)
-    return check_counts(broadcast_ints(counts, num_stages), num_blocks, num_stages)
+    k = broadcast_ints([len(candidates)] if candidates else None, 1)[0]
+    flat = broadcast_ints(
+        [n for c in candidates for n in c] if candidates else None, k * num_stages
+    )
+    candidates = [
+        check_counts(flat[i * num_stages : (i + 1) * num_stages], num_blocks, num_stages)
+        for i in range(k)
+    ]
+    if k == 1 or measure is None:
+        return candidates[0]
+    times = measure(candidates)
+    best = min(range(k), key=lambda i: (times[i], i))
+    if verbose:
+        rows = [f"  {c}: {t * 1e3:.1f} ms" for c, t in zip(candidates, times, strict=True)]
+        print(
+            f"partition trials (step time summed over ranks): chose {candidates[best]}\n"
+            + "\n".join(rows),
+            flush=True,
+        )
+    return candidates[best]
 
 
 def check_partition(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:

@@ -36,6 +36,8 @@ that spans the whole world may share the default group.
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -57,7 +59,7 @@ from polytrain.parallel.tensor_parallel import (
     local_tensor,
 )
 from polytrain.pipeline.checks import check_pipeline_job
-from polytrain.pipeline.profile import choose_partition
+from polytrain.pipeline.profile import choose_partition, leaves_no_trace
 from polytrain.pipeline.runtime import (
     GRAD,
     Feed,
@@ -75,6 +77,7 @@ from polytrain.trainer.strategy import NonFiniteLossError, StepOutput
 __all__ = ["PipelineStrategy"]
 
 EVAL = "eval"
+PARTITION_TRIAL_ROUNDS = 3  # timed steps per candidate ([Note: partition trials])
 
 
 def _sync_index(step: int, offset: int, microbatch: int) -> tuple[int, int]:
@@ -122,17 +125,34 @@ class PipelineStrategy:
         self.microbatches = job.pipeline.microbatches
         self.accum = job.train.grad_accum
         per_step = self.microbatches * self.accum
+        pp_ranks = mesh.dims.group_ranks("pp", mesh.rank)
+        s = self.stage_index
+        self.prev_rank = pp_ranks[s - 1] if s > 0 else None
+        self.next_rank = pp_ranks[s + 1] if s < self.num_stages - 1 else None
+        # Private groups for training and for evaluation; see [Note: process groups].
+        pp_groups = mesh.dims.all_groups("pp")
+        self.eval_p2p = P2P(new_group_of(pp_groups, mesh.rank), device)
+        self._act_group = new_group_of(pp_groups, mesh.rank)
+        self._grad_group = new_group_of(pp_groups, mesh.rank)
+        self.tp = mesh.dims.tp
+        self._dtype = torch.bfloat16 if job.train.dtype == "bf16" else None
         x, y = batches.train(0, self.dp_rank, self.dp, 0, per_step)
+        sample = (x.to(device), y.to(device))
         # The model is already on `device` (trainer/build.py), so `auto` profiles it there.
         counts = choose_partition(
-            job, model, (x.to(device), y.to(device)), self.num_stages, verbose=mesh.rank == 0
+            job,
+            model,
+            sample,
+            self.num_stages,
+            verbose=mesh.rank == 0,
+            # Stages are tensor-parallel only after the partition; trials would time them without.
+            measure=partial(self._time_partitions, model, sample) if self.tp == 1 else None,
         )
         self.ranges = block_ranges(counts, model.num_blocks)
         start, stop = self.ranges[self.stage_index]
         self.stage: StageModule = build_stage(
             model, start, stop, recompute=job.parallel.recompute
         ).to(device)
-        self.tp = mesh.dims.tp
         if self.tp > 1:  # tensor parallel inside the stage, before dp (docs/tensor_parallel.md)
             apply_tensor_parallel_to_stage(
                 self.stage, model, mesh.sub("tp"), job.model.name, job.parallel.tp_plan
@@ -141,15 +161,6 @@ class PipelineStrategy:
         self._tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
         self._stage_keys = self._keys_per_stage(model)
 
-        pp_ranks = mesh.dims.group_ranks("pp", mesh.rank)
-        s = self.stage_index
-        self.prev_rank = pp_ranks[s - 1] if s > 0 else None
-        self.next_rank = pp_ranks[s + 1] if s < self.num_stages - 1 else None
-        # Private groups for training and for evaluation; see [Note: process groups].
-        pp_groups = mesh.dims.all_groups("pp")
-        self.eval_p2p = P2P(new_group_of(pp_groups, mesh.rank), device)
-        act_group = new_group_of(pp_groups, mesh.rank)
-        grad_group = new_group_of(pp_groups, mesh.rank)
         pipedream = self.schedule_name == "pipedream"
         params = dict(self.stage.named_parameters())
         # PipeDream updates after every micro-batch, or once per step (PipeDream-2BW).
@@ -157,18 +168,17 @@ class PipelineStrategy:
         self.update_every = 1 if per_micro else self.microbatches * self.accum
         bound = stash_bound(s, self.num_stages, self.update_every)
         self.stash = WeightStash(params, bound) if pipedream else None
-        dtype = torch.bfloat16 if job.train.dtype == "bf16" else None
         self.runtime = StageRuntime(
             self.stage,
             s,
             self.num_stages,
-            P2P(act_group, device, channel_groups={GRAD: grad_group}),
+            self._p2p(),
             prev_rank=self.prev_rank,
             next_rank=self.next_rank,
             loss_fn=model.loss_fn,
             tracer=self._tracer,
             device=device,
-            autocast_dtype=dtype,
+            autocast_dtype=self._dtype,
             stash=self.stash,
             after_backward=self._pipedream_update if pipedream else None,
         )
@@ -184,6 +194,62 @@ class PipelineStrategy:
         self._data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         suffix = (f"-dp{self.dp}" if self.dp > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
         self.name = f"{self.schedule_name}-pp{self.num_stages}-m{self.microbatches}{suffix}"
+
+    def _p2p(self) -> P2P:
+        """Channels for training traffic: activations and gradients on their own groups."""
+        return P2P(self._act_group, self.device, channel_groups={GRAD: self._grad_group})
+
+    def _time_partitions(
+        self,
+        model: BlockModel,
+        sample: tuple[torch.Tensor, torch.Tensor],
+        candidates: list[list[int]],
+    ) -> list[float]:
+        """Seconds per synchronous step of each candidate partition, summed over the world.
+
+        [Note: partition trials] in `pipeline.profile`. This rank runs its stage of every
+        candidate on ``sample`` (every micro-batch the same) with the job's schedule (1F1B's
+        order for PipeDream), forward and backward only: gradients are dropped, no update, and
+        the RNG and buffers are restored (`leaves_no_trace`), so training is unchanged. The
+        candidates are interleaved over rounds, so drift in the machine's load hits all alike;
+        each gets the median of its rounds after the first.
+        """
+        m = self.microbatches
+        name = "1f1b" if self.schedule_name == "pipedream" else self.schedule_name
+        lowered = lower(build(name, self.num_stages, m))[self.stage_index]
+        program = [a for a in lowered if a is not None]
+        x, y = sample
+        feed = Feed(inputs=lambda i: x, targets=lambda i: y, scale=1.0 / m)
+        runtimes = []
+        for counts in candidates:
+            start, stop = block_ranges(counts, model.num_blocks)[self.stage_index]
+            stage = build_stage(model, start, stop, recompute=self.job.parallel.recompute)
+            runtimes.append(
+                StageRuntime(
+                    stage,
+                    self.stage_index,
+                    self.num_stages,
+                    self._p2p(),  # fresh channels: boundary shapes differ between candidates
+                    prev_rank=self.prev_rank,
+                    next_rank=self.next_rank,
+                    loss_fn=model.loss_fn,
+                    tracer=Tracer(self.mesh.rank, enabled=False),
+                    device=self.device,
+                    autocast_dtype=self._dtype,
+                )
+            )
+        times: list[list[float]] = [[] for _ in candidates]
+        with leaves_no_trace(model, self.device):
+            for _ in range(1 + PARTITION_TRIAL_ROUNDS):  # the first round warms up
+                for n, runtime in enumerate(runtimes):
+                    t0 = time.perf_counter()
+                    runtime.run(program, feed)
+                    runtime.finish()
+                    times[n].append(time.perf_counter() - t0)
+                    for param in runtime.stage.parameters():
+                        param.grad = None
+        medians = torch.tensor([statistics.median(t[1:]) for t in times], dtype=torch.float64)
+        return [float(v) for v in all_reduce_sum_(medians, None)]
 
     # -- Strategy properties -------------------------------------------------------------------
 

@@ -1,0 +1,42 @@
+"""[Note: partition trials]: `auto` times the profile's best partition and its neighbours inside
+the pipeline and keeps the fastest, which corrects a profile that misjudges a block."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from polytrain.testing import run_distributed
+from tests.conftest import small_job
+
+pytestmark = pytest.mark.slow
+
+
+def _ranges(rank: int, world_size: int, trials: list[int]) -> list[Any]:
+    from polytrain.comm.init import init_distributed
+    from polytrain.data.datasets import build_datasets
+    from polytrain.data.sampler import Batches
+    from polytrain.models.registry import block_size_of, build_model
+    from polytrain.trainer.build import build_strategy
+
+    ctx = init_distributed()
+    out = []
+    for k in trials:
+        job = small_job(
+            model={"name": "tests.helpers.models:misprofiled"},
+            parallel={"pp": 2},
+            pipeline={"partition": "auto", "microbatches": 4, "partition_trials": k},
+            launch={"nproc": 2},
+        )
+        train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
+        batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
+        model = build_model(job.model, spec, job.train.seed)
+        out.append(build_strategy(job, ctx, model, batches).ranges)
+    return out
+
+
+def test_trials_pick_the_partition_that_is_fastest_in_the_pipeline() -> None:
+    profile_only, with_trials = run_distributed(_ranges, 2, [0, 3], timeout_s=120)[0]
+    assert profile_only == [(0, 2), (2, 6)]  # the profile isolates the "slow" block 1
+    assert with_trials == [(0, 3), (3, 6)]  # really balanced: 9 ms per stage, not 6 and 12
