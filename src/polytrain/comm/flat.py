@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_mean_flat_", "all_reduce_sum_", "all_reduce_sum_async_"]
+__all__ = ["all_reduce_max_", "all_reduce_mean_flat_", "all_reduce_sum_", "all_reduce_sum_async_"]
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -23,6 +23,13 @@ def all_reduce_sum_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     """In-place sum of ``tensor`` over ``group`` (a no-op for one rank)."""
     if _size(group) > 1:
         dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def all_reduce_max_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place element-wise maximum of ``tensor`` over ``group`` (a no-op for one rank)."""
+    if _size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
 

@@ -329,8 +329,9 @@ def choose_partition(
     [Note: partition trials] With ``measure`` and ``pipeline.partition_trials = k > 1``, rank 0
     also proposes up to ``k - 1`` neighbours of the optimum (`nearby_partitions`: one boundary
     moved by one or two blocks, the fastest predicted first), every rank times all ``k``
-    inside the real pipeline (``measure``, which sums each candidate's step time over the world,
-    so every rank sees the same numbers) and the fastest wins, the optimum on a tie. A profile
+    inside the real pipeline (``measure``: each step starts after a barrier and counts until
+    its slowest rank is done, so every rank sees the same numbers) and the fastest wins, the
+    optimum on a tie. A profile
     of blocks alone misses what stages cost when they run side by side (shared caches, memory
     bandwidth and cores: on the partition benchmark the first stage's backward ran 1-2 ms per
     micro-batch slower inside the pipeline); the trials see it.
@@ -374,7 +375,7 @@ def choose_partition(
     if verbose:
         rows = [f"  {c}: {t * 1e3:.1f} ms" for c, t in zip(candidates, times, strict=True)]
         print(
-            f"partition trials (step time summed over ranks): chose {candidates[best]}\n"
+            f"partition trials (median step, slowest rank): chose {candidates[best]}\n"
             + "\n".join(rows),
             flush=True,
         )

@@ -36,7 +36,6 @@ that spans the whole world may share the default group.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +44,13 @@ from functools import partial
 import torch
 from torch import nn
 
-from polytrain.comm.flat import all_reduce_mean_flat_, all_reduce_sum_, all_reduce_sum_async_
+from polytrain.comm.collectives import barrier
+from polytrain.comm.flat import (
+    all_reduce_max_,
+    all_reduce_mean_flat_,
+    all_reduce_sum_,
+    all_reduce_sum_async_,
+)
 from polytrain.comm.mesh import Mesh
 from polytrain.comm.p2p import P2P, PendingSends, new_group_of, recv_into, send_all
 from polytrain.config.job import JobConfig
@@ -205,14 +210,15 @@ class PipelineStrategy:
         sample: tuple[torch.Tensor, torch.Tensor],
         candidates: list[list[int]],
     ) -> list[float]:
-        """Seconds per synchronous step of each candidate partition, summed over the world.
+        """Seconds per synchronous step of each candidate partition (the same on every rank).
 
         [Note: partition trials] in `pipeline.profile`. This rank runs its stage of every
         candidate on ``sample`` (every micro-batch the same) with the job's schedule (1F1B's
         order for PipeDream), forward and backward only: gradients are dropped, no update, and
-        the RNG and buffers are restored (`leaves_no_trace`), so training is unchanged. The
-        candidates are interleaved over rounds, so drift in the machine's load hits all alike;
-        each gets the median of its rounds after the first.
+        the RNG and buffers are restored (`leaves_no_trace`), so training is unchanged. Every
+        step starts after a barrier and lasts until its slowest rank is done (the maximum over
+        the world). The candidates are interleaved over rounds, so drift in the machine's load
+        hits all alike; each gets the median of its rounds after the first.
         """
         m = self.microbatches
         name = "1f1b" if self.schedule_name == "pipedream" else self.schedule_name
@@ -238,18 +244,20 @@ class PipelineStrategy:
                     autocast_dtype=self._dtype,
                 )
             )
-        times: list[list[float]] = [[] for _ in candidates]
+        rounds = 1 + PARTITION_TRIAL_ROUNDS  # the first round warms up
+        times = torch.zeros(rounds, len(candidates), dtype=torch.float64)
         with leaves_no_trace(model, self.device):
-            for _ in range(1 + PARTITION_TRIAL_ROUNDS):  # the first round warms up
+            for r in range(rounds):
                 for n, runtime in enumerate(runtimes):
+                    barrier()  # every rank starts the step together: no skew from the last one
                     t0 = time.perf_counter()
                     runtime.run(program, feed)
                     runtime.finish()
-                    times[n].append(time.perf_counter() - t0)
+                    times[r, n] = time.perf_counter() - t0
                     for param in runtime.stage.parameters():
                         param.grad = None
-        medians = torch.tensor([statistics.median(t[1:]) for t in times], dtype=torch.float64)
-        return [float(v) for v in all_reduce_sum_(medians, None)]
+        step = all_reduce_max_(times, None)  # a step lasts until its slowest rank is done
+        return [float(v) for v in step[1:].median(dim=0).values]
 
     # -- Strategy properties -------------------------------------------------------------------
 
