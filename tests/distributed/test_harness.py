@@ -31,6 +31,13 @@ def _crash_on_one(rank: int, world_size: int) -> None:
     time.sleep(30)
 
 
+def _fail_on_zero_while_one_crashes(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(0.3)  # the crash lands just after rank 0's report, as in a real race
+        os._exit(3)
+    raise RuntimeError("Connection closed by peer")
+
+
 def _hang_on_one(rank: int, world_size: int) -> None:
     if rank == 1:
         time.sleep(60)
@@ -53,6 +60,14 @@ def test_crashed_rank_fails_fast() -> None:
     with pytest.raises(RankFailure, match="rank 1 exited with code 3"):
         run_distributed(_crash_on_one, 2, timeout_s=60)
     assert time.monotonic() - start < 30
+
+
+def test_the_crashed_rank_is_named_before_the_peer_it_took_down() -> None:
+    """Rank 0's report arrives first, but a rank that crashes outright is named first."""
+    with pytest.raises(
+        RankFailure, match=r"rank 1 exited with code 3 .*; then rank 0 failed: RuntimeError"
+    ):
+        run_distributed(_fail_on_zero_while_one_crashes, 2, timeout_s=60)
 
 
 def test_hang_becomes_timeout_naming_the_rank() -> None:

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +94,23 @@ def _entry(
             dist.destroy_process_group()
 
 
+def _crashed(procs: list[Any], ranks: list[int], wait_s: float) -> int | None:
+    """The first of ``ranks`` whose process exited with a non-zero code, polling ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [r for r in ranks if procs[r].exitcode not in (None, 0)]
+        if dead or time.monotonic() >= deadline:
+            return dead[0] if dead else None
+        time.sleep(0.05)
+
+
+def _crash_message(procs: list[Any], rank: int) -> str:
+    return (
+        f"rank {rank} exited with code {procs[rank].exitcode} before reporting "
+        "(see its stderr above)"
+    )
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -126,18 +144,23 @@ def run_distributed(
                     missing = sorted(set(range(world_size)) - set(out))
                     # A rank that died without reporting (a crash at start-up, a signal)
                     # fails the run now rather than at the deadline.
-                    dead = [r for r in missing if procs[r].exitcode not in (None, 0)]
-                    if dead:
-                        raise RankFailure(
-                            f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                            "before reporting (see its stderr above)"
-                        ) from None
+                    dead = _crashed(procs, missing, wait_s=0.0)
+                    if dead is not None:
+                        raise RankFailure(_crash_message(procs, dead)) from None
                     if remaining <= 0:
                         raise TimeoutError(
                             f"ranks {missing} did not finish within {timeout_s:.0f} s"
                         ) from None
                     continue
                 if not ok:
+                    # A rank that crashed outright is the cause; the others' errors (a peer
+                    # closed the connection) follow from it, and may arrive first.
+                    others = sorted(set(range(world_size)) - set(out) - {rank})
+                    dead = _crashed(procs, others, wait_s=1.0)
+                    if dead is not None:
+                        raise RankFailure(
+                            f"{_crash_message(procs, dead)}; then rank {rank} failed: {value}"
+                        )
                     raise RankFailure(f"rank {rank} failed: {value}")
                 out[rank] = _unpack(value)
         finally:
