@@ -12,23 +12,21 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from polytrain.comm.collectives import world_size
+
 __all__ = ["all_reduce_max_", "all_reduce_mean_flat_", "all_reduce_sum_", "all_reduce_sum_async_"]
-
-
-def _size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """In-place sum of ``tensor`` over ``group`` (a no-op for one rank)."""
-    if _size(group) > 1:
+    if world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
     return tensor
 
 
 def all_reduce_max_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """In-place element-wise maximum of ``tensor`` over ``group`` (a no-op for one rank)."""
-    if _size(group) > 1:
+    if world_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
 
@@ -37,7 +35,7 @@ def all_reduce_sum_async_(
     tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> Callable[[], torch.Tensor]:
     """Start an in-place sum of ``tensor`` over ``group``; the returned function waits for it."""
-    if _size(group) == 1:
+    if world_size(group) == 1:
         return lambda: tensor
     work = dist.all_reduce(tensor, group=group, async_op=True)
 
@@ -56,7 +54,7 @@ def all_reduce_mean_flat_(
 
     Tensors are grouped by dtype and device; each group is flattened into one buffer.
     """
-    size = _size(group)
+    size = world_size(group)
     if size == 1 or not tensors:
         return
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}

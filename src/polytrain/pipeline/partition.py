@@ -106,6 +106,12 @@ class PartitionResult:
         return max(self.stage_time_s)
 
     @property
+    def fits(self) -> bool:
+        """Every stage's predicted peak memory is within the limit (or there is none)."""
+        limit = self.memory_limit_bytes
+        return limit is None or max(self.stage_memory_bytes) <= limit
+
+    @property
     def predicted_step_s(self) -> float:
         """Fill-drain step estimate ``sum(t) + (m - 1) x max(t)`` for ``m`` micro-batches."""
         return sum(self.stage_time_s) + (self.num_microbatches - 1) * self.bottleneck_s
@@ -474,23 +480,17 @@ def nearby_partitions(
         profiles, len(counts), schedule, num_microbatches, recompute, None, 0.0, update_every
     )
     best = list(counts)
-    seen = {tuple(best)}
     scored: list[tuple[float, list[int]]] = []
-    for boundary in range(len(best) - 1):
+    for boundary in range(len(best) - 1):  # each (boundary, shift) gives a distinct partition
         for shift in range(-radius, radius + 1):
             moved = list(best)
             moved[boundary] += shift
             moved[boundary + 1] -= shift
-            if shift == 0 or min(moved) < 1 or tuple(moved) in seen:
+            if shift == 0 or min(moved) < 1:
                 continue
-            seen.add(tuple(moved))
             result = costs.result(moved, memory_limit_bytes)
-            if (
-                memory_limit_bytes is not None
-                and max(result.stage_memory_bytes) > memory_limit_bytes
-            ):
-                continue
-            scored.append((result.predicted_step_s, moved))
+            if result.fits:
+                scored.append((result.predicted_step_s, moved))
     scored.sort(key=lambda item: item[0])
     return [best] + [moved for _, moved in scored[: max(limit - 1, 0)]]
 
@@ -521,7 +521,7 @@ def brute_force_partition(
             link_latency_s=link_latency_s,
             update_every=update_every,
         )
-        if memory_limit_bytes is not None and max(result.stage_memory_bytes) > memory_limit_bytes:
+        if not result.fits:
             continue
         if best is None or result.bottleneck_s < best.bottleneck_s:
             best = result

@@ -44,7 +44,6 @@ __all__ = [
     "choose_partition",
     "leaves_no_trace",
     "profile_blocks",
-    "profile_partition",
 ]
 
 _MIB = 1024.0 * 1024.0
@@ -262,16 +261,6 @@ def profile_blocks(
             )
         )
     return profiles
-
-
-def profile_partition(
-    job: JobConfig,
-    model: BlockModel,
-    sample: tuple[torch.Tensor, torch.Tensor],
-    num_stages: int,
-) -> PartitionResult:
-    """Profile ``model`` on ``sample`` and search with the job's schedule and memory limit."""
-    return _search(job, _profile(job, model, sample), num_stages)
 
 
 def _profile(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -239,9 +239,6 @@ class _InFlight:
 class _Stats:
     live_activation_bytes: int = 0
     peak_activation_bytes: int = 0
-    forwards: int = 0
-    backwards: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class StageRuntime:
@@ -348,7 +345,6 @@ class StageRuntime:
                 state.loss = self.loss_fn(out, feed.targets(i).to(self.device)) * feed.scale
             else:
                 state.output = out
-        self.stats.forwards += 1
         self.stats.live_activation_bytes += state.activation_bytes
         self.stats.peak_activation_bytes = max(
             self.stats.peak_activation_bytes, self.stats.live_activation_bytes
@@ -387,7 +383,6 @@ class StageRuntime:
         if self.stash is not None:
             self.stash.release(i, version)
         state.output = state.loss = state.output_grad = None
-        self.stats.backwards += 1
         self.stats.live_activation_bytes -= state.activation_bytes
         if self.is_first:  # no gradient to send: the micro-batch is done here
             self._flight.pop(i)

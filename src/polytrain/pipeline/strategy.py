@@ -129,7 +129,7 @@ class PipelineStrategy:
         self.dp, self.dp_rank = mesh.dims.dp, mesh.coord("dp")
         self.microbatches = job.pipeline.microbatches
         self.accum = job.train.grad_accum
-        per_step = self.microbatches * self.accum
+        self.per_step = self.microbatches * self.accum  # micro-batches per optimizer step
         pp_ranks = mesh.dims.group_ranks("pp", mesh.rank)
         s = self.stage_index
         self.prev_rank = pp_ranks[s - 1] if s > 0 else None
@@ -141,7 +141,7 @@ class PipelineStrategy:
         self._grad_group = new_group_of(pp_groups, mesh.rank)
         self.tp = mesh.dims.tp
         self._dtype = torch.bfloat16 if job.train.dtype == "bf16" else None
-        x, y = batches.train(0, self.dp_rank, self.dp, 0, per_step)
+        x, y = batches.train(0, self.dp_rank, self.dp, 0, self.per_step)
         sample = (x.to(device), y.to(device))
         # The model is already on `device` (trainer/build.py), so `auto` profiles it there.
         counts = choose_partition(
@@ -170,7 +170,7 @@ class PipelineStrategy:
         params = dict(self.stage.named_parameters())
         # PipeDream updates after every micro-batch, or once per step (PipeDream-2BW).
         per_micro = job.pipeline.pipedream_update == "microbatch"
-        self.update_every = 1 if per_micro else self.microbatches * self.accum
+        self.update_every = 1 if per_micro else self.per_step
         bound = stash_bound(s, self.num_stages, self.update_every)
         self.stash = WeightStash(params, bound) if pipedream else None
         self.runtime = StageRuntime(
@@ -189,16 +189,22 @@ class PipelineStrategy:
         )
         self._program: list[Action] = []
         if not pipedream:
-            schedule = build(self.schedule_name, self.num_stages, self.microbatches)
-            lowered = lower(schedule)
-            validate(lowered, self.num_stages, self.microbatches)
-            self._program = [a for a in lowered[s] if a is not None]
+            self._program = self._stage_program(self.schedule_name, self.microbatches, check=True)
         self._stream: _Stream | None = None
         self._bad_grad = torch.zeros((), device=device)  # PipeDream: a non-finite update seen
         self._data_step = -1
         self._data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         suffix = (f"-dp{self.dp}" if self.dp > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
         self.name = f"{self.schedule_name}-pp{self.num_stages}-m{self.microbatches}{suffix}"
+
+    def _stage_program(
+        self, schedule: str, num_microbatches: int, *, check: bool = False
+    ) -> list[Action]:
+        """This stage's lowered actions of ``schedule``; ``check`` validates the whole schedule."""
+        lowered = lower(build(schedule, self.num_stages, num_microbatches))
+        if check:
+            validate(lowered, self.num_stages, num_microbatches)
+        return [a for a in lowered[self.stage_index] if a is not None]
 
     def _p2p(self) -> P2P:
         """Channels for training traffic: activations and gradients on their own groups."""
@@ -222,8 +228,7 @@ class PipelineStrategy:
         """
         m = self.microbatches
         name = "1f1b" if self.schedule_name == "pipedream" else self.schedule_name
-        lowered = lower(build(name, self.num_stages, m))[self.stage_index]
-        program = [a for a in lowered if a is not None]
+        program = self._stage_program(name, m)
         x, y = sample
         feed = Feed(inputs=lambda i: x, targets=lambda i: y, scale=1.0 / m)
         runtimes = []
@@ -284,8 +289,9 @@ class PipelineStrategy:
         if step != self._data_step:
             self._data_step, self._data = step, {}
         if index not in self._data:
-            per_step = self.microbatches * self.accum
-            self._data[index] = self.batches.train(step, self.dp_rank, self.dp, index, per_step)
+            self._data[index] = self.batches.train(
+                step, self.dp_rank, self.dp, index, self.per_step
+            )
         return self._data[index]
 
     def train_step(self, step: int) -> StepOutput:
@@ -353,11 +359,9 @@ class PipelineStrategy:
     # -- PipeDream -----------------------------------------------------------------------------
 
     def _start_stream(self, step: int) -> _Stream:
-        per_step = self.microbatches * self.accum
+        per_step = self.per_step
         num_steps = max(self.job.train.steps - step, 1)
-        total = num_steps * per_step
-        lowered = lower(build("pipedream", self.num_stages, total))[self.stage_index]
-        program = [a for a in lowered if a is not None]
+        program = self._stage_program("pipedream", num_steps * per_step)
         assert self.stash is not None
         self.stash.crossing = crossing_updates(program, self.update_every)
         position = {a: n for n, a in enumerate(program)}
@@ -375,7 +379,7 @@ class PipelineStrategy:
             self._stream = self._start_stream(step)
         stream = self._stream
         actions, last = stream.slice(step)
-        per_step = self.microbatches * self.accum
+        per_step = self.per_step
         first = stream.first_step
         scale = 1.0 / self.update_every  # the update's gradient is its micro-batches' mean
         feed = self._feed(partial(_stream_index, first, per_step), scale, step)
