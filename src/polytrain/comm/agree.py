@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polytrain.comm.collectives import collective_device, world_size
+
 __all__ = ["all_gather_ints", "broadcast_int", "differing_ranks", "fingerprint"]
 
 
@@ -21,24 +23,13 @@ def fingerprint(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
 
 
-def _world(group: Any = None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def _device() -> torch.device:
-    """Where the collective's tensors must live: NCCL moves only CUDA tensors."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def all_gather_ints(values: list[int], group: Any = None) -> list[list[int]]:
     """Every rank's list of ints, in rank order (lists may differ in length).
 
     ``group``: a process group over the whole world to use instead of the default one."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return [list(values)]
-    world, dev = _world(group), _device()
+    world, dev = world_size(group), collective_device(group)
     length = torch.tensor([len(values)], dtype=torch.int64, device=dev)
     lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
@@ -58,8 +49,8 @@ def differing_ranks(value: int) -> list[int]:
 
 def broadcast_int(value: int, src: int = 0, group: Any = None) -> int:
     """Rank ``src``'s ``value`` on every rank (``group``: as in `all_gather_ints`)."""
-    if _world(group) == 1:
+    if world_size(group) == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     dist.broadcast(t, src=src, group=group)
     return int(t.item())

@@ -12,17 +12,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from polytrain.comm.collectives import collective_device
+
 __all__ = ["broadcast_ints", "broadcast_text", "is_main_rank"]
 
 
 def _active(group: dist.ProcessGroup | None) -> bool:
     return dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def is_main_rank() -> bool:
@@ -41,7 +37,7 @@ def broadcast_ints(
     if not _active(group):
         assert values is not None and len(values) == length
         return list(values)
-    tensor = torch.zeros(length, dtype=torch.int64, device=_device(group))
+    tensor = torch.zeros(length, dtype=torch.int64, device=collective_device(group))
     if dist.get_rank() == src:
         assert values is not None and len(values) == length
         tensor.copy_(torch.tensor(list(values), dtype=torch.int64))
@@ -57,7 +53,7 @@ def broadcast_text(text: str, *, src: int = 0, group: dist.ProcessGroup | None =
     (size,) = broadcast_ints([len(data)], 1, src=src, group=group)
     if size == 0:
         return ""
-    tensor = torch.zeros(size, dtype=torch.uint8, device=_device(group))
+    tensor = torch.zeros(size, dtype=torch.uint8, device=collective_device(group))
     if dist.get_rank() == src:
         tensor.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dist.broadcast(tensor, src=src, group=group)
