@@ -63,10 +63,10 @@ def _rank(rank: int, world: int, steps: int, reps: int, size: str) -> dict[str, 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from polytrain.comm.init import init_distributed
+    from polytrain.core.optim import build_optimizer
     from polytrain.data import Batches, build_datasets
     from polytrain.models.registry import block_size_of, build_model
     from polytrain.trainer.build import build_strategy
-    from polytrain.trainer.optim import build_optimizer
 
     job = _job(world, size)
     ctx = init_distributed()

@@ -95,7 +95,7 @@ def _rank(
     bandwidth = _bandwidth(rank, world, args.bw_mb, args.chunk_kb) if mode == "async" else None
     if mode == "allreduce" and rank == world - 1 and args.delay > 0:
         # The same straggler for the all-reduce peer: the last rank sleeps every step.
-        from polytrain.trainer import strategy
+        from polytrain.parallel import spmd as strategy
 
         step = strategy.SPMDStrategy.train_step
 

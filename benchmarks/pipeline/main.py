@@ -60,13 +60,13 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
     from polytrain.comm.init import init_distributed
     from polytrain.comm.mesh import build_mesh
+    from polytrain.core.optim import build_optimizer
+    from polytrain.core.strategy import StepOutput, step_result
     from polytrain.data import Batches, build_datasets
     from polytrain.models.registry import block_size_of, build_model
     from polytrain.pipeline.strategy import PipelineStrategy
     from polytrain.topology import ParallelDims
     from polytrain.trainer.loop import train
-    from polytrain.trainer.optim import build_optimizer
-    from polytrain.trainer.strategy import StepOutput, step_result
 
     m, steps, reps = args["microbatches"], args["steps"], args["reps"]
     ctx = init_distributed()

@@ -271,6 +271,7 @@ def main() -> None:
 
     import torch
 
+    from polytrain.core.optim import build_optimizer
     from polytrain.data.datasets import build_datasets
     from polytrain.models.registry import build_model
     from polytrain.pipeline.partition import (
@@ -279,7 +280,6 @@ def main() -> None:
         search_partition,
     )
     from polytrain.pipeline.profile import profile_blocks
-    from polytrain.trainer.optim import build_optimizer
 
     torch.set_num_threads(1)  # as each pipeline rank runs
     job = _job("auto", 2, args.steps)

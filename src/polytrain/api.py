@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from polytrain.config.io import job_from_dict, load_job, merge
+from polytrain.config.io import job_from_dict, load_job, merge, save_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
+from polytrain.launch.local import launch
 from polytrain.trainer.preflight import preflight
 
 __all__ = ["load", "prepare", "run"]
@@ -62,9 +63,6 @@ def run(job: JobConfig) -> Path:
     Raises a `PolytrainError` for a mistake in the job, `polytrain.launch.WorkerFailure` when a
     worker fails.
     """
-    from polytrain.config.io import save_job
-    from polytrain.launch.local import launch
-
     prepare(job)
     run_dir = Path(job.observe.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -132,11 +132,11 @@ def test_parity_is_not_vacuous() -> None:
 def _pipedream_rank(rank: int, world_size: int, jobs: list[JobConfig]) -> list[dict[str, Any]]:
     """Train each job through the strategy directly, to read the stage's stash record."""
     from polytrain.comm.init import init_distributed
+    from polytrain.core.optim import lr_at
+    from polytrain.core.strategy import step_result
     from polytrain.data.sampler import Batches
     from polytrain.pipeline.strategy import PipelineStrategy
     from polytrain.trainer.build import build_strategy
-    from polytrain.trainer.optim import lr_at
-    from polytrain.trainer.strategy import step_result
 
     ctx = init_distributed()
     outs = []
@@ -179,11 +179,11 @@ def emulate_pipedream(
     list of every version of every stage. ``stale=False`` uses the newest version instead
     (what a pipeline without stashing and staleness, a synchronous one, would compute).
     """
+    from polytrain.core.optim import build_optimizer, lr_at
     from polytrain.data.sampler import Batches
     from polytrain.pipeline.partition import uniform_counts
     from polytrain.pipeline.runtime import stashed_version
     from polytrain.pipeline.stage import block_ranges, build_stage
-    from polytrain.trainer.optim import build_optimizer, lr_at
 
     train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
     batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)

@@ -124,7 +124,7 @@ def test_module_of_names_a_shard_by_its_model_keys() -> None:
     import torch
     from torch import nn
 
-    from polytrain.trainer.checkpoint import module_of
+    from polytrain.core.modules import module_of
 
     flat = torch.zeros(6)
     params = {

@@ -1,13 +1,16 @@
-"""The layering rules of docs/architecture.md, enforced by scanning imports."""
+"""The layering rules of docs/architecture.md, enforced by scanning imports; and its layout
+block checked against the files that exist."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "src" / "polytrain"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "src" / "polytrain"
 
 # Modules that must run without torch (planner, schedules, consistency rules, topology).
 PURE = [
@@ -34,15 +37,20 @@ TORCH_STRATEGY_PACKAGES = {
     "_composable",
     "nn",
 }
+# Strategy packages, present and planned (ARCHITECTURE.md's target layering): they import
+# `core` and lower layers, never `trainer` (which picks them from its family table) or `cli`.
+STRATEGY_PACKAGES = {"parallel", "pipeline", "ps", "gossip", "hybrid", "spatial"}
+ABOVE_STRATEGIES = {"trainer", "cli", "scheduler"}
 # package -> packages it must not import (lower layers never import higher ones).
 FORBIDDEN = {
-    "comm": {"trainer", "cli", "parallel", "pipeline", "ps", "gossip", "scheduler", "planner"},
-    "config": {"trainer", "cli", "comm", "parallel", "pipeline", "ps"},
-    "data": {"trainer", "cli", "parallel", "pipeline", "ps"},
-    "models": {"trainer", "cli", "parallel", "pipeline", "ps"},
-    "parallel": {"trainer", "cli"},
-    "pipeline": {"cli"},
-    "ps": {"cli"},
+    "comm": {"core", "config", *ABOVE_STRATEGIES, *STRATEGY_PACKAGES, "planner"},
+    "config": {"core", "comm", *ABOVE_STRATEGIES, *STRATEGY_PACKAGES},
+    "data": {"core", *ABOVE_STRATEGIES, *STRATEGY_PACKAGES},
+    "models": {"core", *ABOVE_STRATEGIES, *STRATEGY_PACKAGES},
+    "observe": {"core", *ABOVE_STRATEGIES, *STRATEGY_PACKAGES},
+    "core": {*ABOVE_STRATEGIES, *STRATEGY_PACKAGES, "planner"},
+    "planner": ABOVE_STRATEGIES,
+    **{package: ABOVE_STRATEGIES for package in STRATEGY_PACKAGES},
     "trainer": {"cli"},
 }
 
@@ -52,16 +60,43 @@ def _sources(rel: str) -> list[Path]:
     return sorted(path.rglob("*.py")) if path.is_dir() else ([path] if path.exists() else [])
 
 
+def _module_name(path: Path) -> list[str]:
+    parts = ["polytrain", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
 def _imports(path: Path) -> list[tuple[str, list[str]]]:
-    """(module, imported names) for every import statement in ``path``."""
+    """(module, imported names) for every import statement in ``path`` (relative ones resolved)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     out: list[tuple[str, list[str]]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out += [(alias.name, []) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.ImportFrom):
+            names = [alias.name for alias in node.names]
+            if node.level == 0:
+                out.append((node.module or "", names))
+                continue
+            package = _module_name(path)
+            if path.name != "__init__.py":
+                package = package[:-1]
+            base = package[: len(package) - (node.level - 1)]
+            out.append((".".join([*base, *([node.module] if node.module else [])]), names))
     return out
+
+
+def _function_level_imports(path: Path) -> list[str]:
+    """polytrain modules imported inside a function or under ``if TYPE_CHECKING`` in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+    hiding = (ast.FunctionDef, ast.AsyncFunctionDef, ast.If)
+    for scope in ast.walk(tree):
+        if not isinstance(scope, hiding):
+            continue
+        for node in ast.walk(scope):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("polytrain"):
+                found.append(f"{_rel(path)}:{node.lineno} {node.module}")
+    return sorted(set(found))
 
 
 def _rel(path: Path) -> str:
@@ -102,3 +137,81 @@ def test_lower_layers_do_not_import_higher_ones() -> None:
                 if parts[0] == "polytrain" and len(parts) > 1 and parts[1] in forbidden:
                     offenders.append(f"{_rel(path)} imports {module}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_strategy_packages_never_import_the_trainer() -> None:
+    """The rule that matters most for the next families: a strategy imports down only."""
+    assert FORBIDDEN["pipeline"] >= {"trainer", "cli"}
+    assert FORBIDDEN["ps"] >= {"trainer", "cli"}
+    assert FORBIDDEN["parallel"] >= {"trainer", "cli"}
+    assert FORBIDDEN["core"] >= STRATEGY_PACKAGES | {"trainer"}
+
+
+def test_no_imports_hidden_in_functions() -> None:
+    """Cycles are fixed by layering, not dodged with imports inside functions; only the CLI
+    defers importing a sub-command's module until that command runs (start-up time)."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if _rel(path).split("/")[0] != "cli":
+            offenders += _function_level_imports(path)
+    assert not offenders, "imports inside functions:\n" + "\n".join(offenders)
+
+
+# -- docs/architecture.md's layout block ------------------------------------------------------
+
+_PLANNED = "(planned)"
+_NAME = re.compile(r"^[A-Za-z_][\w.]*/?$")
+
+
+def _layout_entries() -> list[tuple[str, bool]]:
+    """(path under src/polytrain, marked planned) for every entry of the layout block.
+
+    An entry line is indented 2 (a top-level module or package) or 4 (inside the package above)
+    and starts with one or more names ending in ``/`` or ``.py``; deeper lines continue the
+    description. ``(planned)`` right after the names marks something that does not exist yet.
+    """
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    entries: list[tuple[str, bool]] = []
+    parent = ""
+    for line in block.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        if indent not in (2, 4) or not line.strip():
+            continue
+        words = line.split()
+        names = []
+        for word in words:
+            if not (_NAME.match(word) and (word.endswith("/") or word.endswith(".py"))):
+                break
+            names.append(word)
+        rest = " ".join(words[len(names) :])
+        planned = rest.startswith(_PLANNED)
+        for name in names:
+            path = name if indent == 2 else parent + name
+            entries.append((path.rstrip("/"), planned))
+        if indent == 2 and names:
+            parent = names[-1]
+    return entries
+
+
+def test_layout_block_parses() -> None:
+    entries = dict(_layout_entries())
+    assert {"topology.py", "core", "trainer", "pipeline/schedule"} <= set(entries)
+
+
+def test_layout_lists_what_exists() -> None:
+    """Every entry not marked planned exists, and every top-level module and package is listed."""
+    entries = _layout_entries()
+    missing = [p for p, planned in entries if not planned and not (PACKAGE / p).exists()]
+    assert not missing, (
+        f"docs/architecture.md lists {missing}, which do not exist: mark them (planned)"
+    )
+    listed = {p for p, _ in entries}
+    present = {
+        p.name
+        for p in PACKAGE.iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.suffix == ".py" and not p.name.startswith("_"))
+    }
+    unlisted = sorted(present - listed)
+    assert not unlisted, f"src/polytrain/{unlisted} are missing from docs/architecture.md's layout"

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from polytrain.config import DataConfig, ModelConfig, OptimConfig
+from polytrain.core.optim import lr_at
 from polytrain.data import build_datasets
 from polytrain.errors import ConfigError
 from polytrain.models import build_model
-from polytrain.trainer.optim import lr_at
 
 
 @pytest.fixture(scope="module")

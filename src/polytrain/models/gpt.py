@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polytrain.errors import ConfigError
 from polytrain.models.base import BlockModel, cross_entropy_loss
 
 __all__ = ["SIZES", "GPTConfig", "build_gpt", "generate"]
@@ -115,8 +116,6 @@ def _init_weights(module: nn.Module, n_layer: int) -> None:
 
 def build_gpt(cfg: GPTConfig) -> BlockModel:
     if cfg.n_embd % cfg.n_head:
-        from polytrain.errors import ConfigError
-
         raise ConfigError(
             f"model.n_embd = {cfg.n_embd} is not divisible by model.n_head = {cfg.n_head}: "
             "choose a width that is a multiple of the head count"

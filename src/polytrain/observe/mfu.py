@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from polytrain.models.gpt import Block
+
 __all__ = ["flops_per_sample", "peak_flops"]
 
 # Dense bf16 peak FLOP/s from the vendors' data sheets.
@@ -25,8 +27,6 @@ _PEAKS = {
 def flops_per_sample(model: nn.Module, tokens: int) -> float:
     n_params = sum(p.numel() for p in model.parameters())
     flops = 6.0 * n_params * tokens
-    from polytrain.models.gpt import Block
-
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if blocks:
         width = blocks[0].ln1.normalized_shape[0]

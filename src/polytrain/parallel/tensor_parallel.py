@@ -14,7 +14,7 @@ row-parallel output is all-reduced), and the gradient that reaches them is too (
 redistribution all-reduces it), so every tp rank computes the same gradient for them and the
 same update: no extra communication is needed to keep them equal. Gradient clipping must count
 a sharded gradient's norm across tp ranks and a replicated one once; see
-`parallel.grad_norm.clip_grad_norm_`.
+`parallel.grad_norm.grad_norm`.
 """
 
 from __future__ import annotations

@@ -28,6 +28,12 @@ def check_pipeline_job(job: JobConfig) -> None:
             f"parallel.sync = {p.sync!r} with parallel.pp = {p.pp}: pipeline replicas combine "
             "gradients by all-reduce only; use sync = 'allreduce'"
         )
+    if p.grad_compression != "none":
+        raise ConfigError(
+            f"parallel.grad_compression = {p.grad_compression!r} with parallel.pp = {p.pp}: "
+            "pipeline stages average their gradients over dp in full precision; use "
+            "grad_compression = 'none', or pp = 1 for compressed data-parallel all-reduce"
+        )
     if job.pipeline.schedule == "pipedream" and job.train.on_nonfinite == "skip":
         raise ConfigError(
             "train.on_nonfinite = 'skip' with pipeline.schedule = 'pipedream': PipeDream "

@@ -17,12 +17,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from polytrain.comm.broadcast import broadcast_ints, broadcast_text, is_main_rank
+from polytrain.config.job import JobConfig
+from polytrain.core.optim import build_optimizer
+from polytrain.data.datasets import Dataset
 from polytrain.errors import PartitionError
 from polytrain.models.base import BlockModel
 from polytrain.pipeline.partition import (
@@ -34,10 +37,6 @@ from polytrain.pipeline.partition import (
     search_partition,
     uniform_counts,
 )
-
-if TYPE_CHECKING:
-    from polytrain.config.job import JobConfig
-    from polytrain.data.datasets import Dataset
 
 __all__ = [
     "check_partition",
@@ -266,8 +265,6 @@ def profile_blocks(
 def _profile(
     job: JobConfig, model: BlockModel, sample: tuple[torch.Tensor, torch.Tensor]
 ) -> list[BlockProfile]:
-    from polytrain.trainer.optim import build_optimizer  # trainer imports us (via preflight)
-
     return profile_blocks(
         model,
         sample,

@@ -17,12 +17,13 @@ global norm would need a collective across stages that run asynchronously).
 
 [Note: pipeline NaN check] A NaN can enter one stage's gradients while the loss (computed on
 the last stage) stays finite. After the dp all-reduce each rank computes
-`trainer.health.nonfinite_flag` of its stage's gradients and stacks it with its loss share in
-the one world all-reduce that already sums the loss, so every stage of every replica takes the
-same branch: ``train.on_nonfinite = "stop"`` raises naming the (1-based) step, ``"skip"`` drops
-the update everywhere. PipeDream updates inside the stream, so it flags each update's gradients
-and stops when the step's result is read, after the next step has run ([Note: deferred step
-results] in `trainer.strategy`; the bad update is already applied, ``skip`` is refused).
+`core.nonfinite_flag` of its stage's gradients and stacks it with its loss share in the one
+world all-reduce that already sums the loss (`core.finish_step`, [Note: one step contract]), so
+every stage of every replica takes the same branch: ``train.on_nonfinite = "stop"`` raises
+naming the (1-based) step, ``"skip"`` drops the update everywhere. PipeDream updates inside the
+stream (`core.apply_update`), so it flags each update's gradients and stops when the step's
+result is read (`core.nonfinite_outcome`), after the next step has run ([Note: deferred step
+results] in `core.strategy`; the bad update is already applied, ``skip`` is refused).
 
 [Note: process groups] Training activations and gradients travel on two private process groups
 per pipeline (one per direction, [Note: one connection per direction] in `comm.p2p`),
@@ -37,12 +38,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch import nn
 
 from polytrain.comm.collectives import barrier
 from polytrain.comm.flat import (
@@ -54,6 +54,16 @@ from polytrain.comm.flat import (
 from polytrain.comm.mesh import Mesh
 from polytrain.comm.p2p import P2P, PendingSends, new_group_of, recv_into, send_all
 from polytrain.config.job import JobConfig
+from polytrain.core.optim import build_optimizer
+from polytrain.core.step import (
+    StepRules,
+    apply_update,
+    finish_step,
+    nonfinite_flag,
+    nonfinite_outcome,
+    sum_over,
+)
+from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
@@ -75,13 +85,11 @@ from polytrain.pipeline.runtime import (
 )
 from polytrain.pipeline.schedule import Action, ActionKind, build, lower, validate
 from polytrain.pipeline.stage import StageModule, block_ranges, build_stage
-from polytrain.trainer.health import nonfinite_flag
-from polytrain.trainer.optim import build_optimizer
-from polytrain.trainer.strategy import NonFiniteLossError, StepOutput
 
 __all__ = ["PipelineStrategy"]
 
 EVAL = "eval"
+_SYNC_ONLY = " (synchronous schedules only)"
 PARTITION_TRIAL_ROUNDS = 3  # timed steps per candidate ([Note: partition trials])
 
 
@@ -110,8 +118,8 @@ class _Stream:
         return self.program[start : self.ends[r]], r == len(self.ends) - 1
 
 
-class PipelineStrategy:
-    """One stage of a (possibly data-parallel) pipeline; implements `trainer.strategy.Strategy`."""
+class PipelineStrategy(Strategy):
+    """One stage of a (possibly data-parallel) pipeline."""
 
     def __init__(
         self,
@@ -162,8 +170,10 @@ class PipelineStrategy:
             apply_tensor_parallel_to_stage(
                 self.stage, model, mesh.sub("tp"), job.model.name, job.parallel.tp_plan
             )
-        self._optimizer = build_optimizer(self.stage.parameters(), job.optim)
-        self._tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
+        self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
+        self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
+        self.modules = [self.stage]
+        self.rules = StepRules.of(job)
         self._stage_keys = self._keys_per_stage(model)
 
         pipedream = self.schedule_name == "pipedream"
@@ -181,7 +191,7 @@ class PipelineStrategy:
             prev_rank=self.prev_rank,
             next_rank=self.next_rank,
             loss_fn=model.loss_fn,
-            tracer=self._tracer,
+            tracer=self.tracer,
             device=device,
             autocast_dtype=self._dtype,
             stash=self.stash,
@@ -264,24 +274,6 @@ class PipelineStrategy:
         step = all_reduce_max_(times, None)  # a step lasts until its slowest rank is done
         return [float(v) for v in step[1:].median(dim=0).values]
 
-    # -- Strategy properties -------------------------------------------------------------------
-
-    @property
-    def modules(self) -> list[nn.Module]:
-        return [self.stage]
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._optimizer
-
-    @property
-    def tracer(self) -> Tracer:
-        return self._tracer
-
-    def set_lr(self, lr: float) -> None:
-        for group in self._optimizer.param_groups:
-            group["lr"] = lr
-
     # -- training ------------------------------------------------------------------------------
 
     def _micro(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +290,7 @@ class PipelineStrategy:
         self.stage.train()
         if self.stash is not None:
             return self._pipedream_step(step)
-        self._optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         m, accum = self.microbatches, self.accum
         loss = torch.zeros((), device=self.device)
         for k in range(accum):
@@ -307,19 +299,20 @@ class PipelineStrategy:
             self.runtime.finish()
         grads = self._grads()
         if self.dp > 1:
-            with self._tracer.span("allreduce_grads", cat="comm", step=step):
+            with self.tracer.span("allreduce_grads", cat="comm", step=step):
                 all_reduce_mean_flat_([local_tensor(g) for g in grads], self.mesh.group("dp"))
-        # every tp rank of the last stage holds the loss: divide by tp as well
-        flag = nonfinite_flag(self.stage.parameters(), self.device)
-        stats = all_reduce_sum_(torch.stack([loss.float(), flag]), None)
-        value = float(stats[0]) / self.dp / self.tp
-        if not math.isfinite(value) or float(stats[1]) > 0:
-            return self._nonfinite(step, value)
-        with self._tracer.span("optimizer", cat="optim", step=step):
-            if self.job.optim.grad_clip > 0:
-                self._clip_global(grads)
-            self._optimizer.step()
-        return StepOutput(loss=value)
+        # Every tp rank of the last stage of every replica holds the loss: divide by dp * tp.
+        return finish_step(
+            step,
+            loss,
+            self.stage.parameters(),
+            self.rules,
+            reduce=sum_over(None, self.dp * self.tp),
+            optimizer=self.optimizer,
+            grad_norm=self._global_norm,
+            tracer=self.tracer,
+            hint=_SYNC_ONLY,
+        )
 
     def _feed(self, where: Callable[[int], tuple[int, int]], scale: float, step: int) -> Feed:
         return Feed(
@@ -335,26 +328,10 @@ class PipelineStrategy:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.stage.parameters() if p.grad is not None]
 
-    def _clip_global(self, grads: list[torch.Tensor]) -> None:
-        """``clip_grad_norm_`` over the whole model: squared norms summed over the pipeline."""
+    def _global_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole model's gradient norm: squared norms summed over the pipeline."""
         squares = grad_square_sum(grads, self.mesh)  # tp shards summed, replicas counted once
-        total = all_reduce_sum_(squares, self.mesh.group("pp")).sqrt()
-        coef = torch.clamp(self.job.optim.grad_clip / (total + 1e-6), max=1.0)
-        for g in grads:
-            local_tensor(g).mul_(coef.to(g.dtype))
-
-    def _nonfinite(self, step: int, value: float) -> StepOutput:
-        """A NaN/Inf loss or gradient on some rank ([Note: pipeline NaN check])."""
-        self._optimizer.zero_grad(set_to_none=True)
-        if self.job.train.on_nonfinite == "skip":  # never with pipedream (check_pipeline_job)
-            return StepOutput(loss=value, skipped=True)
-        what = f"loss is {value}"
-        if math.isfinite(value):
-            what = f"a gradient is NaN/Inf (loss {value:.4g})"
-        raise NonFiniteLossError(
-            f"{what} at step {step + 1}: lower optim.lr, enable optim.grad_clip, or set "
-            "train.on_nonfinite = 'skip' (synchronous schedules only)"
-        )
+        return all_reduce_sum_(squares, self.mesh.group("pp")).sqrt()
 
     # -- PipeDream -----------------------------------------------------------------------------
 
@@ -397,14 +374,14 @@ class PipelineStrategy:
             stream.next_step = step + 1
         bad, self._bad_grad = self._bad_grad, torch.zeros((), device=self.device)
         # Not waited for here: a world collective would end the stream's overlap every step
-        # ([Note: deferred step results] in trainer.strategy).
+        # ([Note: deferred step results] in core.strategy).
         wait = all_reduce_sum_async_(torch.stack([loss.float(), bad]), None)
 
         def complete() -> StepOutput:
             stats = wait()
-            value = float(stats[0]) / self.dp / (scale * per_step)
-            if not math.isfinite(value) or float(stats[1]) > 0:
-                return self._nonfinite(step, value)
+            value, bad = float(stats[0]) / self.dp / (scale * per_step), float(stats[1]) > 0
+            if not math.isfinite(value) or bad:  # the update is applied: no skip (checks.py)
+                return nonfinite_outcome(step, value, bad, self.rules, hint=_SYNC_ONLY)
             return StepOutput(loss=value)
 
         return StepOutput(loss=math.nan, complete=complete)
@@ -414,17 +391,17 @@ class PipelineStrategy:
         assert self.stash is not None
         if (microbatch + 1) % self.update_every:
             return
-        with self._tracer.span("optimizer", cat="optim", microbatch=microbatch):
+        with self.tracer.span("optimizer", cat="optim", microbatch=microbatch):
             grads = self._grads()
             if self.dp > 1:
                 all_reduce_mean_flat_(grads, self.mesh.group("dp"))
             # Reported (and the run stopped) at the end of this step.
             flag = nonfinite_flag(self.stage.parameters(), self.device)
             self._bad_grad = torch.maximum(self._bad_grad, flag)
-            if self.job.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.stage.parameters(), self.job.optim.grad_clip)
-            self._optimizer.step()
-            self._optimizer.zero_grad(set_to_none=True)
+            # Clipped per stage: a global norm would need a collective across stages that run
+            # asynchronously ([Note: pipeline and data parallel]).
+            apply_update(list(self.stage.parameters()), self.rules, optimizer=self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
             self.stash.version += 1
 
     # -- evaluation and weights ----------------------------------------------------------------
@@ -440,7 +417,7 @@ class PipelineStrategy:
                 x = self.batches.val(i, self.dp_rank, self.dp)[0]
             else:
                 x = self.eval_p2p.recv(self.prev_rank, EVAL)
-            with self._tracer.span("eval_F", cat="eval", microbatch=i, stage=self.stage_index):
+            with self.tracer.span("eval_F", cat="eval", microbatch=i, stage=self.stage_index):
                 out = self.runtime.forward_only(x)
             if self.next_rank is None:
                 y = self.batches.val(i, self.dp_rank, self.dp)[1].to(self.device)

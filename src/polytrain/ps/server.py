@@ -33,14 +33,13 @@ with a scaled learning rate); Adam normalizes the scale away and takes one full 
 from __future__ import annotations
 
 import json
-import math
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -48,6 +47,9 @@ from torch import nn
 from polytrain.comm import ps_wire
 from polytrain.comm.ps_wire import PeerLost
 from polytrain.config.job import OptimConfig
+from polytrain.core.optim import build_optimizer
+from polytrain.core.step import clip_coefficient
+from polytrain.core.strategy import NonFiniteLossError
 from polytrain.errors import ProtocolError
 from polytrain.ps.consistency import (
     ApplyRule,
@@ -80,6 +82,7 @@ class ServerStats:
     joined: list[tuple[int, int]] = field(default_factory=list)  # (worker, start clock)
     removed: list[tuple[int, int, str]] = field(default_factory=list)  # (worker, clock, why)
     left: list[tuple[int, int]] = field(default_factory=list)  # (worker, clock)
+    skipped: list[int] = field(default_factory=list)  # clocks of dropped non-finite updates
 
 
 class ParameterServer:
@@ -106,14 +109,13 @@ class ParameterServer:
         coordinator: int = 0,
         server_group: Any = None,
         worker_timeout_s: float = 300.0,
+        on_nonfinite: Literal["stop", "skip"] = "stop",
     ) -> None:
-        from polytrain.trainer.optim import build_optimizer
-
         self.index, self.layout, self.mode, self.staleness = index, layout, mode, staleness
         self.lr_at, self.optim_cfg = lr_at, optim
         self.num_worker_slots, self.num_pushers = num_worker_slots, num_pushers
         self.coordinator, self.server_group = coordinator, server_group
-        self.worker_timeout_s = worker_timeout_s
+        self.worker_timeout_s, self.on_nonfinite = worker_timeout_s, on_nonfinite
         self.spans = layout.spans(index)
         numel = layout.numel(index)
         # Parameters are views of one flat buffer, so a pull sends slices of it without a copy.
@@ -258,6 +260,7 @@ class ParameterServer:
             "ps_updates_per_s": s.updates / wall,
             "ps_bytes_per_s": (s.bytes_in + s.bytes_out) / wall,
             "ps_live_workers": float(len(self.table)),
+            "ps_skipped_updates": float(len(s.skipped)),
         }
 
     def write_stats(self, path: Path) -> None:
@@ -281,6 +284,7 @@ class ParameterServer:
             "joined": s.joined,
             "removed": s.removed,
             "left": s.left,
+            "skipped": s.skipped,
             **self.metrics(),
         }
         path.write_text(json.dumps(record))
@@ -383,19 +387,27 @@ class ParameterServer:
             square = self.grad_flat.double().square().sum().reshape(1)
             if self.server_group is not None:
                 ps_wire.all_reduce_sum(square, self.server_group)
-            norm = math.sqrt(float(square))
-            scale = self.optim_cfg.grad_clip / (norm + 1e-6)
-            if scale < 1.0:
-                self.grad_flat.mul_(scale)
+            coef = clip_coefficient(self.optim_cfg.grad_clip, square.sqrt()[0])
+            self.grad_flat.mul_(coef.to(self.grad_flat.dtype))
         self._step(clock)
 
     def _step(self, clock: int) -> None:
         if not bool(torch.isfinite(self.grad_flat).all()):
-            return  # a non-finite update is skipped; the workers report their losses
+            self._nonfinite(clock)
+            return
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(clock)
         self.optimizer.step()
         self.stats.updates += 1
+
+    def _nonfinite(self, clock: int) -> None:
+        """[Note: parameter-server NaN] in `polytrain.ps.strategy`: stop, or drop and count."""
+        if self.on_nonfinite == "stop":
+            raise NonFiniteLossError(
+                f"server {self.index}: the update of step {clock + 1} is NaN/Inf: lower "
+                "optim.lr, enable optim.grad_clip, or set train.on_nonfinite = 'skip'"
+            )
+        self.stats.skipped.append(clock)
 
     def _join(self, w: int) -> None:
         if self.state.get(w) != "pending":

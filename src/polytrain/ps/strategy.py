@@ -27,9 +27,22 @@ applied clock k - 1 (``serve_until_clock``) and every worker has pushed it, so t
 state is exactly the state after k updates. On resume the servers load their shards in place
 and `resume_at` restarts every clock (servers' tables and aggregator, workers' clocks) at k.
 The keys are the model's, so such a checkpoint also resumes under other layouts (plain dp).
-async and ssp are refused: their workers run ahead of the servers (no consistent cut at a
-step) and a save is a world collective, which a dead worker would hang ([Note: no world
-collectives]).
+async and ssp are refused (`ps.checks.checkpoint_refusal`, declared as ``checkpointable``):
+their workers run ahead of the servers (no consistent cut at a step) and a save is a world
+collective, which a dead worker would hang ([Note: no world collectives]).
+
+[Note: parameter-server NaN] A worker ends its step through `core.finish_step` ([Note: one
+step contract]): its loss and NaN/Inf-gradient flag are averaged over the workers in sync mode
+(every worker takes the same branch) and are its own in async/ssp; the update is the push, and
+async/ssp clip each worker's gradient before it (sync clips the global mean on the servers).
+A non-finite step still pushes, but a gradient filled with NaN, so every server sees it in the
+same update whatever shard held the NaN: with ``train.on_nonfinite = "stop"`` the worker and
+every server raise `NonFiniteLossError` naming the step; with ``"skip"`` the servers drop that
+update (counted as ``ps_skipped_updates``) and the worker's step is reported skipped.
+
+[Note: recompute on workers] ``parallel.recompute`` wraps a worker's blocks in checkpoint
+wrappers, which add ``._checkpoint_wrapped_module`` to parameter names; the shard layout is
+built before and names are mapped back (`unwrap_name`) wherever they meet the layout.
 """
 
 from __future__ import annotations
@@ -43,18 +56,20 @@ import torch
 from torch import nn
 
 from polytrain.comm import ps_wire
-from polytrain.comm.collectives import all_reduce_mean
 from polytrain.config.job import JobConfig
+from polytrain.core.modules import module_of
+from polytrain.core.optim import lr_at
+from polytrain.core.step import StepRules, autocast, finish_step, mean_over
+from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
+from polytrain.parallel.recompute import apply_recompute, unwrap_name
+from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
 from polytrain.ps.worker import WorkerClient
-from polytrain.trainer.checkpoint import module_of
-from polytrain.trainer.optim import lr_at
-from polytrain.trainer.strategy import StepOutput, autocast
 
 __all__ = ["PSStrategy", "ranks_per_host", "server_ranks"]
 
@@ -71,11 +86,8 @@ def ranks_per_host(job: JobConfig) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.nproc))
 
 
-class PSStrategy:
+class PSStrategy(Strategy):
     """One rank of a parameter-server job: a worker or a server (see the module notes)."""
-
-    world_collectives: bool
-    checkpointable: bool  # sync mode only ([Note: parameter-server checkpoints])
 
     def __init__(
         self, job: JobConfig, rank: int, world_size: int, model: BlockModel, batches: Batches
@@ -87,8 +99,15 @@ class PSStrategy:
         workers = list(range(self.num_workers))
         self.is_server = rank in self.servers
         self.sync = ps.mode == "sync"
+        # Declared capabilities ([Note: no world collectives], [Note: parameter-server
+        # checkpoints]); servers hold no replica to evaluate.
         self.world_collectives = self.sync
-        self.checkpointable = self.sync
+        self.checkpoint_refusal = checkpoint_refusal(job)
+        self.checkpointable = not self.checkpoint_refusal
+        self.evaluates = not self.is_server
+        # sync: the servers clip the global mean gradient; async/ssp: each worker its own.
+        clip = 0.0 if self.sync else job.optim.grad_clip
+        self.rules = StepRules(on_nonfinite=job.train.on_nonfinite, grad_clip=clip)
         self.tracer = Tracer(rank, enabled=bool(job.observe.trace))
         extra = f"mode={ps.mode};s={ps.staleness};workers={self.num_workers};h={ps.hierarchical}"
         self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra)
@@ -103,6 +122,7 @@ class PSStrategy:
         for g, pg in zip(hosts, host_pgs, strict=True):
             if rank in g:
                 self.host_group, self.leader = pg, leader_of(g)
+        self.reduce = mean_over(self.worker_group) if self.sync else mean_over()
         # The checkpointer's collectives (sync mode): a world group of their own, since the
         # default group carries the servers' point-to-point traffic on receiver threads.
         self.checkpoint_group = ps_wire.new_group(list(range(world_size)))
@@ -133,6 +153,7 @@ class PSStrategy:
                 num_pushers=self.num_pushers,
                 server_group=server_group,
                 worker_timeout_s=ps.worker_timeout_s,
+                on_nonfinite=job.train.on_nonfinite,
             )
             self.optimizer = self.server.optimizer
             # The shard under the model's keys: the checkpointer saves and loads it in place.
@@ -140,6 +161,8 @@ class PSStrategy:
             self.name = f"ps-{ps.mode}-server{index}"
         else:
             self.client = WorkerClient(rank, self.layout, self.servers, self.num_workers)
+            if job.parallel.recompute:  # [Note: recompute on workers]
+                apply_recompute(model)
             self.modules = [model]
             self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w" + (
                 "-hier" if ps.hierarchical else ""
@@ -157,6 +180,10 @@ class PSStrategy:
     def set_lr(self, lr: float) -> None:
         """Servers compute each update's learning rate from its clock; nothing to do here."""
 
+    def _params(self) -> dict[str, nn.Parameter]:
+        """The worker replica's parameters under the model's (layout's) names."""
+        return {unwrap_name(n): p for n, p in self.model.named_parameters()}
+
     def resume_at(self, step: int) -> None:
         """Called by the checkpointer after a restore: continue at clock ``step``."""
         if self.server is not None:
@@ -168,7 +195,8 @@ class PSStrategy:
         if self.server is not None:
             with self.tracer.span("serve", cat="communication", step=step):
                 self.server.serve_until_clock(step + 1)
-            return StepOutput(loss=math.nan, metrics=self.server.metrics())
+            skipped = step in self.server.stats.skipped
+            return StepOutput(loss=math.nan, skipped=skipped, metrics=self.server.metrics())
         if self.joining:
             self._join()
         if step < self.clock:  # a joined worker skips the clocks the job ran before it came
@@ -178,12 +206,17 @@ class PSStrategy:
         loss = self._forward_backward(step)
         if self.straggler:
             time.sleep(self.job.ps.straggler_delay_s)
-        with self.tracer.span("push", cat="communication", step=step):
-            self._push(step)
-        self.clock += 1
-        if self.sync:
-            loss = float(all_reduce_mean(torch.tensor(loss), self.worker_group))
-        return StepOutput(loss=loss, metrics=dict(self.last_metrics))
+        self.clock += 1  # the push below completes the clock, also a poisoned one
+        out = finish_step(  # [Note: parameter-server NaN]
+            step,
+            loss,
+            self.model.parameters(),
+            self.rules,
+            reduce=self.reduce,
+            update=lambda: self._push(step),
+            drop=lambda: self._push(step, poison=True),
+        )
+        return StepOutput(loss=out.loss, skipped=out.skipped, metrics=dict(self.last_metrics))
 
     @torch.no_grad()
     def evaluate(self, num_batches: int) -> float:
@@ -217,7 +250,7 @@ class PSStrategy:
         posted = self.client.leave(self.clock) if self.is_pusher else None
         if posted is None:
             return {}
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        state = {unwrap_name(k): v.detach().clone() for k, v in self.model.state_dict().items()}
         for s, flat in enumerate(self.client.final_params(posted)):
             for name, view in self.layout.unflatten(flat, s).items():
                 state[name] = view.clone()
@@ -247,7 +280,7 @@ class PSStrategy:
                 whole = torch.cat(flats) if flats else self._empty_whole()
                 ps_wire.broadcast(whole, self.leader, self.host_group)
                 flats = list(whole.split([self.layout.numel(s) for s in range(len(self.servers))]))
-            params = dict(self.model.named_parameters())
+            params = self._params()
             with torch.no_grad():
                 for s, flat in enumerate(flats):
                     for name, view in self.layout.unflatten(flat, s).items():
@@ -262,11 +295,12 @@ class PSStrategy:
         total = sum(self.layout.numel(s) for s in range(len(self.servers)))
         return torch.empty(total, dtype=self.layout.dtype)
 
-    def _forward_backward(self, step: int) -> float:
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        """This worker's mean loss of step ``step``; leaves its gradient in the replica."""
         accum = self.job.train.grad_accum
         self.model.train()
         self.model.zero_grad(set_to_none=True)
-        total = 0.0
+        total = torch.zeros(())
         for micro in range(accum):
             x, y = self.batches.train(step, self.rank, self.num_workers, micro, accum)
             with self.tracer.span("forward", microbatch=micro, step=step):
@@ -274,20 +308,23 @@ class PSStrategy:
                     loss = self.model.loss(self.model(x), y) / accum
             with self.tracer.span("backward", microbatch=micro, step=step):
                 loss.backward()
-            total += float(loss.detach())
+            total += loss.detach().float()
         return total
 
-    def _push(self, step: int) -> None:
-        grads = {
-            n: (p.grad if p.grad is not None else torch.zeros_like(p))
-            for n, p in self.model.named_parameters()
-        }
-        flats = [self.layout.flatten(grads, s) for s in range(len(self.servers))]
-        clip = self.job.optim.grad_clip
-        if not self.sync and clip > 0:  # sync clips the global mean on the servers
-            norm = math.sqrt(sum(float(f.double().square().sum()) for f in flats))
-            if norm > clip:
-                flats = [f * (clip / (norm + 1e-6)) for f in flats]
+    def _push(self, step: int, poison: bool = False) -> None:
+        """Push this replica's gradient of ``step``; ``poison``: a NaN one instead (a dropped
+        step the servers must see, [Note: parameter-server NaN])."""
+        with self.tracer.span("push", cat="communication", step=step):
+            grads = {
+                n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                for n, p in self._params().items()
+            }
+            flats = [self.layout.flatten(grads, s) for s in range(len(self.servers))]
+            if poison:
+                flats = [torch.full_like(f, math.nan) for f in flats]
+            self._send(step, flats)
+
+    def _send(self, step: int, flats: list[torch.Tensor]) -> None:
         if self.host_group is not None:
             whole = torch.cat(flats)
             ps_wire.all_reduce_sum(whole, self.host_group)

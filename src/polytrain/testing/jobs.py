@@ -6,13 +6,12 @@ from typing import Any
 
 from polytrain.config.job import JobConfig
 from polytrain.testing.harness import run_distributed
+from polytrain.trainer.loop import train
 
 __all__ = ["run_job"]
 
 
 def _train_rank(rank: int, world_size: int, job: JobConfig) -> dict[str, Any] | None:
-    from polytrain.trainer.loop import train
-
     result = train(job)
     if rank != 0:
         return None

@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,8 @@ from polytrain.comm.agree import all_gather_ints, broadcast_int, differing_ranks
 from polytrain.comm.kv import collect, publish
 from polytrain.config.base import to_dict
 from polytrain.config.job import JobConfig
+from polytrain.core.optim import lr_at
+from polytrain.core.strategy import NonFiniteLossError, Strategy
 from polytrain.errors import CheckpointError, ConfigError
 from polytrain.trainer.manifest import (
     MANIFEST,
@@ -60,10 +62,8 @@ from polytrain.trainer.manifest import (
     latest_valid,
     step_dir,
 )
-from polytrain.trainer.optim import lr_at
-from polytrain.trainer.strategy import NonFiniteLossError, Strategy
 
-__all__ = ["Checkpointer", "check_same_job", "job_fingerprint", "module_of", "restart_count"]
+__all__ = ["Checkpointer", "check_same_job", "job_fingerprint", "restart_count"]
 
 _OPTIONS = StateDictOptions(full_state_dict=True)
 _PER_NODE = {"launch": ("node_rank",), "observe": ("out_dir", "progress", "trace")}
@@ -83,27 +83,6 @@ def job_fingerprint(job: JobConfig, world_size: int) -> str:
     data.get("checkpoint", {}).pop("resume", None)  # restarts resume implicitly
     text = json.dumps({"job": data, "world_size": world_size}, sort_keys=True, default=str)
     return f"{fingerprint(text):016x}"
-
-
-def module_of(params: Mapping[str, nn.Parameter]) -> nn.Module:
-    """A module whose ``state_dict`` keys are the given dotted names (``blocks.3.fc.weight``).
-
-    For a strategy whose rank holds parameters outside any model module (a parameter server's
-    shard): exposing this as ``modules`` makes the shard checkpointable; loading writes into the
-    given parameters in place (they may be views of one flat buffer).
-    """
-    root = nn.Module()
-    for name, param in params.items():
-        *path, leaf = name.split(".")
-        node = root
-        for part in path:
-            child = node._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                node.add_module(part, child)
-            node = child
-        node.register_parameter(leaf, param)
-    return root
 
 
 def check_same_job(job: JobConfig, world_size: int) -> None:
@@ -227,16 +206,12 @@ class Checkpointer:
         self.job, self.strategy = job, strategy
         self.rank, self.world_size = rank, world_size
         self.root = Path(job.checkpoint.dir)
-        if job.parallel.sync == "ps" and not getattr(strategy, "checkpointable", False):
-            raise CheckpointError(
-                f"checkpoint.dir = {job.checkpoint.dir!r} with ps.mode = {job.ps.mode!r}: "
-                "only ps.mode = 'sync' parameter-server jobs can be checkpointed; use "
-                "ps.mode = 'sync' or drop --checkpoint-dir"
-            )
+        if not strategy.checkpointable:  # declared by the strategy, with its reason
+            raise CheckpointError(strategy.checkpoint_refusal)
         self.parts = _Parts(strategy)
         # A strategy whose default group carries point-to-point traffic on other threads (the
         # parameter server's receivers) gives a separate world group for our collectives.
-        self.group = getattr(strategy, "checkpoint_group", None)
+        self.group = strategy.checkpoint_group
         self.refused: list[str] = []  # messages about checkpoints refused at restore (rank 0)
         self.last_saved = -1
         self._owners: dict[str, int] | None = None
@@ -446,9 +421,7 @@ class Checkpointer:
             if rng_cuda is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng_cuda)
         self.last_saved = step
-        resume_at = getattr(self.strategy, "resume_at", None)
-        if resume_at is not None:  # e.g. parameter servers restart their clocks here
-            resume_at(step)
+        self.strategy.resume_at(step)  # e.g. parameter servers restart their clocks here
         if self.rank == 0:
             print(f"polytrain: resumed from {path} (step {step})", flush=True)
         return step

@@ -20,6 +20,8 @@ from polytrain.comm.collectives import barrier
 from polytrain.comm.init import DistContext, init_distributed
 from polytrain.comm.watchdog import Watchdog, collective_timeout_s
 from polytrain.config.job import JobConfig
+from polytrain.core.optim import lr_at
+from polytrain.core.strategy import StepOutput
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
 from polytrain.models.gpt import generate
@@ -30,8 +32,6 @@ from polytrain.observe.trace import merge_traces
 from polytrain.trainer.build import build_strategy
 from polytrain.trainer.checkpoint import Checkpointer, check_same_job, restart_count
 from polytrain.trainer.export import save_weights
-from polytrain.trainer.optim import lr_at
-from polytrain.trainer.strategy import StepOutput
 
 __all__ = ["TrainResult", "train"]
 
@@ -184,8 +184,8 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             )
             result.sample = spec.decode(ids[0, 1:].tolist())
     metrics.close()
-    # A parameter-server run in async/ssp survives dead workers, so it ends without a world
-    # collective ([Note: no world collectives] in polytrain.ps.strategy).
-    if getattr(strategy, "world_collectives", True):
+    # A strategy that survives dead ranks (parameter servers in async/ssp) declares it meets
+    # the world in no collective ([Note: no world collectives] in polytrain.ps.strategy).
+    if strategy.world_collectives:
         barrier()
     return result

@@ -12,45 +12,34 @@ import torch
 
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
-from polytrain.errors import ConfigError, MeshError, PartitionError
+from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.parallel.sufficient_factor import choose_layers, plain_linears
-from polytrain.parallel.tensor_parallel import resolve_tp_plan
-from polytrain.pipeline.checks import check_pipeline_job
-from polytrain.pipeline.profile import check_partition
-from polytrain.ps.checks import check_ps_job
+from polytrain.trainer.build import strategy_family
 
 __all__ = ["preflight"]
 
 
 def preflight(job: JobConfig) -> BlockModel:
-    """Validate data, model and layout together; return the model built on the meta device."""
+    """Validate data, model and layout together; return the model built on the meta device.
+
+    The checks common to every strategy are here; each strategy family's own come from the
+    family table (`trainer.build.strategy_family`).
+    """
     if job.checkpoint.save_final and Path(job.checkpoint.save_final).exists():
         raise ConfigError(
             f"--save-final {job.checkpoint.save_final!r} already exists: choose another path "
             "or remove the file"
         )
+    family = strategy_family(job)
     train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
     with torch.device("meta"):
         model = build_model(job.model, spec, job.train.seed)
-    if job.parallel.pp > model.num_blocks:
-        raise PartitionError(
-            f"parallel.pp = {job.parallel.pp} stages but the model has only {model.num_blocks} "
-            f"blocks: use at most {model.num_blocks} stages or a deeper model"
-        )
-    check_partition(job, model, train_data)
-    check_pipeline_job(job)
-    if job.parallel.tp > 1:  # heads, widths and vocabulary divisible; every plan row matches
-        resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)
     if job.launch.nnodes > 1 and job.launch.nproc % job.parallel.tp:
         raise MeshError(  # consecutive ranks share a host; tp groups are consecutive ranks
             f"parallel.tp = {job.parallel.tp} does not divide --nproc {job.launch.nproc}: "
             "tensor-parallel groups would straddle hosts; choose a tp that divides the "
             "processes per node"
         )
-    if job.parallel.sufficient_factor == "on" and not plain_linears(model):
-        choose_layers([], "on")  # raises: nothing to exchange factors for
-    if job.parallel.sync == "ps":
-        check_ps_job(job, model)
+    family.checks(job, model, train_data)
     return model

@@ -1,0 +1,237 @@
+"""One step contract: how every strategy ends its training step.
+
+[Note: one step contract] After its forward and backward, every strategy ends the step the
+same way, through `finish_step`:
+
+1. this rank's loss share and a NaN/Inf-gradient flag (`nonfinite_flag`) are stacked and
+   reduced in one collective over the strategy's groups (`mean_over` for SPMD and synchronous
+   parameter-server workers, `sum_over` for pipelines whose loss lives on the last stage), so
+   every rank holds the same loss and flag and takes the same branch;
+2. a non-finite loss or gradient follows ``train.on_nonfinite`` (`nonfinite_outcome`): ``stop``
+   raises `NonFiniteLossError` naming the 1-based step, ``skip`` drops the update and reports
+   the step as skipped;
+3. gradients are clipped to ``optim.grad_clip`` by their global norm (`clip_gradients_`; the
+   strategy says how its norm is summed over its groups, the coefficient is applied here);
+4. the update: the optimizer step, or a strategy's own (a parameter-server worker's push).
+
+Strategies whose update cannot wait for the end of the step (PipeDream updates inside its
+stream) use the pieces, `apply_update` and `nonfinite_outcome`, as far as their semantics allow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from polytrain.comm.collectives import all_reduce_mean
+from polytrain.comm.flat import all_reduce_sum_
+from polytrain.config.job import JobConfig
+from polytrain.core.strategy import NonFiniteLossError, StepOutput
+from polytrain.observe.trace import Tracer
+
+__all__ = [
+    "GradNorm",
+    "Reduce",
+    "StepRules",
+    "apply_update",
+    "autocast",
+    "clip_coefficient",
+    "clip_gradients_",
+    "finish_step",
+    "mean_over",
+    "nonfinite_flag",
+    "nonfinite_outcome",
+    "sum_over",
+]
+
+# Reduces this rank's stacked [loss share, non-finite flag] in place over the strategy's groups
+# and returns (the job's loss, whether any rank saw a non-finite value).
+Reduce = Callable[[torch.Tensor], tuple[float, bool]]
+# The global norm of this rank's gradients, summed over the strategy's groups.
+GradNorm = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """The per-step rules of a job: what to do with NaN/Inf, and the clipping threshold."""
+
+    on_nonfinite: Literal["stop", "skip"]
+    grad_clip: float  # 0 = off
+
+    @classmethod
+    def of(cls, job: JobConfig) -> StepRules:
+        return cls(on_nonfinite=job.train.on_nonfinite, grad_clip=job.optim.grad_clip)
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[Any]:
+    """``train.dtype``'s autocast region (bf16) or nothing (fp32)."""
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a view sharing storage) if it is a DTensor, else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def nonfinite_flag(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 if any local gradient (a DTensor's local shard) holds NaN or Inf, else 0.0.
+
+    A NaN can enter the gradient while the loss stays finite (an overflowing backward, a bad
+    custom autograd function), so the loss check alone misses it. One reduction per gradient
+    and one sum: NaN and Inf propagate through sums, so a single finite-check of the total
+    answers for every element.
+    """
+    sums = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        local = g.to_local() if isinstance(g, DTensor) else g
+        sums.append(local.float().sum())
+    if not sums:
+        return torch.zeros((), device=device)
+    total = torch.stack(sums).sum()
+    return (~torch.isfinite(total)).float().to(device)
+
+
+def mean_over(*groups: Any) -> Reduce:
+    """Average over each group in turn (data-parallel replicas, then tensor-parallel peers).
+
+    No groups: this rank's own values (a worker that meets nobody, e.g. async parameter server).
+    """
+
+    def reduce(stats: torch.Tensor) -> tuple[float, bool]:
+        for group in groups:
+            all_reduce_mean(stats, group)
+        return float(stats[0]), float(stats[1]) > 0
+
+    return reduce
+
+
+def sum_over(group: Any, divisor: float) -> Reduce:
+    """Sum over ``group`` (None: the world), then divide the loss by ``divisor``.
+
+    For pipelines: only the last stage holds a loss share, so the world's sum counted once per
+    replica (and per tensor-parallel rank of the last stage) is divided by their number.
+    """
+
+    def reduce(stats: torch.Tensor) -> tuple[float, bool]:
+        all_reduce_sum_(stats, group)
+        return float(stats[0]) / divisor, float(stats[1]) > 0
+
+    return reduce
+
+
+def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """The factor that scales gradients of norm ``total_norm`` to at most ``max_norm``.
+
+    torch's ``clip_grad_norm_`` formula, so every strategy clips exactly as the single-process
+    run does.
+    """
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def _local_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.get_total_norm([_local(g) for g in grads])
+
+
+@torch.no_grad()
+def clip_gradients_(
+    params: Iterable[torch.Tensor], max_norm: float, grad_norm: GradNorm | None = None
+) -> torch.Tensor:
+    """Scale the gradients of ``params`` so their global norm is at most ``max_norm``.
+
+    ``grad_norm`` sums the norm over the strategy's groups (default: this rank's gradients
+    only, for a strategy whose rank holds every parameter or clips per stage). Returns the norm.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = (grad_norm or _local_norm)(grads)
+    coef = clip_coefficient(max_norm, total)
+    for g in grads:
+        local = _local(g)
+        local.mul_(coef.to(local.device, local.dtype))
+    return total
+
+
+def nonfinite_outcome(
+    step: int, value: float, bad_grad: bool, rules: StepRules, *, hint: str = ""
+) -> StepOutput:
+    """The step's result when its loss or a gradient is NaN/Inf (every rank agrees on it).
+
+    ``stop`` raises `NonFiniteLossError` naming the 1-based step; ``skip`` reports the step as
+    skipped (the caller has dropped the update).
+    """
+    if rules.on_nonfinite == "skip":
+        return StepOutput(loss=value, skipped=True)
+    what = f"loss is {value}"
+    if bad_grad and math.isfinite(value):
+        what = f"a gradient is NaN/Inf (loss {value:.4g})"
+    raise NonFiniteLossError(
+        f"{what} at step {step + 1}: lower optim.lr, enable optim.grad_clip, or set "
+        f"train.on_nonfinite = 'skip'{hint}"
+    )
+
+
+def apply_update(
+    params: Sequence[torch.Tensor],
+    rules: StepRules,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_norm: GradNorm | None = None,
+    update: Callable[[], None] | None = None,
+) -> None:
+    """Clip (when ``optim.grad_clip > 0``), then the update: ``update`` or the optimizer step."""
+    if rules.grad_clip > 0:
+        clip_gradients_(params, rules.grad_clip, grad_norm)
+    if update is not None:
+        update()
+    elif optimizer is not None:
+        optimizer.step()
+
+
+def finish_step(
+    step: int,
+    loss: torch.Tensor,
+    params: Iterable[torch.Tensor],
+    rules: StepRules,
+    *,
+    reduce: Reduce,
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_norm: GradNorm | None = None,
+    update: Callable[[], None] | None = None,
+    drop: Callable[[], None] | None = None,
+    tracer: Tracer | None = None,
+    hint: str = "",
+) -> StepOutput:
+    """End step ``step`` ([Note: one step contract]): reduce, check, clip, update.
+
+    ``loss`` is this rank's share of the job's loss (0-d), ``params`` this rank's parameters
+    with their gradients. ``update`` replaces the optimizer step (a parameter-server push);
+    ``drop`` replaces discarding the gradients when the step is non-finite (default: the
+    optimizer's ``zero_grad``). ``hint`` is appended to the non-finite stop's message.
+    """
+    params = list(params)
+    stats = torch.stack([loss.detach().float(), nonfinite_flag(params, loss.device)])
+    value, bad_grad = reduce(stats)
+    if not math.isfinite(value) or bad_grad:
+        # Every rank holds the same reduced loss and flag, so every rank takes this branch.
+        if drop is not None:
+            drop()
+        elif optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        return nonfinite_outcome(step, value, bad_grad, rules, hint=hint)
+    span = tracer.span("optimizer", cat="optim", step=step) if tracer else contextlib.nullcontext()
+    with span:
+        apply_update(params, rules, optimizer=optimizer, grad_norm=grad_norm, update=update)
+    return StepOutput(loss=value)

@@ -1,0 +1,85 @@
+"""The SPMD strategy family: how the trainer builds it and what pre-flight checks it needs.
+
+Order (STYLE 3): tensor parallel -> activation recomputation -> data parallel or ZeRO.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polytrain.comm.init import DistContext
+from polytrain.comm.mesh import build_mesh
+from polytrain.config.job import JobConfig
+from polytrain.core.registry import StrategyFamily
+from polytrain.core.strategy import Strategy
+from polytrain.data.datasets import Dataset
+from polytrain.data.sampler import Batches
+from polytrain.models.base import BlockModel
+from polytrain.parallel.data_parallel import apply_data_parallel
+from polytrain.parallel.recompute import apply_recompute
+from polytrain.parallel.replicate import apply_replicate
+from polytrain.parallel.spmd import SPMDStrategy
+from polytrain.parallel.sufficient_factor import (
+    apply_sufficient_factor,
+    choose_layers,
+    plain_linears,
+)
+from polytrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_tp_plan
+from polytrain.parallel.zero import apply_zero
+from polytrain.topology import ParallelDims
+
+__all__ = ["SPMD", "build_spmd", "check_spmd_job", "check_tp_plan"]
+
+
+def check_tp_plan(job: JobConfig, model: BlockModel) -> None:
+    """Heads, widths and vocabulary divisible by ``tp``; every plan row matches a module."""
+    if job.parallel.tp > 1:
+        resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)
+
+
+def check_spmd_job(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
+    check_tp_plan(job, model)
+    if job.parallel.sufficient_factor == "on" and not plain_linears(model):
+        choose_layers([], "on")  # raises: nothing to exchange factors for
+
+
+def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Batches) -> Strategy:
+    p = job.parallel
+    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, world_size=ctx.world_size)
+    mesh = build_mesh(dims, ctx.device.type)
+    model = model.to(ctx.device)
+    name = f"dp{p.dp}"
+    wrapped: torch.nn.Module = model
+    if p.tp > 1:
+        apply_tensor_parallel(model, mesh.sub("tp"), job.model.name, p.tp_plan)
+        name = f"tp{p.tp}"
+    if p.recompute:
+        apply_recompute(model)
+    if p.zero:
+        wrapped = apply_zero(model, mesh, p)  # type: ignore[assignment]  # FSDPModule is an nn.Module
+        name = f"zero{p.zero}-dp{p.dp}" + (f"-tp{p.tp}" if p.tp > 1 else "")
+    elif p.dp > 1 and p.tp > 1:
+        wrapped = apply_replicate(model, mesh)  # type: ignore[assignment]  # an nn.Module
+        name = f"replicate-dp{p.dp}-tp{p.tp}"
+    elif p.dp > 1:
+        name = f"ddp-dp{p.dp}"
+        rest = True
+        if p.sufficient_factor != "off":  # before DDP: it hides the chosen layers from DDP
+            sample, _ = batches.train(0, mesh.coord("dp"), p.dp)
+            local_batch = job.train.global_batch_size // (p.dp * job.train.grad_accum)
+            sf = apply_sufficient_factor(
+                model, mesh, p.sufficient_factor, sample.to(ctx.device), local_batch
+            )
+            name += f"-sf{len(sf.chosen)}"
+            rest = bool(sf.allreduce_params)
+        if rest:
+            wrapped = apply_data_parallel(model, mesh, p)
+    return SPMDStrategy(job, wrapped, model, mesh, batches, ctx.device, name)
+
+
+SPMD = StrategyFamily(
+    name="spmd",
+    selects=lambda job: job.parallel.sync == "allreduce" and job.parallel.pp == 1,
+    checks=check_spmd_job,
+    build=build_spmd,
+)

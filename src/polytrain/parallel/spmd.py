@@ -1,0 +1,113 @@
+"""`SPMDStrategy`: every rank runs the whole (possibly wrapped or sharded) model on its data.
+
+SPMD covers a plain model, DDP, FSDP2 and tensor parallelism, which all run the same
+forward/backward on every rank and differ only in how the module was wrapped (`build_spmd`,
+in the order of STYLE 3). The step ends through `polytrain.core.finish_step` ([Note: one step
+contract]): loss and NaN/Inf flag averaged over ``dp`` (then ``tp``, whose peers hold different
+gradient shards) in one collective, clipping by the global norm of mixed DTensor and plain
+gradients (`parallel.grad_norm`), then the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from polytrain.comm.collectives import all_reduce_mean
+from polytrain.comm.mesh import Mesh
+from polytrain.config.job import JobConfig
+from polytrain.core.optim import build_optimizer
+from polytrain.core.step import StepRules, autocast, finish_step, mean_over
+from polytrain.core.strategy import StepOutput, Strategy
+from polytrain.data.sampler import Batches
+from polytrain.models.base import BlockModel
+from polytrain.observe.trace import Tracer
+from polytrain.parallel.grad_norm import grad_norm
+
+__all__ = ["SPMDStrategy", "full_state_dict"]
+
+
+class SPMDStrategy(Strategy):
+    """Every rank runs the whole (possibly wrapped or sharded) model on its data slice."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        model: nn.Module,
+        base: BlockModel,
+        mesh: Mesh,
+        batches: Batches,
+        device: torch.device,
+        name: str,
+    ) -> None:
+        self.job, self.model, self.base, self.mesh = job, model, base, mesh
+        self.batches, self.device, self.name = batches, device, name
+        self.dp = mesh.dims.dp
+        self.dp_rank = mesh.coord("dp")
+        self.optimizer: torch.optim.Optimizer = build_optimizer(model.parameters(), job.optim)
+        self.modules = [model]
+        self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
+        self.rules = StepRules.of(job)
+        # Tensor-parallel peers hold different gradient shards: their flags are averaged too.
+        groups = [mesh.group("dp")] + ([mesh.group("tp")] if mesh.dims.tp > 1 else [])
+        self.reduce = mean_over(*groups)
+
+    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Skip the gradient all-reduce on every micro-step but the last (accumulation)."""
+        if isinstance(self.model, DDP) and not last:
+            return self.model.no_sync()
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def train_step(self, step: int) -> StepOutput:
+        accum = self.job.train.grad_accum
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = self.batches.train(step, self.dp_rank, self.dp, micro, accum)
+            x, y = x.to(self.device), y.to(self.device)
+            with self._sync_context(micro == accum - 1):
+                with self.tracer.span("forward", microbatch=micro, step=step):
+                    with autocast(self.device, self.job.train.dtype):
+                        loss = self.base.loss(self.model(x), y) / accum
+                with self.tracer.span("backward", microbatch=micro, step=step):
+                    loss.backward()
+            total += loss.detach()
+        return finish_step(
+            step,
+            total,
+            self.model.parameters(),
+            self.rules,
+            reduce=self.reduce,
+            optimizer=self.optimizer,
+            grad_norm=grad_norm,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, num_batches: int) -> float:
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for i in range(num_batches):
+            x, y = self.batches.val(i, self.dp_rank, self.dp)
+            with autocast(self.device, self.job.train.dtype):
+                total += self.base.loss(self.model(x.to(self.device)), y.to(self.device))
+        return float(all_reduce_mean(total, self.mesh.group("dp"))) / num_batches
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unwrapped, unsharded weights on CPU (complete on rank 0), with the plain model's keys."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return {
+        k: v.detach().cpu().contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)
+    }

@@ -1,0 +1,50 @@
+"""The pipeline strategy family (``parallel.pp > 1``): pre-flight checks and builder."""
+
+from __future__ import annotations
+
+from polytrain.comm.init import DistContext
+from polytrain.comm.mesh import build_mesh
+from polytrain.config.job import JobConfig
+from polytrain.core.registry import StrategyFamily
+from polytrain.core.strategy import Strategy
+from polytrain.data.datasets import Dataset
+from polytrain.data.sampler import Batches
+from polytrain.errors import PartitionError
+from polytrain.models.base import BlockModel
+from polytrain.parallel.family import check_tp_plan
+from polytrain.pipeline.checks import check_pipeline_job
+from polytrain.pipeline.profile import check_partition
+from polytrain.pipeline.strategy import PipelineStrategy
+from polytrain.topology import ParallelDims
+
+__all__ = ["PIPELINE", "build_pipeline", "check_pipeline"]
+
+
+def check_pipeline(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
+    """Stages, partition, schedule options and the stages' tensor-parallel plan."""
+    if job.parallel.pp > model.num_blocks:
+        raise PartitionError(
+            f"parallel.pp = {job.parallel.pp} stages but the model has only {model.num_blocks} "
+            f"blocks: use at most {model.num_blocks} stages or a deeper model"
+        )
+    check_pipeline_job(job)
+    check_partition(job, model, dataset)
+    check_tp_plan(job, model)
+
+
+def build_pipeline(
+    job: JobConfig, ctx: DistContext, model: BlockModel, batches: Batches
+) -> Strategy:
+    """The runtime owns its stages, recomputation and dp all-reduce (docs/pipeline.md)."""
+    p = job.parallel
+    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, world_size=ctx.world_size)
+    mesh = build_mesh(dims, ctx.device.type)
+    return PipelineStrategy(job, model.to(ctx.device), mesh, batches, ctx.device)
+
+
+PIPELINE = StrategyFamily(
+    name="pipeline",
+    selects=lambda job: job.parallel.sync != "ps" and job.parallel.pp > 1,
+    checks=check_pipeline,
+    build=build_pipeline,
+)
