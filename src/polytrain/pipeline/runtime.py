@@ -12,8 +12,8 @@ accumulated gradients equal the gradients of the full-batch mean loss, and ``1``
 PipeDream, which updates on each micro-batch's own gradient.
 
 [Note: activation accounting] With ``track_activations`` the runtime counts the bytes autograd
-saves during each forward (through ``saved_tensors_hooks``; weights and tensors shared with an
-earlier save are not counted), adds them to a live total when the forward runs and subtracts
+saves during each forward (`pipeline.saved_tensors.count_saved_bytes`, the profile's counter too;
+weights, stashed versions and tensors shared with an earlier save are not counted), adds them to a live total when the forward runs and subtracts
 them after its backward. ``peak_activation_bytes`` is the high-water mark: the activation memory
 a schedule really holds, which is ``m`` micro-batches for GPipe and at most ``p - s`` for 1F1B.
 """
@@ -29,6 +29,7 @@ import torch
 from polytrain.comm.p2p import P2P, PendingSends, Work
 from polytrain.models.base import LossFn
 from polytrain.observe.trace import Tracer
+from polytrain.pipeline.saved_tensors import count_saved_bytes, storage_keys
 from polytrain.pipeline.schedule import Action, ActionKind
 from polytrain.pipeline.stage import StageModule
 
@@ -394,25 +395,13 @@ class StageRuntime:
         if not self.track_activations:
             yield
             return
-        weights = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
+        weights = storage_keys(self.stage.parameters())
         if self.stash is not None:
             for snapshot in self.stash.snapshots.values():
-                weights |= {t.untyped_storage().data_ptr() for t in snapshot.values()}
-        seen: set[int] = set()
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in weights and ptr not in seen:
-                seen.add(ptr)
-                state.activation_bytes += storage.nbytes()
-            return t
-
-        def unpack(t: torch.Tensor) -> torch.Tensor:
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                weights |= storage_keys(snapshot.values())
+        with count_saved_bytes(weights) as saved:
             yield
+        state.activation_bytes += saved.bytes
 
     def finish(self) -> None:
         """Wait for every send posted so far (end of a synchronous step)."""

@@ -9,7 +9,7 @@ the replica. Replica ``r`` trains on data-parallel slice ``r`` of the global bat
 
 [Note: pipeline and data parallel] After a synchronous step's flush, every stage averages its
 gradients over its ``dp`` peers (the same stage of the other replicas) with one flat all-reduce
-(`comm.flat`); there is no DDP wrapper, because DDP's reducer expects each backward to follow
+(`comm.collectives`); there is no DDP wrapper, because DDP's reducer expects each backward to follow
 its own forward, which 1F1B's interleaving breaks. The all-reduce is not overlapped with the
 backward. Gradient clipping uses the global norm: squared norms are summed over the pipeline.
 PipeDream averages over ``dp`` after every micro-batch's backward, then clips per stage (a
@@ -44,12 +44,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from polytrain.comm.collectives import barrier
-from polytrain.comm.flat import (
+from polytrain.comm.collectives import (
     all_reduce_max_,
     all_reduce_mean_flat_,
     all_reduce_sum_,
     all_reduce_sum_async_,
+    barrier,
 )
 from polytrain.comm.mesh import Mesh
 from polytrain.comm.p2p import P2P, PendingSends, new_group_of, recv_into, send_all
