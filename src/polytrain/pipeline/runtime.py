@@ -40,8 +40,6 @@ __all__ = [
     "StageRuntime",
     "WeightStash",
     "crossing_updates",
-    "stash_bound",
-    "stashed_version",
 ]
 
 ACT, GRAD = "act", "grad"  # p2p channel names of activations (forward) and gradients (backward)
@@ -57,29 +55,6 @@ class Feed:
     """Factor of every micro-batch loss; see [Note: loss scale]."""
     step: int = 0
     """Step number recorded in trace spans."""
-
-
-def stashed_version(
-    stage_index: int, microbatch_index: int, num_stages: int, update_every: int = 1
-) -> int:
-    """Updates stage ``s`` has applied when micro-batch ``i``'s forward runs (1F1B order).
-
-    With an update after every ``u``-th backward: ``max(0, (i - (p - 1 - s)) // u)``. For
-    ``u = 1`` this is `schedule.weight_version` (PipeDream); for ``u = m`` it is PipeDream-2BW's
-    double buffering. The forward of ``i`` follows the backward of ``i - (p - 1 - s) - 1``.
-    """
-    warmup = num_stages - 1 - stage_index
-    return max(0, (microbatch_index - warmup) // update_every)
-
-
-def stash_bound(stage_index: int, num_stages: int, update_every: int = 1) -> int:
-    """Most weight versions in flight on a stage: ``ceil((p - 1 - s) / u) + 1``.
-
-    At most ``p - s`` consecutive micro-batches are in flight, and their versions
-    (`stashed_version`) take at most this many distinct values; ``p - s`` for ``u = 1``.
-    """
-    warmup = num_stages - 1 - stage_index
-    return -(-warmup // update_every) + 1
 
 
 def crossing_updates(actions: Sequence[Action], update_every: int) -> set[int]:

@@ -64,6 +64,7 @@ from polytrain.parallel.tensor_parallel import (
     local_tensor,
 )
 from polytrain.pipeline.checks import check_pipeline_job
+from polytrain.pipeline.partition import block_ranges
 from polytrain.pipeline.profile import choose_partition, leaves_no_trace
 from polytrain.pipeline.runtime import (
     GRAD,
@@ -71,10 +72,9 @@ from polytrain.pipeline.runtime import (
     StageRuntime,
     WeightStash,
     crossing_updates,
-    stash_bound,
 )
-from polytrain.pipeline.schedule import Action, ActionKind, build, lower, validate
-from polytrain.pipeline.stage import StageModule, block_ranges, build_stage
+from polytrain.pipeline.schedule import Action, ActionKind, build, lower, stash_bound, validate
+from polytrain.pipeline.stage import StageModule, build_stage
 from polytrain.trainer.health import nonfinite_flag
 from polytrain.trainer.optim import build_optimizer
 from polytrain.trainer.strategy import NonFiniteLossError, StepOutput
@@ -153,7 +153,7 @@ class PipelineStrategy:
             # Stages are tensor-parallel only after the partition; trials would time them without.
             measure=partial(self._time_partitions, model, sample) if self.tp == 1 else None,
         )
-        self.ranges = block_ranges(counts, model.num_blocks)
+        self.ranges = block_ranges(counts)
         start, stop = self.ranges[self.stage_index]
         self.stage: StageModule = build_stage(
             model, start, stop, recompute=job.parallel.recompute
@@ -233,7 +233,7 @@ class PipelineStrategy:
         feed = Feed(inputs=lambda i: x, targets=lambda i: y, scale=1.0 / m)
         runtimes = []
         for counts in candidates:
-            start, stop = block_ranges(counts, model.num_blocks)[self.stage_index]
+            start, stop = block_ranges(counts)[self.stage_index]
             stage = build_stage(model, start, stop, recompute=self.job.parallel.recompute)
             runtimes.append(
                 StageRuntime(
