@@ -174,22 +174,22 @@ def emulate_pipedream(
     """PipeDream's semantics, run sequentially in one process.
 
     Micro-batch ``g`` runs forward and backward through stage ``s`` on the weights stage ``s``
-    had after ``stashed_version(s, g, p, u)`` updates; every ``u`` micro-batches each stage
+    had after ``weight_version(s, g, p, u)`` updates; every ``u`` micro-batches each stage
     applies the mean of their gradients. No pipeline, no stash: the bookkeeping is an explicit
     list of every version of every stage. ``stale=False`` uses the newest version instead
     (what a pipeline without stashing and staleness, a synchronous one, would compute).
     """
     from polytrain.core.optim import build_optimizer, lr_at
     from polytrain.data.sampler import Batches
-    from polytrain.pipeline.partition import uniform_counts
-    from polytrain.pipeline.runtime import stashed_version
-    from polytrain.pipeline.stage import block_ranges, build_stage
+    from polytrain.pipeline.partition import block_ranges, uniform_counts
+    from polytrain.pipeline.schedule import weight_version
+    from polytrain.pipeline.stage import build_stage
 
     train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
     batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
     model = build_model(job.model, spec, job.train.seed)
     p, m, steps = job.parallel.pp, job.pipeline.microbatches, job.train.steps
-    ranges = block_ranges(uniform_counts(model.num_blocks, p), model.num_blocks)
+    ranges = block_ranges(uniform_counts(model.num_blocks, p))
     stages = [build_stage(model, a, b) for a, b in ranges]
     optimizers = [build_optimizer(stage.parameters(), job.optim) for stage in stages]
     history = [[{n: t.detach().clone() for n, t in st.named_parameters()}] for st in stages]
@@ -197,7 +197,7 @@ def emulate_pipedream(
         step, j = divmod(g, m)
         x, y = batches.train(step, 0, 1, j, m)
         versions = [
-            stashed_version(s, g, p, update_every) if stale else g // update_every for s in range(p)
+            weight_version(s, g, p, update_every) if stale else g // update_every for s in range(p)
         ]
         weights = [
             {n: t.clone().requires_grad_() for n, t in history[s][v].items()}
@@ -226,7 +226,7 @@ def test_pipedream_weight_stashing() -> None:
     """Every backward used its forward's stashed version; the stash stayed within its bound;
     the weights equal the sequential emulation (a backward on the live weights would not).
     Both update rules: after every micro-batch (PipeDream) and once per step (PipeDream-2BW)."""
-    from polytrain.pipeline.runtime import stash_bound, stashed_version
+    from polytrain.pipeline.schedule import stash_bound, weight_version
 
     p, m, steps = 3, 4, 4
     modes = {"microbatch": 1, "step": m}
@@ -246,7 +246,7 @@ def test_pipedream_weight_stashing() -> None:
             s = out["stage"]
             assert [i for i, _, _ in out["log"]] == list(range(steps * m))  # backward order
             for i, forward_version, backward_version in out["log"]:
-                assert forward_version == backward_version == stashed_version(s, i, p, u)
+                assert forward_version == backward_version == weight_version(s, i, p, u)
             assert out["bound"] == stash_bound(s, p, u) <= p - s
             # Copies only for micro-batches that cross an update ([Note: live forwards]): none
             # on the last stage, never more than the bound.

@@ -6,8 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from polytrain.pipeline.runtime import WeightStash, crossing_updates, stash_bound, stashed_version
-from polytrain.pipeline.schedule import ActionKind, max_in_flight, one_f_one_b, weight_version
+from polytrain.pipeline.runtime import WeightStash, crossing_updates
+from polytrain.pipeline.schedule import (
+    ActionKind,
+    max_in_flight,
+    one_f_one_b,
+    stash_bound,
+    weight_version,
+)
 
 
 def _replay(p: int, s: int, m: int, u: int, live: bool = False) -> WeightStash:
@@ -40,7 +46,7 @@ def _replay(p: int, s: int, m: int, u: int, live: bool = False) -> WeightStash:
 def test_backward_uses_the_forward_version_within_the_bound(p: int, m: int, u: int) -> None:
     for s in range(p):
         stash = _replay(p, s, m, u)
-        assert [v for _, v, _ in stash.log] == [stashed_version(s, i, p, u) for i in range(m)]
+        assert [v for _, v, _ in stash.log] == [weight_version(s, i, p, u) for i in range(m)]
         assert all(fv == bv for _, fv, bv in stash.log)
         assert stash.max_stashed <= stash_bound(s, p, u) <= max_in_flight(s, p)
         if m >= p + 2 * u:  # a long enough steady state: the bound is reached
@@ -67,12 +73,12 @@ def test_crossing_updates_golden() -> None:
     assert crossing_updates([a for a in one_f_one_b(2, 8)[1] if a is not None], 1) == set()
 
 
-def test_versions_after_every_microbatch_are_the_schedule_packages() -> None:
+def test_versions_and_bound_golden() -> None:
     for p in range(1, 6):
         for s in range(p):
-            assert stash_bound(s, p) == max_in_flight(s, p)
-            for i in range(12):
-                assert stashed_version(s, i, p) == weight_version(s, i, p)
+            assert stash_bound(s, p) == max_in_flight(s, p)  # one update per micro-batch: p - s
+    assert [weight_version(0, i, 3, 2) for i in range(8)] == [0, 0, 0, 0, 1, 1, 2, 2]
+    assert [stash_bound(s, 4, 2) for s in range(4)] == [3, 2, 2, 1]
 
 
 def test_stashing_beyond_the_bound_is_an_internal_error() -> None:

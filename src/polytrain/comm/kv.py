@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 
-from polytrain.comm.watchdog import default_store
+from polytrain._torch_private import default_store
 
 __all__ = ["collect", "publish", "scoped"]
 

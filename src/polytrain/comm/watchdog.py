@@ -20,11 +20,12 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from polytrain._torch_private import default_store
+
 __all__ = [
     "CollectiveTimeoutError",
     "Watchdog",
     "collective_timeout_s",
-    "default_store",
     "grace_s",
     "is_comm_failure",
 ]
@@ -44,13 +45,6 @@ def grace_s(timeout_s: float) -> float:
 def collective_timeout_s(timeout_s: float) -> float:
     """The process-group timeout that, plus the grace period, fits in ``timeout_s``."""
     return max(timeout_s - grace_s(timeout_s), 0.5 * timeout_s)
-
-
-def default_store() -> dist.Store | None:
-    """The store of the default process group (None without one)."""
-    if not dist.is_initialized():
-        return None
-    return dist.distributed_c10d._get_default_store()
 
 
 def is_comm_failure(exc: BaseException) -> bool:

@@ -207,10 +207,8 @@ class PipelineConfig:
                 f"pipeline.partition = {self.partition!r}: expected 'auto', 'uniform' or a list "
                 "of block counts such as [3, 5]"
             )
-        if isinstance(self.partition, list) and any(n < 1 for n in self.partition):
-            raise ConfigError(
-                f"pipeline.partition = {self.partition}: every stage needs at least one block"
-            )
+        # A list of counts is checked against the model and parallel.pp in pre-flight, in one
+        # place (`pipeline.partition.check_counts`).
 
 
 @dataclass

@@ -21,7 +21,7 @@ def module_of(params: Mapping[str, nn.Parameter]) -> nn.Module:
         *path, leaf = name.split(".")
         node = root
         for part in path:
-            child = node._modules.get(part)
+            child = dict(node.named_children()).get(part)
             if child is None:
                 child = nn.Module()
                 node.add_module(part, child)

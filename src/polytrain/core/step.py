@@ -29,8 +29,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.tensor import DTensor
 
-from polytrain.comm.collectives import all_reduce_mean
-from polytrain.comm.flat import all_reduce_sum_
+from polytrain.comm.collectives import all_reduce_mean, all_reduce_sum_
 from polytrain.config.job import JobConfig
 from polytrain.core.strategy import NonFiniteLossError, StepOutput
 from polytrain.observe.trace import Tracer
@@ -78,7 +77,7 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (a view sharing storage) if it is a DTensor, else ``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()

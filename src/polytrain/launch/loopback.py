@@ -28,6 +28,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
+from polytrain._torch_private import forget_shared_store, set_store_server_factory
+
 __all__ = ["BACKEND", "loopback_store", "register"]
 
 BACKEND = "polytrain-loopback"
@@ -73,13 +75,12 @@ def _create(params: RendezvousParameters) -> DynamicRendezvousHandler:
     def next_rendezvous() -> RendezvousInfo:
         # A fresh shared store for every round: torch keeps the first one, so restarted
         # workers would find the dead workers' gloo addresses under the same keys.
-        handler._shared_tcp_store_server = None
-        handler._bootstrap_store_info = None
+        forget_shared_store(handler)
         return first_round()
 
     # The agent's second store (shared with the workers) is made by this method; it is the
     # one extension point torch offers for it.
-    handler._create_tcp_store_server = shared_server  # type: ignore[method-assign]
+    set_store_server_factory(handler, shared_server)
     handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
     return handler
 

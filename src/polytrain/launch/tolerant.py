@@ -7,7 +7,8 @@ elastic agent would not let it: ``LocalElasticAgent._monitor_workers`` polls the
 exits non-zero; ``SimpleElasticAgent._invoke_run`` then restarts or fails the whole group
 (torch/distributed/elastic/agent/server/local_elastic_agent.py and api.py, torch 2.13).
 
-``TolerantAgent`` overrides only ``_monitor_workers``. It polls the worker processes itself
+``TolerantAgent`` replaces only that check (`polytrain._torch_private.MonitoredAgent.monitor`,
+our door to ``_monitor_workers``). It polls the worker processes itself
 (``proc.poll()`` on the context's ``subprocess_handlers``) instead of calling ``wait(0)``:
 
 - a rank in ``tolerated`` that exits non-zero is reported once, as one line on stderr, and
@@ -39,7 +40,6 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerSpec,
     WorkerState,
 )
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import (
     PContext,
     SignalException,
@@ -48,6 +48,8 @@ from torch.distributed.elastic.multiprocessing.api import (
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.launcher.api import LaunchConfig
+
+from polytrain._torch_private import MonitoredAgent
 
 __all__ = ["TolerantAgent", "launch_tolerant"]
 
@@ -58,7 +60,7 @@ def _how(failure: ProcessFailure) -> str:
     return f"exit code {failure.exitcode}"
 
 
-class TolerantAgent(LocalElasticAgent):
+class TolerantAgent(MonitoredAgent):
     """``LocalElasticAgent`` that keeps the group running when a ``tolerated`` rank dies."""
 
     def __init__(self, *args: Any, tolerated: Collection[int], **kwargs: Any) -> None:
@@ -67,10 +69,9 @@ class TolerantAgent(LocalElasticAgent):
         self._round: PContext | None = None
         self._dead: dict[int, ProcessFailure] = {}  # global rank -> its failure, this round
 
-    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        pc = self._pcontext
+    def monitor(self, worker_group: WorkerGroup, pc: PContext | None) -> RunResult:
         if not self.tolerated or not isinstance(pc, SubprocessContext):
-            return super()._monitor_workers(worker_group)
+            return super().monitor(worker_group, pc)
         if pc is not self._round:  # a new round (first start or restart)
             self._round, self._dead = pc, {}
         failures: dict[int, ProcessFailure] = {}

@@ -6,15 +6,15 @@ per-block structure as `zero` (one gradient all-reduce per block, issued as soon
 produced that block's gradients, overlapping the rest of backward), with parameters kept whole
 on every ``dp`` rank. The ``tp`` placements are preserved: each parameter becomes a DTensor on
 the 2-D ``(dp, tp)`` mesh, ``(Replicate(), Shard(i))``, and the all-reduce runs over the ``dp``
-group of each tp shard. ``replicate`` lives in ``torch.distributed._composable`` (not yet a
-public API); the parity tests pin its behaviour.
+group of each tp shard. ``replicate`` is not yet a public torch API (it comes through
+`polytrain._torch_private`); the parity tests pin its behaviour.
 """
 
 from __future__ import annotations
 
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule
 
+from polytrain._torch_private import replicate
 from polytrain.comm.mesh import Mesh
 from polytrain.models.base import BlockModel
 

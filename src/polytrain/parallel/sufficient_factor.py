@@ -24,7 +24,7 @@ large buckets), the extra compute (``w N m n`` multiply-adds to rebuild dW inste
 Mechanics: a chosen ``nn.Linear`` runs `_LateMultiply`, whose backward returns the input
 gradient only, starts the gather of ``[X | G]`` and queues one end-of-backward callback that
 waits for every gather and writes dW and db into ``.grad`` (accumulating over micro-steps). Its
-parameters are hidden from DDP (``_ddp_params_and_buffers_to_ignore``), so every other
+parameters are hidden from DDP (`polytrain._torch_private.ddp_ignore`), so every other
 parameter stays on DDP's bucketed all-reduce.
 """
 
@@ -37,8 +37,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
+from polytrain._torch_private import ddp_ignore, queue_backward_callback
 from polytrain.comm.mesh import Mesh
 from polytrain.comm.sufficient_factor import (
     PendingGather,
@@ -135,7 +135,7 @@ class _Exchange:
         self.pending.append((layer, all_gather_rows_async(rows, self.group)))
         if not self.queued:
             self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            queue_backward_callback(self.finish)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -262,7 +262,7 @@ def apply_sufficient_factor(
         layer.__class__ = _SufficientFactorLinear
         object.__setattr__(layer, "_sf_exchange", exchange)  # not a submodule nor a buffer
         ignored += [f"{name}.{p}" for p, _ in layer.named_parameters()]
-    DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    ddp_ignore(model, ignored)
     remaining = [
         n for n, p in model.named_parameters() if p.requires_grad and n not in set(ignored)
     ]

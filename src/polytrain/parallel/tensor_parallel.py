@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from polytrain.comm.flat import all_reduce_sum_
+from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.mesh import Mesh
 from polytrain.errors import MeshError
 from polytrain.parallel.tp_plans import (
@@ -147,7 +147,7 @@ def apply_tensor_parallel_to_stage(
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (a view sharing storage) if it is a DTensor, else ``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def grad_square_sum(grads: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:

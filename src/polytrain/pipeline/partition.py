@@ -17,17 +17,17 @@ Its peak memory is::
 
     params + grads + optimizer state          (the stage's blocks)
     + in_flight(s) x activations              (one micro-batch's saved tensors + output)
-    + stashed_copies(s) x params              (pipedream only: stashed weight versions)
+    + stash_bound(s) x params                 (pipedream only: stashed weight versions)
 
 where ``in_flight`` is the schedule's `peak_activations` (``m`` for gpipe, ``min(m, p - s)`` for
 1f1b) and ``p - s`` for pipedream, whose micro-batch stream crosses step boundaries, and
-``stashed_copies = ceil((p - 1 - s) / u) + 1`` for an update every ``u`` micro-batches (the
-runtime's ``stash_bound``, an upper bound: it copies only versions that a micro-batch in flight
-needs across an update, [Note: live forwards]; ``u = m`` for ``pipeline.pipedream_update =
-"step"``, ``p - s`` copies for ``u = 1``). The output
+``stash_bound = ceil((p - 1 - s) / u) + 1`` for an update every ``u`` micro-batches
+(`schedule.stash_bound`, which sizes the runtime's stash too; an upper bound: it copies only
+versions that a micro-batch in flight needs across an update, [Note: live forwards]; ``u = m``
+for ``pipeline.pipedream_update = "step"``, ``p - s`` copies for ``u = 1``). The output
 is the tensor sent downstream, held until its gradient comes back; the last stage's output is
 the loss, whose saved tensors the last block's profile already includes. With recomputation
-(`polytrain.parallel.recompute` wraps each block that has parameters) such a block keeps only
+(`polytrain.parallel.recompute` checkpoints each block that has parameters) such a block keeps only
 its input, and one block's activations are rebuilt at a time during backward (a transient
 ``max`` term). The received input is counted when the first block saves it. The search
 minimises the largest ``t_s``, which sets a synchronous pipeline's step time
@@ -49,12 +49,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from polytrain.errors import PartitionError
-from polytrain.pipeline.schedule import build, max_in_flight, peak_activations
+from polytrain.pipeline.schedule import build, max_in_flight, peak_activations, stash_bound
 
 __all__ = [
     "BlockProfile",
     "PartitionResult",
     "all_partitions",
+    "block_ranges",
     "brute_force_partition",
     "check_counts",
     "evaluate_partition",
@@ -62,7 +63,6 @@ __all__ = [
     "nearby_partitions",
     "optimizer_state_factor",
     "search_partition",
-    "stashed_copies",
     "uniform_counts",
 ]
 
@@ -117,9 +117,8 @@ class PartitionResult:
         return sum(self.stage_time_s) + (self.num_microbatches - 1) * self.bottleneck_s
 
     def block_ranges(self) -> list[tuple[int, int]]:
-        """Inclusive (first, last) block index per stage."""
-        bounds = list(itertools.accumulate(self.counts, initial=0))
-        return [(bounds[s], bounds[s + 1] - 1) for s in range(len(self.counts))]
+        """Half-open ``[start, stop)`` block indices per stage (`block_ranges`)."""
+        return block_ranges(self.counts)
 
     def table(self) -> str:
         """Plain-text table: one row per stage with blocks, parameters, time and peak memory."""
@@ -133,7 +132,8 @@ class PartitionResult:
             f"micro-batches{limit}; predicted step {self.predicted_step_s * 1e3:.2f} ms)"
         )
         rows = [("stage", "blocks", "params", "time/mb (ms)", "peak mem (MiB)")]
-        for s, (first, last) in enumerate(self.block_ranges()):
+        for s, (first, stop) in enumerate(self.block_ranges()):
+            last = stop - 1
             rows.append(
                 (
                     str(s),
@@ -159,6 +159,15 @@ def optimizer_state_factor(name: str, momentum: float = 0.0) -> int:
     raise PartitionError(f"optimizer {name!r}: expected 'adamw' or 'sgd'")
 
 
+def block_ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Blocks per stage ``[n0, n1, ...]`` -> half-open ranges ``[(0, n0), (n0, n0 + n1), ...]``.
+
+    The counts are assumed valid (`check_counts`, `uniform_counts` or the search made them).
+    """
+    bounds = list(itertools.accumulate(counts, initial=0))
+    return list(itertools.pairwise(bounds))
+
+
 def uniform_counts(num_blocks: int, num_stages: int) -> list[int]:
     """Blocks per stage as even as possible; the earlier stages take the remainder."""
     _check_stage_count(num_blocks, num_stages)
@@ -177,7 +186,7 @@ def check_counts(counts: Sequence[int], num_blocks: int, num_stages: int) -> lis
         )
     if any(not isinstance(c, int) or c < 1 for c in counts):
         raise PartitionError(
-            f"pipeline.partition = {counts}: every stage needs a whole number of blocks >= 1"
+            f"pipeline.partition = {counts}: every stage needs at least one block (a whole number)"
         )
     if sum(counts) != num_blocks:
         raise PartitionError(
@@ -194,14 +203,6 @@ def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int
         return [max_in_flight(s, num_stages) for s in range(num_stages)]
     peaks = peak_activations(build(schedule, num_stages, num_microbatches))
     return [peaks[s] for s in range(num_stages)]
-
-
-def stashed_copies(stage_index: int, num_stages: int, update_every: int = 1) -> int:
-    """Weight copies PipeDream's stash holds at most on a stage: ``ceil((p - 1 - s) / u) + 1``.
-
-    The same bound as the runtime's ``stash_bound`` (kept here so the search stays pure).
-    """
-    return -(-(num_stages - 1 - stage_index) // update_every) + 1
 
 
 def all_partitions(num_blocks: int, num_stages: int) -> Iterator[list[int]]:
@@ -236,7 +237,7 @@ class _Costs:
         self.link_latency_s = link_latency_s
         self.in_flight = in_flight_microbatches(schedule, num_stages, num_microbatches)
         self.stash = [
-            stashed_copies(s, num_stages, update_every) if schedule == "pipedream" else 0
+            stash_bound(s, num_stages, update_every) if schedule == "pipedream" else 0
             for s in range(num_stages)
         ]
         forward_factor = 2.0 if recompute else 1.0
@@ -536,7 +537,8 @@ def _raise_infeasible(
     assert counts is not None
     result = costs.result(counts, limit)
     stage = max(range(num_stages), key=lambda s: result.stage_memory_bytes[s])
-    first, last = result.block_ranges()[stage]
+    first, stop = result.block_ranges()[stage]
+    last = stop - 1
     fixes = "more pipeline stages (--pp)"
     if not recompute:
         fixes += ", --recompute"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from polytrain.comm.broadcast import broadcast_ints, broadcast_text, is_main_rank
+from polytrain.comm.agree import broadcast_ints, broadcast_text, is_main_rank
 from polytrain.config.job import JobConfig
 from polytrain.core.optim import build_optimizer
 from polytrain.data.datasets import Dataset
@@ -37,6 +37,7 @@ from polytrain.pipeline.partition import (
     search_partition,
     uniform_counts,
 )
+from polytrain.pipeline.saved_tensors import count_saved_bytes, storage_keys
 
 __all__ = [
     "check_partition",
@@ -69,30 +70,6 @@ def leaves_no_trace(model: nn.Module, device: torch.device) -> Iterator[None]:
             with torch.no_grad():
                 for name, b in model.named_buffers():
                     b.copy_(buffers[name])
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    """Identity of a tensor's storage, shared by its views; also on the meta device, where
-    every ``data_ptr`` is 0."""
-    return int(tensor.untyped_storage()._cdata)
-
-
-def _saved_bytes(run: Callable[[], object], exclude: set[int]) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``run`` executes."""
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in exclude and key not in seen:
-            seen[key] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        run()
-    return sum(seen.values())
 
 
 class _BlockRun:
@@ -211,8 +188,7 @@ def profile_blocks(
         raise PartitionError(f"profile repeats = {repeats}, warmup = {warmup}: need >= 1 and >= 0")
     inputs, targets = sample
     device = inputs.device
-    static = {_storage_key(t) for t in model.parameters()}
-    static |= {_storage_key(t) for t in model.buffers()}
+    static = storage_keys(model.parameters()) | storage_keys(model.buffers())
     runs: list[_BlockRun] = []
     sizes: list[tuple[int, int, int]] = []  # activation, input, output bytes
     x = inputs
@@ -228,7 +204,9 @@ def profile_blocks(
                     return model.loss(out, targets)
 
             run = _BlockRun(block, x_in, loss)
-            activation = _saved_bytes(run.forward, static)
+            with count_saved_bytes(static) as saved:
+                run.forward()
+            activation = saved.bytes
             assert run.out is not None
             out = run.out.detach()
             run.backward()

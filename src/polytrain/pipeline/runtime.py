@@ -12,8 +12,8 @@ accumulated gradients equal the gradients of the full-batch mean loss, and ``1``
 PipeDream, which updates on each micro-batch's own gradient.
 
 [Note: activation accounting] With ``track_activations`` the runtime counts the bytes autograd
-saves during each forward (through ``saved_tensors_hooks``; weights and tensors shared with an
-earlier save are not counted), adds them to a live total when the forward runs and subtracts
+saves during each forward (`pipeline.saved_tensors.count_saved_bytes`, the profile's counter too;
+weights, stashed versions and tensors shared with an earlier save are not counted), adds them to a live total when the forward runs and subtracts
 them after its backward. ``peak_activation_bytes`` is the high-water mark: the activation memory
 a schedule really holds, which is ``m`` micro-batches for GPipe and at most ``p - s`` for 1F1B.
 """
@@ -29,6 +29,7 @@ import torch
 from polytrain.comm.p2p import P2P, PendingSends, Work
 from polytrain.models.base import LossFn
 from polytrain.observe.trace import Tracer
+from polytrain.pipeline.saved_tensors import count_saved_bytes, storage_keys
 from polytrain.pipeline.schedule import Action, ActionKind
 from polytrain.pipeline.stage import StageModule
 
@@ -39,8 +40,6 @@ __all__ = [
     "StageRuntime",
     "WeightStash",
     "crossing_updates",
-    "stash_bound",
-    "stashed_version",
 ]
 
 ACT, GRAD = "act", "grad"  # p2p channel names of activations (forward) and gradients (backward)
@@ -56,29 +55,6 @@ class Feed:
     """Factor of every micro-batch loss; see [Note: loss scale]."""
     step: int = 0
     """Step number recorded in trace spans."""
-
-
-def stashed_version(
-    stage_index: int, microbatch_index: int, num_stages: int, update_every: int = 1
-) -> int:
-    """Updates stage ``s`` has applied when micro-batch ``i``'s forward runs (1F1B order).
-
-    With an update after every ``u``-th backward: ``max(0, (i - (p - 1 - s)) // u)``. For
-    ``u = 1`` this is `schedule.weight_version` (PipeDream); for ``u = m`` it is PipeDream-2BW's
-    double buffering. The forward of ``i`` follows the backward of ``i - (p - 1 - s) - 1``.
-    """
-    warmup = num_stages - 1 - stage_index
-    return max(0, (microbatch_index - warmup) // update_every)
-
-
-def stash_bound(stage_index: int, num_stages: int, update_every: int = 1) -> int:
-    """Most weight versions in flight on a stage: ``ceil((p - 1 - s) / u) + 1``.
-
-    At most ``p - s`` consecutive micro-batches are in flight, and their versions
-    (`stashed_version`) take at most this many distinct values; ``p - s`` for ``u = 1``.
-    """
-    warmup = num_stages - 1 - stage_index
-    return -(-warmup // update_every) + 1
 
 
 def crossing_updates(actions: Sequence[Action], update_every: int) -> set[int]:
@@ -394,25 +370,13 @@ class StageRuntime:
         if not self.track_activations:
             yield
             return
-        weights = {p.untyped_storage().data_ptr() for p in self.stage.parameters()}
+        weights = storage_keys(self.stage.parameters())
         if self.stash is not None:
             for snapshot in self.stash.snapshots.values():
-                weights |= {t.untyped_storage().data_ptr() for t in snapshot.values()}
-        seen: set[int] = set()
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in weights and ptr not in seen:
-                seen.add(ptr)
-                state.activation_bytes += storage.nbytes()
-            return t
-
-        def unpack(t: torch.Tensor) -> torch.Tensor:
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                weights |= storage_keys(snapshot.values())
+        with count_saved_bytes(weights) as saved:
             yield
+        state.activation_bytes += saved.bytes
 
     def finish(self) -> None:
         """Wait for every send posted so far (end of a synchronous step)."""

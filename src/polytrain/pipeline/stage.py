@@ -15,7 +15,7 @@ same stashed tensors, because the checkpointed function closes over them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import torch
@@ -26,23 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from polytrain.errors import PartitionError
 from polytrain.models.base import BlockModel
 
-__all__ = ["StageModule", "block_ranges", "build_stage"]
-
-
-def block_ranges(counts: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
-    """``[n0, n1, ...]`` blocks per stage -> ``[(0, n0), (n0, n0 + n1), ...]``."""
-    if sum(counts) != num_blocks or any(n < 1 for n in counts):
-        raise PartitionError(
-            f"pipeline.partition = {list(counts)} sums to {sum(counts)} but the model has "
-            f"{num_blocks} blocks: give every stage at least one block and make them sum to "
-            f"{num_blocks}"
-        )
-    ranges: list[tuple[int, int]] = []
-    start = 0
-    for n in counts:
-        ranges.append((start, start + n))
-        start += n
-    return ranges
+__all__ = ["StageModule", "build_stage"]
 
 
 class StageModule(nn.Module):

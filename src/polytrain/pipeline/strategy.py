@@ -9,7 +9,7 @@ the replica. Replica ``r`` trains on data-parallel slice ``r`` of the global bat
 
 [Note: pipeline and data parallel] After a synchronous step's flush, every stage averages its
 gradients over its ``dp`` peers (the same stage of the other replicas) with one flat all-reduce
-(`comm.flat`); there is no DDP wrapper, because DDP's reducer expects each backward to follow
+(`comm.collectives`); there is no DDP wrapper, because DDP's reducer expects each backward to follow
 its own forward, which 1F1B's interleaving breaks. The all-reduce is not overlapped with the
 backward. Gradient clipping uses the global norm: squared norms are summed over the pipeline.
 PipeDream averages over ``dp`` after every micro-batch's backward, then clips per stage (a
@@ -44,12 +44,12 @@ from functools import partial
 
 import torch
 
-from polytrain.comm.collectives import barrier
-from polytrain.comm.flat import (
+from polytrain.comm.collectives import (
     all_reduce_max_,
     all_reduce_mean_flat_,
     all_reduce_sum_,
     all_reduce_sum_async_,
+    barrier,
 )
 from polytrain.comm.mesh import Mesh
 from polytrain.comm.p2p import P2P, PendingSends, new_group_of, recv_into, send_all
@@ -74,6 +74,7 @@ from polytrain.parallel.tensor_parallel import (
     local_tensor,
 )
 from polytrain.pipeline.checks import check_pipeline_job
+from polytrain.pipeline.partition import block_ranges
 from polytrain.pipeline.profile import choose_partition, leaves_no_trace
 from polytrain.pipeline.runtime import (
     GRAD,
@@ -81,10 +82,9 @@ from polytrain.pipeline.runtime import (
     StageRuntime,
     WeightStash,
     crossing_updates,
-    stash_bound,
 )
-from polytrain.pipeline.schedule import Action, ActionKind, build, lower, validate
-from polytrain.pipeline.stage import StageModule, block_ranges, build_stage
+from polytrain.pipeline.schedule import Action, ActionKind, build, lower, stash_bound, validate
+from polytrain.pipeline.stage import StageModule, build_stage
 
 __all__ = ["PipelineStrategy"]
 
@@ -161,7 +161,7 @@ class PipelineStrategy(Strategy):
             # Stages are tensor-parallel only after the partition; trials would time them without.
             measure=partial(self._time_partitions, model, sample) if self.tp == 1 else None,
         )
-        self.ranges = block_ranges(counts, model.num_blocks)
+        self.ranges = block_ranges(counts)
         start, stop = self.ranges[self.stage_index]
         self.stage: StageModule = build_stage(
             model, start, stop, recompute=job.parallel.recompute
@@ -243,7 +243,7 @@ class PipelineStrategy(Strategy):
         feed = Feed(inputs=lambda i: x, targets=lambda i: y, scale=1.0 / m)
         runtimes = []
         for counts in candidates:
-            start, stop = block_ranges(counts, model.num_blocks)[self.stage_index]
+            start, stop = block_ranges(counts)[self.stage_index]
             stage = build_stage(model, start, stop, recompute=self.job.parallel.recompute)
             runtimes.append(
                 StageRuntime(

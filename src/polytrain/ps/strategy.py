@@ -40,9 +40,8 @@ same update whatever shard held the NaN: with ``train.on_nonfinite = "stop"`` th
 every server raise `NonFiniteLossError` naming the step; with ``"skip"`` the servers drop that
 update (counted as ``ps_skipped_updates``) and the worker's step is reported skipped.
 
-[Note: recompute on workers] ``parallel.recompute`` wraps a worker's blocks in checkpoint
-wrappers, which add ``._checkpoint_wrapped_module`` to parameter names; the shard layout is
-built before and names are mapped back (`unwrap_name`) wherever they meet the layout.
+[Note: recompute on workers] ``parallel.recompute`` recomputes a worker's blocks in backward
+(`parallel.recompute`, which keeps parameter names), so the shard layout is unchanged.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
-from polytrain.parallel.recompute import apply_recompute, unwrap_name
+from polytrain.parallel.recompute import apply_recompute
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.server import ParameterServer
@@ -182,7 +181,7 @@ class PSStrategy(Strategy):
 
     def _params(self) -> dict[str, nn.Parameter]:
         """The worker replica's parameters under the model's (layout's) names."""
-        return {unwrap_name(n): p for n, p in self.model.named_parameters()}
+        return dict(self.model.named_parameters())
 
     def resume_at(self, step: int) -> None:
         """Called by the checkpointer after a restore: continue at clock ``step``."""
@@ -250,7 +249,7 @@ class PSStrategy(Strategy):
         posted = self.client.leave(self.clock) if self.is_pusher else None
         if posted is None:
             return {}
-        state = {unwrap_name(k): v.detach().clone() for k, v in self.model.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         for s, flat in enumerate(self.client.final_params(posted)):
             for name, view in self.layout.unflatten(flat, s).items():
                 state[name] = view.clone()

@@ -21,7 +21,12 @@ from polytrain.pipeline.schedule.action import Action, ActionKind, Schedule, che
 from polytrain.pipeline.schedule.gpipe import gpipe
 from polytrain.pipeline.schedule.lowering import lower
 from polytrain.pipeline.schedule.one_f_one_b import one_f_one_b
-from polytrain.pipeline.schedule.pipedream import max_in_flight, pipedream, weight_version
+from polytrain.pipeline.schedule.pipedream import (
+    max_in_flight,
+    pipedream,
+    stash_bound,
+    weight_version,
+)
 from polytrain.pipeline.schedule.render import (
     bubble_fraction,
     peak_activations,
@@ -46,6 +51,7 @@ __all__ = [
     "render",
     "simulate",
     "simulated_bubble_fraction",
+    "stash_bound",
     "validate",
     "weight_version",
 ]

@@ -41,7 +41,7 @@ from polytrain.errors import ScheduleError
 from polytrain.pipeline.schedule.action import Schedule, check_sizes
 from polytrain.pipeline.schedule.one_f_one_b import one_f_one_b
 
-__all__ = ["max_in_flight", "pipedream", "weight_version"]
+__all__ = ["max_in_flight", "pipedream", "stash_bound", "weight_version"]
 
 
 def pipedream(num_stages: int, num_microbatches: int) -> Schedule:
@@ -55,15 +55,38 @@ def max_in_flight(stage_index: int, num_stages: int) -> int:
     return num_stages - stage_index
 
 
-def weight_version(stage_index: int, microbatch_index: int, num_stages: int) -> int:
-    """Updates a stage has applied when micro-batch ``i``'s forward runs: ``max(0, i - (p-1-s))``.
+def weight_version(
+    stage_index: int, microbatch_index: int, num_stages: int, update_every: int = 1
+) -> int:
+    """Updates stage ``s`` has applied when micro-batch ``i``'s forward runs (1F1B order).
 
-    The backward of the same micro-batch uses this stashed version.
+    With an update after every ``u``-th backward: ``max(0, (i - (p - 1 - s)) // u)``; the
+    backward of the same micro-batch uses this stashed version. ``u = 1`` is PipeDream (2019),
+    ``u = m`` PipeDream-2BW's double buffering. The forward of ``i`` follows the backward of
+    ``i - (p - 1 - s) - 1``.
     """
     _check_stage(stage_index, num_stages)
+    _check_update_every(update_every)
     if not isinstance(microbatch_index, int) or microbatch_index < 0:
         raise ScheduleError(f"microbatch_index = {microbatch_index!r}: expected an integer >= 0")
-    return max(0, microbatch_index - (num_stages - 1 - stage_index))
+    return max(0, (microbatch_index - (num_stages - 1 - stage_index)) // update_every)
+
+
+def stash_bound(stage_index: int, num_stages: int, update_every: int = 1) -> int:
+    """Most weight versions a stage holds at once: ``ceil((p - 1 - s) / u) + 1``.
+
+    At most ``p - s`` consecutive micro-batches are in flight (`max_in_flight`), and their
+    versions (`weight_version`) take at most this many distinct values; ``p - s`` for
+    ``u = 1``. The runtime's stash is sized by it and the partition search charges it.
+    """
+    _check_stage(stage_index, num_stages)
+    _check_update_every(update_every)
+    return -(-(num_stages - 1 - stage_index) // update_every) + 1
+
+
+def _check_update_every(update_every: int) -> None:
+    if not isinstance(update_every, int) or update_every < 1:
+        raise ScheduleError(f"update_every = {update_every!r}: expected an integer >= 1")
 
 
 def _check_stage(stage_index: int, num_stages: int) -> None:

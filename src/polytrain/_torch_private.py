@@ -1,0 +1,96 @@
+"""The one door to torch's private APIs (STYLE 18): every ``torch`` name with a leading
+underscore that polytrain touches is imported or reached for here, and nowhere else.
+
+Each symbol has a smoke test in ``tests/unit/test_torch_private.py``, so a torch upgrade that
+moves or renames one fails that file by name instead of a distant strategy at run time; a scan
+in the same file keeps other modules from reaching past this door. Where torch has a public
+equivalent we use it instead (``torch.utils.checkpoint``, ``DTensor.to_local``), so what is left
+here has none in torch 2.13:
+
+- ``replicate``: FSDP2-based data parallelism that accepts DTensor parameters (DDP does not);
+  ``torch.distributed._composable`` is not yet public.
+- ``queue_backward_callback``: run a function once the current backward pass has finished
+  (the autograd engine's ``queue_callback``; no public hook fires after the whole pass).
+- ``ddp_ignore``: the parameters DDP must leave alone (a private static method of DDP).
+- ``default_store``: the default process group's key-value store (c10d keeps it private).
+- ``storage_key``: the identity of a tensor's storage, shared by its views and valid on the meta
+  device, where every ``data_ptr`` is 0.
+- ``MonitoredAgent``: the elastic agent's per-poll worker check and its process context.
+- ``forget_shared_store`` / ``set_store_server_factory``: the rendezvous handler's store cache
+  and the one extension point that makes its shared store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import PContext
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = [
+    "MonitoredAgent",
+    "ddp_ignore",
+    "default_store",
+    "forget_shared_store",
+    "queue_backward_callback",
+    "replicate",
+    "set_store_server_factory",
+    "storage_key",
+]
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Call ``fn`` once the backward pass now running has finished (only valid inside one)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def ddp_ignore(model: nn.Module, names: Iterable[str]) -> None:
+    """Make a DDP wrapper built later over ``model`` skip these parameters and buffers."""
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(names))
+
+
+def default_store() -> dist.Store | None:
+    """The store of the default process group (None without one)."""
+    if not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of ``tensor``'s storage: equal for its views, distinct for other storages, also
+    on the meta device (where ``data_ptr`` is 0 for all)."""
+    return int(tensor.untyped_storage()._cdata)
+
+
+class MonitoredAgent(LocalElasticAgent):
+    """``LocalElasticAgent`` whose periodic worker check a subclass may replace with `monitor`.
+
+    The agent polls ``_monitor_workers`` every ``monitor_interval``; torch's version fails the
+    whole group when any worker exits non-zero."""
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        return self.monitor(worker_group, self._pcontext)
+
+    def monitor(self, worker_group: WorkerGroup, pcontext: PContext | None) -> RunResult:
+        """torch's check: override to decide otherwise, call this to fall back on it."""
+        return LocalElasticAgent._monitor_workers(self, worker_group)
+
+
+def forget_shared_store(handler: DynamicRendezvousHandler) -> None:
+    """Make ``handler`` create a fresh shared store (and bootstrap info) at its next round."""
+    handler._shared_tcp_store_server = None
+    handler._bootstrap_store_info = None
+
+
+def set_store_server_factory(
+    handler: DynamicRendezvousHandler, factory: Callable[[str, int], dist.TCPStore]
+) -> None:
+    """Build the agent's shared store (the one its workers join) with ``factory(addr, port)``."""
+    handler._create_tcp_store_server = factory  # type: ignore[method-assign,assignment]

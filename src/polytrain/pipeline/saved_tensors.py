@@ -1,0 +1,52 @@
+"""Bytes autograd saves for backward: what a stage's activations cost, measured one way.
+
+The profile (bytes per block, for the partition search) and the runtime (live activation bytes
+per micro-batch in flight) count the same thing, so they share one counter: the distinct
+storages that autograd's ``saved_tensors_hooks`` see, each counted once at its full size,
+leaving out storages the caller names (parameters, buffers, stashed weight versions: they exist
+whether or not a forward runs). Storages are told apart by `storage_key`, which also works on
+the meta device, where every ``data_ptr`` is 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from polytrain._torch_private import storage_key
+
+__all__ = ["SavedBytes", "count_saved_bytes", "storage_keys"]
+
+
+class SavedBytes:
+    """Running total of one `count_saved_bytes` block."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """Identities of the storages behind ``tensors`` (for `count_saved_bytes`'s ``exclude``)."""
+    return {storage_key(t) for t in tensors}
+
+
+@contextlib.contextmanager
+def count_saved_bytes(exclude: set[int]) -> Iterator[SavedBytes]:
+    """Count the bytes of the distinct storages autograd saves while the block runs."""
+    total = SavedBytes()
+    seen: set[int] = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        if key not in exclude and key not in seen:
+            seen.add(key)
+            total.bytes += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield total
