@@ -1,0 +1,1 @@
+"""Planner: predicts step time, memory and cost of a layout before launch (pure, no torch)."""
