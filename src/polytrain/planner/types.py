@@ -27,6 +27,9 @@ class BlockStats:
     output_bytes: float  # bytes of the block's output for one sample (pipeline p2p payload)
     fwd_s: float | None = None  # measured forward seconds per sample on this host, if asked
     bwd_s: float | None = None  # measured backward seconds per sample on this host, if asked
+    # (fan_in, fan_out) of the block's Linear layers, for sufficient-factor pricing; () = unknown
+    linears: tuple[tuple[int, int], ...] = ()
+    rows_per_sample: int = 1  # rows a Linear sees per sample (tokens per sequence for a GPT)
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,26 @@ class Layout:
     grad_accum: int = 1
     ps_servers: int = 0
     ps_mode: str = "sync"
+    sufficient_factor: bool = False  # late multiply for Linear layers (plain data parallel)
+
+    def describe(self) -> str:
+        """Short name, e.g. ``dp4``, ``dp2-tp2-zero3``, ``pp4-1f1b-m8-dp2``, ``ps-async-w3-s1``."""
+        if self.sync == "ps":
+            return f"ps-{self.ps_mode}-w{self.dp}-s{self.ps_servers}"
+        parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == 1 and self.pp == 1) else []
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}-{self.schedule}-m{self.microbatches}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.sufficient_factor:
+            parts.append("sf")
+        if self.recompute:
+            parts.append("recompute")
+        if self.grad_accum > 1:
+            parts.append(f"accum{self.grad_accum}")
+        return "-".join(parts)
 
     @property
     def devices(self) -> int:
@@ -131,6 +154,8 @@ class Layout:
         if self.pp > 1:
             out["pipeline.schedule"] = self.schedule
             out["pipeline.microbatches"] = self.microbatches
+        if self.sufficient_factor:
+            out["parallel.sufficient_factor"] = "on"
         if self.sync == "ps":
             out["ps.servers"] = self.ps_servers
             out["ps.mode"] = self.ps_mode

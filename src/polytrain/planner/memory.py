@@ -1,0 +1,122 @@
+"""Memory per rank: model states, activations in flight, buffers and allocator slack.
+
+PAI's memory estimate; ZeRO's accounting (Rajbhandari et al. SC20, sec. 3: parameters,
+gradients and optimizer states, each sharded by ZeRO's stage) and the activations that the
+pipeline schedule keeps in flight (`pipeline.schedule.peak_activations`). Derivation:
+docs/planner.md "Memory". Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from polytrain.pipeline.schedule import build, peak_activations
+from polytrain.planner.types import BlockStats, Layout, ModelStats
+
+__all__ = ["ALLOCATOR_SLACK", "MemoryEstimate", "memory_per_rank"]
+
+ALLOCATOR_SLACK = 0.10
+"""Fraction added for the caching allocator's fragmentation and rounding. An assumption: PyTorch
+documents the behaviour (``torch.cuda.memory_reserved`` >= allocated) but no fixed ratio; planner2's
+benchmark measures peak against this estimate (target: within 20% on CPU)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return (self.model_states + self.activations + self.buffers) * (1 + ALLOCATOR_SLACK)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "weights": self.weights,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "total": self.total,
+        }
+
+
+def memory_per_rank(
+    stats: ModelStats,
+    layout: Layout,
+    stage_blocks: Sequence[Sequence[BlockStats]],
+    microbatch_samples: float,
+) -> MemoryEstimate:
+    """Peak bytes on the busiest rank of ``layout`` (the max over pipeline stages).
+
+    ``stage_blocks``: the blocks of each stage (one list when pp == 1);
+    ``microbatch_samples``: samples in one micro-batch (one grad-accumulation micro-step when
+    pp == 1) on one replica.
+    """
+    in_flight = _in_flight(layout)
+    best: MemoryEstimate | None = None
+    for s, blocks in enumerate(stage_blocks):
+        est = _stage(stats, layout, blocks, microbatch_samples, in_flight[s])
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def _in_flight(layout: Layout) -> list[int]:
+    """Micro-batches whose activations a stage holds at once, from the schedule itself."""
+    if layout.pp <= 1:
+        return [1]
+    peaks = peak_activations(build(layout.schedule, layout.pp, layout.microbatches))
+    return [peaks[s] for s in range(layout.pp)]
+
+
+def _stage(
+    stats: ModelStats,
+    layout: Layout,
+    blocks: Sequence[BlockStats],
+    mb_samples: float,
+    in_flight: int,
+) -> MemoryEstimate:
+    tp, dp = layout.tp, layout.dp
+    p_bytes = sum(b.param_bytes for b in blocks) / tp
+    weights = p_bytes / dp if layout.zero >= 2 else p_bytes  # FSDP2 keeps only the shard
+    grads = p_bytes / dp if layout.zero >= 2 else p_bytes
+    state_bytes = p_bytes * stats.optimizer_state_per_param
+    optimizer = state_bytes / dp if layout.zero >= 2 else state_bytes
+    if layout.sync == "ps":  # workers keep no optimizer state; servers hold it (1/K each)
+        optimizer = 0.0
+    if layout.pp > 1 and layout.schedule == "pipedream":
+        # weight stashing: up to `in_flight` versions of the stage's weights (the live one
+        # counted above) [Note: PipeDream semantics]
+        weights += p_bytes * (in_flight - 1)
+    # Activations: tensor parallel splits the saved tensors of a Megatron layer across tp.
+    saved = sum(b.saved_bytes for b in blocks) * mb_samples / tp
+    if layout.recompute:
+        # only each block's input survives the forward; one block's saved tensors are rebuilt
+        # at a time during backward
+        kept = sum(b.output_bytes for b in blocks) * mb_samples
+        activations = kept * in_flight + max(b.saved_bytes for b in blocks) * mb_samples / tp
+    else:
+        activations = saved * in_flight
+    buffers = 0.0
+    if layout.sync == "allreduce" and layout.zero == 0 and dp > 1:
+        buffers += p_bytes  # DDP's flat bucket copy of the gradients
+    if layout.zero == 3:
+        # the gathered parameters of the current and the prefetched block
+        largest = max(b.param_bytes for b in blocks) / tp
+        buffers += 2 * largest
+    if layout.zero == 2:
+        buffers += p_bytes  # all blocks' gathered parameters, kept from forward to backward
+    if layout.pp > 1:
+        out = max(b.output_bytes for b in blocks) * mb_samples
+        buffers += 2 * out  # a received activation and a received gradient
+    return MemoryEstimate(weights, grads, optimizer, activations, buffers)
