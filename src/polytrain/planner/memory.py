@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from polytrain.pipeline.schedule import build, peak_activations
 from polytrain.planner.types import BlockStats, Layout, ModelStats
@@ -75,8 +76,13 @@ def _in_flight(layout: Layout) -> list[int]:
     """Micro-batches whose activations a stage holds at once, from the schedule itself."""
     if layout.pp <= 1:
         return [1]
-    peaks = peak_activations(build(layout.schedule, layout.pp, layout.microbatches))
-    return [peaks[s] for s in range(layout.pp)]
+    return list(_peaks(layout.schedule, layout.pp, layout.microbatches * layout.grad_accum))
+
+
+@cache
+def _peaks(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
+    peaks = peak_activations(build(schedule, num_stages, num_microbatches))
+    return tuple(peaks[s] for s in range(num_stages))
 
 
 def _stage(

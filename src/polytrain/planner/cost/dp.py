@@ -17,20 +17,20 @@ from polytrain.planner.cost.overlap import overlap
 __all__ = ["bucket_sizes", "dp_backward"]
 
 
-def bucket_sizes(grad_bytes_reversed: Sequence[float], bucket_bytes: float) -> list[list[float]]:
-    """For each block in backward order, the buckets (bytes) that become full when it ends.
-
-    The last, partly filled bucket closes with the last block (DDP flushes it at the end).
-    """
-    out: list[list[float]] = [[] for _ in grad_bytes_reversed]
+def bucket_sizes(grad_bytes_reversed: Sequence[float], bucket_bytes: float) -> list[list[tuple[int, float]]]:
+    """For each block in backward order, the buckets that become full when it ends, as
+    (count, bytes) pairs. The last, partly filled bucket closes with the last block (DDP
+    flushes it at the end of backward)."""
+    out: list[list[tuple[int, float]]] = [[] for _ in grad_bytes_reversed]
     open_bytes = 0.0
     for k, nbytes in enumerate(grad_bytes_reversed):
         open_bytes += nbytes
-        while open_bytes >= bucket_bytes:
-            out[k].append(bucket_bytes)
-            open_bytes -= bucket_bytes
+        full = int(open_bytes // bucket_bytes)
+        if full:
+            out[k].append((full, bucket_bytes))
+            open_bytes -= full * bucket_bytes
     if open_bytes > 0 and out:
-        out[-1].append(open_bytes)
+        out[-1].append((1, open_bytes))
     return out
 
 
@@ -49,5 +49,5 @@ def dp_backward(
     if dp <= 1:
         return sum(rev_s), 0.0
     buckets = bucket_sizes(list(reversed(grad_bytes)), env.bucket_bytes)
-    after = [sum(env.collective_s("all_reduce", b, dp, stride) for b in bs) for bs in buckets]
+    after = [sum(c * env.collective_s("all_reduce", b, dp, stride) for c, b in bs) for bs in buckets]
     return overlap(rev_s, after=after)

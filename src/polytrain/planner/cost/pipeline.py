@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 from polytrain.errors import PlanError
 from polytrain.pipeline.schedule import ActionKind, Schedule, build, lower
 
-__all__ = ["PipelineTiming", "pipeline_step", "simulate_program"]
+__all__ = ["PipelineTiming", "pipeline_step", "program", "simulate_program"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ def simulate_program(
     return max(clocks), tuple(busy)
 
 
+@cache
+def program(schedule: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """The lowered action lists the runtime runs (cached: the search asks for each often)."""
+    return lower(build(schedule, num_stages, num_microbatches))
+
+
 def pipeline_step(
     schedule: str,
     num_microbatches: int,
@@ -102,8 +109,8 @@ def pipeline_step(
     """
     p = len(fwd_s)
     args = (fwd_s, bwd_s, send_f_s, send_b_s)
-    span, busy = simulate_program(lower(build(schedule, p, num_microbatches)), *args)
+    span, busy = simulate_program(program(schedule, p, num_microbatches), *args)
     if schedule != "pipedream":
         return PipelineTiming(span, busy, span)
-    span2, _ = simulate_program(lower(build(schedule, p, 2 * num_microbatches)), *args)
+    span2, _ = simulate_program(program(schedule, p, 2 * num_microbatches), *args)
     return PipelineTiming(span, busy, span2 - span)
