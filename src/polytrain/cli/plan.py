@@ -7,6 +7,7 @@ one line and exit code 2 (contract 6).
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from datetime import datetime, timezone
@@ -38,7 +39,9 @@ def parse_deadline(text: str, now: datetime | None = None) -> float:
     if match:
         seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
         if seconds <= 0:
-            raise PlanError(f"--deadline {text!r} is not positive: give a duration such as 2h or 90m")
+            raise PlanError(
+                f"--deadline {text!r} is not positive: give a duration such as 2h or 90m"
+            )
         return seconds
     if text.strip().startswith("-"):
         raise PlanError(f"--deadline {text!r} is not positive: give a duration such as 2h or 90m")
@@ -54,7 +57,9 @@ def parse_deadline(text: str, now: datetime | None = None) -> float:
     now = now or datetime.now(timezone.utc)
     seconds = (when - now).total_seconds()
     if seconds <= 0:
-        raise PlanError(f"--deadline {text!r} is in the past (now {now:%Y-%m-%dT%H:%M} UTC): give a later time")
+        raise PlanError(
+            f"--deadline {text!r} is in the past (now {now:%Y-%m-%dT%H:%M} UTC): give a later time"
+        )
     return seconds
 
 
@@ -88,12 +93,13 @@ def _vocab_size(job: JobConfig) -> int:
 def stats_for_job(job: JobConfig) -> ModelStats:
     """The job's `ModelStats`: the measuring `planner.stats` when present, else the analytic
     formulas of `planner.stats_pure` (built-in gpt and mlp)."""
-    try:
-        from polytrain.planner import stats as measured  # type: ignore[attr-defined]
-
-        return measured.model_stats(job)  # type: ignore[no-any-return]
+    try:  # planner2's module; by name, so this file type-checks with and without it
+        measured = importlib.import_module("polytrain.planner.stats")
     except ImportError:
-        pass
+        measured = None
+    if measured is not None:
+        stats: ModelStats = measured.model_stats(job)
+        return stats
     m = job.model
     act_bytes = 2 if job.train.dtype == "bf16" else 4
     states = 2 if job.optim.name == "adamw" else (1 if job.optim.momentum else 0)
@@ -104,7 +110,12 @@ def stats_for_job(job: JobConfig) -> ModelStats:
         for key in ("n_layer", "n_embd", "n_head", "block_size"):
             if getattr(m, key) is not None:
                 dims[key] = getattr(m, key)
-        return gpt_stats(**dims, vocab_size=_vocab_size(job), act_bytes=act_bytes, optimizer_state_per_param=states)
+        return gpt_stats(
+            **dims,
+            vocab_size=_vocab_size(job),
+            act_bytes=act_bytes,
+            optimizer_state_per_param=states,
+        )
     if m.name == "mlp":
         from polytrain.models.mlp import SIZES as MLP_SIZES
 
@@ -112,7 +123,12 @@ def stats_for_job(job: JobConfig) -> ModelStats:
         for key in ("n_layer", "n_embd", "block_size"):
             if getattr(m, key) is not None:
                 dims[key] = getattr(m, key)
-        return mlp_stats(**dims, vocab_size=_vocab_size(job), act_bytes=act_bytes, optimizer_state_per_param=states)
+        return mlp_stats(
+            **dims,
+            vocab_size=_vocab_size(job),
+            act_bytes=act_bytes,
+            optimizer_state_per_param=states,
+        )
     raise PlanError(
         f"model.name = {m.name!r}: the analytic planner statistics know gpt and mlp only; "
         "planner.stats (meta-device measurement) is needed for a user model"
@@ -155,7 +171,17 @@ def plan_to_dict(plan: Plan, global_batch: int) -> dict[str, Any]:
 
 def _table(title: str, plans: list[Plan], global_batch: int) -> Table:
     table = Table(title=title)
-    for col in ("#", "layout", "devices", "step", "samples/s", "memory/rank", "time to finish", "cost", "why not first"):
+    for col in (
+        "#",
+        "layout",
+        "devices",
+        "step",
+        "samples/s",
+        "memory/rank",
+        "time to finish",
+        "cost",
+        "why not first",
+    ):
         table.add_column(col, justify="right" if col not in ("layout", "why not first") else "left")
     for i, p in enumerate(plans, 1):
         pred = p.prediction
@@ -177,7 +203,11 @@ def _explain(best: Plan, result: PlanResult, device_key: str) -> str:
     b = best.prediction.breakdown
     step = best.prediction.step_s or 1.0
     parts = [f"compute {b.get('compute', 0) / step:.0%}"]
-    for key, name in (("bubble", "bubble"), ("dp_comm", "exposed gradient sync"), ("tp_comm", "tensor-parallel comm")):
+    for key, name in (
+        ("bubble", "bubble"),
+        ("dp_comm", "exposed gradient sync"),
+        ("tp_comm", "tensor-parallel comm"),
+    ):
         if b.get(key, 0) > 0:
             parts.append(f"{name} {b[key] / step:.0%}")
     goal = "the cheapest" if result.objective == "cost" else "the fastest"
@@ -192,17 +222,27 @@ def plan_command(
     config: Annotated[Path | None, typer.Option(help="TOML job file")] = None,
     model: Annotated[str | None, typer.Option(help="gpt or mlp")] = None,
     size: Annotated[str | None, typer.Option(help="tiny, small or medium")] = None,
-    data: Annotated[str | None, typer.Option(help="pydoc, or a .txt/.npy/.safetensors path")] = None,
+    data: Annotated[
+        str | None, typer.Option(help="pydoc, or a .txt/.npy/.safetensors path")
+    ] = None,
     steps: Annotated[int | None, typer.Option(help="optimizer steps")] = None,
     batch_size: Annotated[int | None, typer.Option(help="global batch size")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32 or bf16 autocast")] = None,
     optimizer: Annotated[str | None, typer.Option(help="adamw or sgd")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="section.key=value (repeatable)")] = None,
-    cluster: Annotated[str, typer.Option(help="catalog spec (4x8xH100:ib400) or cluster TOML")] = "1x2xcpu",
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="section.key=value (repeatable)")
+    ] = None,
+    cluster: Annotated[
+        str, typer.Option(help="catalog spec (4x8xH100:ib400) or cluster TOML")
+    ] = "1x2xcpu",
     devices: Annotated[str | None, typer.Option(help="N or MIN:MAX devices to consider")] = None,
-    deadline: Annotated[str | None, typer.Option(help="finish within: 2h, 90m, or an ISO time")] = None,
+    deadline: Annotated[
+        str | None, typer.Option(help="finish within: 2h, 90m, or an ISO time")
+    ] = None,
     budget: Annotated[float | None, typer.Option(help="dollars the run may cost")] = None,
-    objective: Annotated[str | None, typer.Option(help="time or cost (default: cost with --deadline, else time)")] = None,
+    objective: Annotated[
+        str | None, typer.Option(help="time or cost (default: cost with --deadline, else time)")
+    ] = None,
     allow_async: Annotated[
         bool, typer.Option(help="also price PipeDream and async/SSP parameter servers")
     ] = False,

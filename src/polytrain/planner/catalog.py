@@ -7,11 +7,12 @@ converts units (TFLOP/s -> FLOP/s, GB/s -> bytes/s, GiB -> bytes). Pure Python, 
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any
+
+import tomllib
 
 from polytrain.errors import PlanError
 
@@ -112,12 +113,12 @@ def _lookup(table: dict[str, Any], key: str, what: str) -> Any:
 
 def device(key: str) -> Device:
     """The catalog device ``key`` (case-insensitive); unknown keys list the valid ones."""
-    return _lookup(_devices(), key, "device")  # type: ignore[no-any-return]
+    return _lookup(_devices(), key, "device")
 
 
 def link(key: str) -> Link:
     """The catalog link ``key`` (case-insensitive); unknown keys list the valid ones."""
-    return _lookup(_links(), key, "link")  # type: ignore[no-any-return]
+    return _lookup(_links(), key, "link")
 
 
 def price(key: str) -> float | None:

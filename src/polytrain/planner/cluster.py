@@ -7,10 +7,11 @@ TOML file (see `load_cluster`). Pure Python, no torch.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from polytrain.errors import PlanError
 from polytrain.planner.catalog import Device, Link, device, device_names, link, link_names, price
@@ -58,9 +59,13 @@ class Cluster:
     def with_size(self, devices: int) -> Cluster:
         """The same hardware cut to ``devices`` devices (whole hosts first)."""
         if devices <= self.per_host:
-            return Cluster(1, devices, self.device, self.intra, self.inter, self.price_per_device_hour)
+            return Cluster(
+                1, devices, self.device, self.intra, self.inter, self.price_per_device_hour
+            )
         hosts = -(-devices // self.per_host)
-        return Cluster(hosts, self.per_host, self.device, self.intra, self.inter, self.price_per_device_hour)
+        return Cluster(
+            hosts, self.per_host, self.device, self.intra, self.inter, self.price_per_device_hour
+        )
 
 
 def parse_cluster(spec: str) -> Cluster:
@@ -82,26 +87,39 @@ def parse_cluster(spec: str) -> Cluster:
 def load_cluster(path: Path) -> Cluster:
     """A cluster TOML::
 
-        [cluster]
-        hosts = 4
-        devices_per_host = 8
-        device = "H100"
-        inter_link = "ib400"        # needed when hosts > 1
-        intra_link = "nvlink4"      # optional: the device's default
-        price_per_device_hour = 2.5 # optional: the catalog's on-demand price
+    [cluster]
+    hosts = 4
+    devices_per_host = 8
+    device = "H100"
+    inter_link = "ib400"        # needed when hosts > 1
+    intra_link = "nvlink4"      # optional: the device's default
+    price_per_device_hour = 2.5 # optional: the catalog's on-demand price
     """
     if not path.is_file():
-        raise PlanError(f"cluster file {str(path)!r} does not exist: give a path or a spec ({_FORM})")
+        raise PlanError(
+            f"cluster file {str(path)!r} does not exist: give a path or a spec ({_FORM})"
+        )
     try:
         data: dict[str, Any] = tomllib.loads(path.read_text()).get("cluster", {})
     except tomllib.TOMLDecodeError as exc:
         raise PlanError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from None
-    known = {"hosts", "devices_per_host", "device", "inter_link", "intra_link", "price_per_device_hour"}
+    known = {
+        "hosts",
+        "devices_per_host",
+        "device",
+        "inter_link",
+        "intra_link",
+        "price_per_device_hour",
+    }
     unknown = sorted(set(data) - known)
     if unknown:
-        raise PlanError(f"cluster file {str(path)!r}: unknown key {unknown[0]!r}: expected {', '.join(sorted(known))}")
+        raise PlanError(
+            f"cluster file {str(path)!r}: unknown key {unknown[0]!r}: expected {', '.join(sorted(known))}"
+        )
     if "device" not in data:
-        raise PlanError(f"cluster file {str(path)!r} names no device: add device = one of {', '.join(device_names())}")
+        raise PlanError(
+            f"cluster file {str(path)!r} names no device: add device = one of {', '.join(device_names())}"
+        )
     price_in = data.get("price_per_device_hour")
     return _build(
         int(data.get("hosts", 1)),
@@ -125,7 +143,9 @@ def _build(
     origin: str,
 ) -> Cluster:
     if hosts < 1 or per_host < 1:
-        raise PlanError(f"cluster {origin!r} has {hosts} hosts x {per_host} devices: both must be >= 1")
+        raise PlanError(
+            f"cluster {origin!r} has {hosts} hosts x {per_host} devices: both must be >= 1"
+        )
     dev = device(dev_key)
     if hosts > 1 and inter_key is None:
         raise PlanError(

@@ -86,7 +86,11 @@ def device_counts(cluster: Cluster, lo: int, hi: int) -> list[int]:
         if n >= lo:
             out.add(n)
         n *= 2
-    out |= {h * cluster.per_host for h in range(1, cluster.hosts + 1) if lo <= h * cluster.per_host <= hi}
+    out |= {
+        h * cluster.per_host
+        for h in range(1, cluster.hosts + 1)
+        if lo <= h * cluster.per_host <= hi
+    }
     return sorted(out)
 
 
@@ -94,7 +98,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(n: int, stats: ModelStats, cluster: Cluster, global_batch: int) -> Iterator[Layout]:
+def enumerate_layouts(
+    n: int, stats: ModelStats, cluster: Cluster, global_batch: int
+) -> Iterator[Layout]:
     """Every layout on ``n`` devices the runtime can run (its pre-flight rules) for the batch."""
     blocks = len(stats.blocks)
     for tp in _divisors(n):
@@ -118,7 +124,14 @@ def enumerate_layouts(n: int, stats: ModelStats, cluster: Cluster, global_batch:
                     for schedule in SCHEDULES:
                         if schedule == "pipedream" and tp > 1:
                             continue  # pre-flight rejects tp with PipeDream
-                        yield Layout(dp=dp, tp=tp, pp=pp, schedule=schedule, microbatches=m, recompute=recompute)
+                        yield Layout(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            schedule=schedule,
+                            microbatches=m,
+                            recompute=recompute,
+                        )
     for servers in (1, 2):
         workers = n - servers
         if workers >= 1 and global_batch % workers == 0:
@@ -166,7 +179,9 @@ def search(req: PlanRequest) -> PlanResult:
         env = Env(cluster, req.dtype, req.profile, req.bucket_bytes)
         fit_plain: set[tuple[int, int, int]] = set()
         for layout in enumerate_layouts(n, req.stats, cluster, req.global_batch):
-            if not req.allow_async and (layout.schedule == "pipedream" and layout.pp > 1 or layout.ps_mode != "sync"):
+            if not req.allow_async and (
+                (layout.schedule == "pipedream" and layout.pp > 1) or layout.ps_mode != "sync"
+            ):
                 continue  # [Note: synchronous by default]
             if layout.recompute and (layout.dp, layout.tp, layout.pp) in fit_plain:
                 continue  # [Note: pruning] recomputation only adds time once memory fits
@@ -186,7 +201,13 @@ def _judge(pred: Prediction, total: float, cost: float | None, req: PlanRequest)
     if req.budget is not None and cost is not None and cost > req.budget:
         return Plan(pred, total, cost, False, f"over budget (${cost:.2f} > ${req.budget:.2f})")
     if req.deadline_s is not None and total > req.deadline_s:
-        return Plan(pred, total, cost, False, f"misses the deadline ({_dur(total)} > {_dur(req.deadline_s)})")
+        return Plan(
+            pred,
+            total,
+            cost,
+            False,
+            f"misses the deadline ({_dur(total)} > {_dur(req.deadline_s)})",
+        )
     return Plan(pred, total, cost, True)
 
 
@@ -201,7 +222,9 @@ def _key(plan: Plan, objective: Objective) -> tuple[float, float, int]:
 def _rank(plans: list[Plan], objective: Objective, req: PlanRequest) -> PlanResult:
     meeting = sorted((p for p in plans if p.meets), key=lambda p: _key(p, objective))
     fitting = [p for p in plans if p.prediction.fits]
-    rest = sorted((p for p in plans if not p.meets), key=lambda p: (not p.prediction.fits, _key(p, objective)))
+    rest = sorted(
+        (p for p in plans if not p.meets), key=lambda p: (not p.prediction.fits, _key(p, objective))
+    )
     if meeting:
         best = meeting[0]
         ranked = [best] + [replace(p, why=_why_lost(p, best, objective)) for p in meeting[1:]]
@@ -223,7 +246,12 @@ def _why_lost(plan: Plan, best: Plan, objective: Objective) -> str:
     b = plan.prediction.breakdown
     step = plan.prediction.step_s or 1.0
     comm = b.get("dp_comm", 0.0) + b.get("tp_comm", 0.0)
-    if objective == "cost" and plan.cost is not None and best.cost is not None and plan.cost > best.cost:
+    if (
+        objective == "cost"
+        and plan.cost is not None
+        and best.cost is not None
+        and plan.cost > best.cost
+    ):
         if plan.total_s < best.total_s:
             return f"faster but costs ${plan.cost - best.cost:.2f} more"
     if b.get("bubble", 0.0) / step >= 0.15 and b.get("bubble", 0.0) >= comm:
@@ -245,7 +273,11 @@ def _what_would_fit(plans: list[Plan], req: PlanRequest) -> str:
         return f"no layout of the model on {req.cluster.describe()} exists for a batch of {req.global_batch}"
     need = least.prediction.memory_per_rank
     bigger = [k for k in device_names() if device(k).memory >= need and k != "cpu"]
-    where = f"devices with at least {need / 2**30:.1f} GiB: {', '.join(bigger)}" if bigger else "no catalog device is that large"
+    where = (
+        f"devices with at least {need / 2**30:.1f} GiB: {', '.join(bigger)}"
+        if bigger
+        else "no catalog device is that large"
+    )
     # Model states and activations shrink about linearly with devices in the leanest layouts.
     devices = -(-least.devices * need // have.memory)
     return (

@@ -60,7 +60,9 @@ class Env:
     def flops_rate(self) -> float:
         """Achieved FLOP/s: measured when calibrated, else catalog peak x efficiency."""
         if self.profile is not None and self.profile.matmul_flops:
-            rate = self.profile.matmul_flops.get(self.dtype) or self.profile.matmul_flops.get("fp32")
+            rate = self.profile.matmul_flops.get(self.dtype) or self.profile.matmul_flops.get(
+                "fp32"
+            )
             if rate:
                 return rate
         dev = self.cluster.device
@@ -101,7 +103,11 @@ class Env:
         measured = self._measured(op, nbytes, size, link)
         if measured is not None:
             return measured
-        return ring_factor(op, size) * nbytes / link.bandwidth + _hops(op, size) * link.latency + link.base
+        return (
+            ring_factor(op, size) * nbytes / link.bandwidth
+            + _hops(op, size) * link.latency
+            + link.base
+        )
 
     def p2p_s(self, nbytes: float, stride: int) -> float:
         """One message to the rank ``stride`` away."""

@@ -17,7 +17,9 @@ from polytrain.planner.cost.overlap import overlap
 __all__ = ["bucket_sizes", "dp_backward"]
 
 
-def bucket_sizes(grad_bytes_reversed: Sequence[float], bucket_bytes: float) -> list[list[tuple[int, float]]]:
+def bucket_sizes(
+    grad_bytes_reversed: Sequence[float], bucket_bytes: float
+) -> list[list[tuple[int, float]]]:
     """For each block in backward order, the buckets that become full when it ends, as
     (count, bytes) pairs. The last, partly filled bucket closes with the last block (DDP
     flushes it at the end of backward)."""
@@ -49,5 +51,7 @@ def dp_backward(
     if dp <= 1:
         return sum(rev_s), 0.0
     buckets = bucket_sizes(list(reversed(grad_bytes)), env.bucket_bytes)
-    after = [sum(c * env.collective_s("all_reduce", b, dp, stride) for c, b in bs) for bs in buckets]
+    after = [
+        sum(c * env.collective_s("all_reduce", b, dp, stride) for c, b in bs) for bs in buckets
+    ]
     return overlap(rev_s, after=after)

@@ -52,7 +52,14 @@ def _gib(nbytes: float) -> str:
 
 
 def _block_times(
-    env: Env, blocks: Sequence[BlockStats], samples: float, tp: int, recompute: bool, *, first: int, last: int
+    env: Env,
+    blocks: Sequence[BlockStats],
+    samples: float,
+    tp: int,
+    recompute: bool,
+    *,
+    first: int,
+    last: int,
 ) -> tuple[list[float], list[float], float]:
     """Per-block forward and backward seconds (compute / tp + tensor-parallel collectives)
     and the tensor-parallel share of them. ``first``/``last``: model indices of the ends."""
@@ -73,10 +80,14 @@ def _optimizer(layout: Layout, stats: ModelStats, env: Env, params: float) -> fl
     return env.optimizer_s(shard, stats.optimizer_state_per_param, stats.dtype_bytes)
 
 
-def _spmd(layout: Layout, stats: ModelStats, env: Env, mb_samples: float) -> tuple[float, dict[str, float]]:
+def _spmd(
+    layout: Layout, stats: ModelStats, env: Env, mb_samples: float
+) -> tuple[float, dict[str, float]]:
     blocks = stats.blocks
     n = len(blocks)
-    fwd, bwd, tp_s = _block_times(env, blocks, mb_samples, layout.tp, layout.recompute, first=0, last=n - 1)
+    fwd, bwd, tp_s = _block_times(
+        env, blocks, mb_samples, layout.tp, layout.recompute, first=0, last=n - 1
+    )
     compute = (sum(fwd) + sum(bwd)) * layout.grad_accum
     tp_s *= layout.grad_accum
     grad_bytes = [b.param_bytes / layout.tp for b in blocks]
@@ -107,7 +118,11 @@ def _spmd(layout: Layout, stats: ModelStats, env: Env, mb_samples: float) -> tup
 
 
 def _pipeline(
-    layout: Layout, stats: ModelStats, env: Env, stages: Sequence[Sequence[BlockStats]], mb_samples: float
+    layout: Layout,
+    stats: ModelStats,
+    env: Env,
+    stages: Sequence[Sequence[BlockStats]],
+    mb_samples: float,
 ) -> tuple[float, dict[str, float]]:
     n = len(stats.blocks)
     fwd_s, bwd_s, send_f, send_b, tp_total = [], [], [], [], 0.0
@@ -131,7 +146,9 @@ def _pipeline(
     # parallel: the slowest stage's is on the critical path. PipeDream's is deferred into
     # the next step (StepOutput.complete) and hides behind it.
     dp_s = max(
-        env.collective_s("all_reduce", sum(b.param_bytes for b in blocks) / layout.tp, layout.dp, layout.tp)
+        env.collective_s(
+            "all_reduce", sum(b.param_bytes for b in blocks) / layout.tp, layout.dp, layout.tp
+        )
         for blocks in stages
     )
     if layout.schedule == "pipedream":
@@ -152,12 +169,18 @@ def _pipeline(
 def _input_bytes(block: BlockStats) -> float:
     if block.linears:
         fan_in, fan_out = block.linears[0]
-        return block.output_bytes * fan_in / fan_out if block.rows_per_sample else block.output_bytes
+        return (
+            block.output_bytes * fan_in / fan_out if block.rows_per_sample else block.output_bytes
+        )
     return block.output_bytes
 
 
-def _ps(layout: Layout, stats: ModelStats, env: Env, replica_samples: float) -> tuple[float, dict[str, float]]:
-    compute = sum(env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks)
+def _ps(
+    layout: Layout, stats: ModelStats, env: Env, replica_samples: float
+) -> tuple[float, dict[str, float]]:
+    compute = sum(
+        env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
+    )
     step, comm = ps_step(
         env,
         layout.ps_mode,
@@ -169,4 +192,10 @@ def _ps(layout: Layout, stats: ModelStats, env: Env, replica_samples: float) -> 
         stats.optimizer_state_per_param,
         stats.dtype_bytes,
     )
-    return step, {"compute": compute, "tp_comm": 0.0, "dp_comm": comm, "bubble": 0.0, "optimizer": 0.0}
+    return step, {
+        "compute": compute,
+        "tp_comm": 0.0,
+        "dp_comm": comm,
+        "bubble": 0.0,
+        "optimizer": 0.0,
+    }

@@ -13,7 +13,7 @@ from __future__ import annotations
 from polytrain.planner.cost.common import Env
 from polytrain.planner.types import BlockStats
 
-__all__ = ["dense_s", "sf_s", "sf_block_s"]
+__all__ = ["dense_s", "sf_block_s", "sf_s"]
 
 
 def dense_s(env: Env, fan_in: int, fan_out: int, dp: int, dtype_bytes: int) -> float:
@@ -28,7 +28,9 @@ def sf_s(env: Env, fan_in: int, fan_out: int, rows: float, dp: int, dtype_bytes:
     return env.collective_s("all_gather", gathered, dp, 1) + multiply
 
 
-def sf_block_s(env: Env, block: BlockStats, samples: float, dp: int, dtype_bytes: int) -> tuple[float, float]:
+def sf_block_s(
+    env: Env, block: BlockStats, samples: float, dp: int, dtype_bytes: int
+) -> tuple[float, float]:
     """(seconds with late multiply, bytes left to the ordinary all-reduce) for one block.
 
     Layers where the factors are larger than the matrix keep the dense all-reduce (the

@@ -21,7 +21,9 @@ def collectives_per_pass(block: BlockStats, first: bool, last: bool) -> int:
     return 1 if (first or last) else 2
 
 
-def tp_comm_s(env: Env, block: BlockStats, samples: float, tp: int, *, first: bool, last: bool) -> float:
+def tp_comm_s(
+    env: Env, block: BlockStats, samples: float, tp: int, *, first: bool, last: bool
+) -> float:
     """Seconds of one pass's (forward or backward) tensor-parallel collectives for ``block``."""
     if tp <= 1:
         return 0.0

@@ -35,5 +35,7 @@ def zero_step(
     f_end, f_exposed = overlap(list(fwd_s), before=gather)
     rev = list(reversed(range(len(bwd_s))))
     b_before = [gather[k] for k in rev] if stage == 3 else None
-    b_end, b_exposed = overlap([bwd_s[k] for k in rev], before=b_before, after=[scatter[k] for k in rev])
+    b_end, b_exposed = overlap(
+        [bwd_s[k] for k in rev], before=b_before, after=[scatter[k] for k in rev]
+    )
     return f_end, b_end, f_exposed + b_exposed
