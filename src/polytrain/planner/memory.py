@@ -113,9 +113,9 @@ def _stage(
         activations = kept * in_flight + max(b.saved_bytes for b in blocks) * mb_samples / tp
     else:
         activations = saved * in_flight
+    # DDP runs with gradient_as_bucket_view=True (parallel/data_parallel.py): the gradients
+    # are views into its buckets, so its buckets cost nothing beyond `grads`.
     buffers = 0.0
-    if layout.sync == "allreduce" and layout.zero == 0 and dp > 1:
-        buffers += p_bytes  # DDP's flat bucket copy of the gradients
     if layout.zero == 3:
         # the gathered parameters of the current and the prefetched block
         largest = max(b.param_bytes for b in blocks) / tp

@@ -132,6 +132,8 @@ def enumerate_layouts(
                             microbatches=m,
                             recompute=recompute,
                         )
+    if cluster.device.key != "cpu":
+        return  # ps/checks.py: parameter servers run on CPU workers only
     for servers in (1, 2):
         workers = n - servers
         if workers >= 1 and global_batch % workers == 0:
