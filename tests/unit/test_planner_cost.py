@@ -133,3 +133,24 @@ def test_more_replicas_split_the_compute() -> None:
     # the same compute with recomputation costs one more forward
     rec = predict(Layout(dp=1, recompute=True), stats, env, 64)
     assert rec.breakdown["compute"] == pytest.approx(one.breakdown["compute"] * 4 / 3, rel=1e-6)
+
+
+def test_a_calibrated_profile_replaces_the_catalog_inside_its_host() -> None:
+    from polytrain.planner.types import Curve, HostProfile
+
+    curve = Curve(((1e3, 1e-4), (1e6, 1e-2)))
+    profile = HostProfile(
+        fingerprint="test",
+        device="cpu",
+        matmul_flops={"fp32": 5e10},
+        mem_bw=1e10,
+        collectives={"all_reduce": {2: curve}},
+    )
+    env = Env(parse_cluster("2x2xcpu:eth10"), profile=profile)
+    assert env.flops_rate == 5e10
+    assert env.mem_bw == 1e10
+    # measured curve inside the host (interpolated), rescaled for an unmeasured world size
+    assert env.collective_s("all_reduce", 5e5, 2, 1) == pytest.approx(curve.seconds(5e5))
+    # a group that leaves the host uses the catalog link, not the loopback measurement
+    eth = 2 * 1 / 2 * 5e5 / 1.25e9 + 2 * 14e-6 + 8.4e-6
+    assert env.collective_s("all_reduce", 5e5, 2, 2) == pytest.approx(eth)

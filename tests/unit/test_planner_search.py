@@ -25,6 +25,8 @@ def test_layouts_respect_the_runtime_rules() -> None:
     layouts = list(enumerate_layouts(8, SMALL, c, 32))
     assert all(lay.devices == 8 for lay in layouts)
     assert all(lay.tp in (1, 2, 4) for lay in layouts)  # tp tiles a host of 4
+    three_heads = gpt_stats(n_layer=2, n_embd=96, n_head=3, block_size=16, vocab_size=10)
+    assert {lay.tp for lay in enumerate_layouts(4, three_heads, c, 8)} == {1}
     assert not any(lay.schedule == "pipedream" and lay.tp > 1 and lay.pp > 1 for lay in layouts)
     assert not any(lay.zero and lay.pp > 1 for lay in layouts)
     # parameter servers: 4 workers + 1 server divide the batch of 32, 3 + 2 do not

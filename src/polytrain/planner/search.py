@@ -106,6 +106,8 @@ def enumerate_layouts(
     for tp in _divisors(n):
         if cluster.per_host % tp:  # tensor parallel stays inside a host and tiles it
             continue
+        if tp > 1 and stats.tp_divisor and stats.tp_divisor % tp:
+            continue  # heads (or the hidden width) must split evenly
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
             if pp > blocks or global_batch % dp:

@@ -82,6 +82,7 @@ def transformer_stats(
         dtype_bytes=param_bytes,
         tokens_per_sample=T,
         optimizer_state_per_param=optimizer_state_per_param,
+        tp_divisor=n_head,  # heads split evenly over the tensor-parallel ranks
     )
 
 
@@ -154,4 +155,5 @@ def mlp_stats(
         dtype_bytes=4,
         tokens_per_sample=1,
         optimizer_state_per_param=optimizer_state_per_param,
+        tp_divisor=n_embd,  # colwise/rowwise pairs split the hidden width
     )

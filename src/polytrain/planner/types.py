@@ -41,6 +41,7 @@ class ModelStats:
     dtype_bytes: int = 4
     tokens_per_sample: int = 1
     optimizer_state_per_param: int = 2  # AdamW: exp_avg + exp_avg_sq; SGD momentum: 1
+    tp_divisor: int = 0  # a tensor-parallel degree must divide this (attention heads); 0 = any
 
     @property
     def params(self) -> int:
