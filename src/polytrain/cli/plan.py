@@ -22,7 +22,7 @@ from polytrain.cli.train import resolve_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
 from polytrain.planner.cluster import parse_cluster
-from polytrain.planner.search import Plan, PlanRequest, PlanResult, search
+from polytrain.planner.search import Plan, PlanRequest, PlanResult, duration_text, search
 from polytrain.planner.stats_pure import gpt_stats, mlp_stats
 from polytrain.planner.types import ModelStats
 
@@ -101,50 +101,29 @@ def stats_for_job(job: JobConfig) -> ModelStats:
         stats: ModelStats = measured.model_stats(job)
         return stats
     m = job.model
-    act_bytes = 2 if job.train.dtype == "bf16" else 4
-    states = 2 if job.optim.name == "adamw" else (1 if job.optim.momentum else 0)
+    if m.name not in ("gpt", "mlp"):
+        raise PlanError(
+            f"model.name = {m.name!r}: the analytic planner statistics know gpt and mlp only; "
+            "planner.stats (meta-device measurement) is needed for a user model"
+        )
+    from polytrain.models.registry import model_dims
+
+    dims = model_dims(m)
+    common = {
+        "vocab_size": _vocab_size(job),
+        "act_bytes": 2 if job.train.dtype == "bf16" else 4,
+        "optimizer_state_per_param": 2
+        if job.optim.name == "adamw"
+        else int(job.optim.momentum > 0),
+    }
     if m.name == "gpt":
-        from polytrain.models.gpt import SIZES as GPT_SIZES
-
-        dims = {**GPT_SIZES.get(m.size, GPT_SIZES["tiny"])}
-        for key in ("n_layer", "n_embd", "n_head", "block_size"):
-            if getattr(m, key) is not None:
-                dims[key] = getattr(m, key)
-        return gpt_stats(
-            **dims,
-            vocab_size=_vocab_size(job),
-            act_bytes=act_bytes,
-            optimizer_state_per_param=states,
-        )
-    if m.name == "mlp":
-        from polytrain.models.mlp import SIZES as MLP_SIZES
-
-        dims = {**MLP_SIZES.get(m.size, MLP_SIZES["tiny"])}
-        for key in ("n_layer", "n_embd", "block_size"):
-            if getattr(m, key) is not None:
-                dims[key] = getattr(m, key)
-        return mlp_stats(
-            **dims,
-            vocab_size=_vocab_size(job),
-            act_bytes=act_bytes,
-            optimizer_state_per_param=states,
-        )
-    raise PlanError(
-        f"model.name = {m.name!r}: the analytic planner statistics know gpt and mlp only; "
-        "planner.stats (meta-device measurement) is needed for a user model"
-    )
+        return gpt_stats(**dims, **common)
+    dims.pop("n_head", None)
+    return mlp_stats(**dims, **common)
 
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
-
-
-def _dur(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:.2f} h"
-    if seconds >= 60:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds:.1f} s"
 
 
 def _money(cost: float | None) -> str:
@@ -192,7 +171,7 @@ def _table(title: str, plans: list[Plan], global_batch: int) -> Table:
             f"{pred.step_s * 1e3:.1f} ms",
             f"{global_batch / pred.step_s:,.1f}" if pred.step_s else "-",
             _gib(pred.memory_per_rank),
-            _dur(p.total_s),
+            duration_text(p.total_s),
             _money(p.cost),
             p.why or ("chosen" if i == 1 and p.meets else ""),
         )
@@ -214,7 +193,7 @@ def _explain(best: Plan, result: PlanResult, device_key: str) -> str:
     return (
         f"plan: {best.devices} x {device_key}, {best.layout.describe()}: {goal} layout that fits and meets "
         f"the limits; step {best.prediction.step_s * 1e3:.1f} ms ({', '.join(parts)}), "
-        f"{_dur(best.total_s)} to finish, {_money(best.cost)}"
+        f"{duration_text(best.total_s)} to finish, {_money(best.cost)}"
     )
 
 

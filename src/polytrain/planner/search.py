@@ -18,7 +18,15 @@ from polytrain.planner.cluster import Cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.types import HostProfile, Layout, ModelStats, Prediction
 
-__all__ = ["Plan", "PlanRequest", "PlanResult", "device_counts", "enumerate_layouts", "search"]
+__all__ = [
+    "Plan",
+    "PlanRequest",
+    "PlanResult",
+    "device_counts",
+    "duration_text",
+    "enumerate_layouts",
+    "search",
+]
 
 Objective = Literal["time", "cost"]
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
@@ -210,7 +218,7 @@ def _judge(pred: Prediction, total: float, cost: float | None, req: PlanRequest)
             total,
             cost,
             False,
-            f"misses the deadline ({_dur(total)} > {_dur(req.deadline_s)})",
+            f"misses the deadline ({duration_text(total)} > {duration_text(req.deadline_s)})",
         )
     return Plan(pred, total, cost, True)
 
@@ -240,7 +248,7 @@ def _rank(plans: list[Plan], objective: Objective, req: PlanRequest) -> PlanResu
         if req.budget is not None:
             limits.append(f"a budget of ${req.budget:.2f}")
         if req.deadline_s is not None:
-            limits.append(f"a deadline of {_dur(req.deadline_s)}")
+            limits.append(f"a deadline of {duration_text(req.deadline_s)}")
         note = f"no layout meets {' and '.join(limits)}: the cheapest and the fastest instead"
         return PlanResult(rest, objective, note, {"cheapest": cheapest, "fastest": fastest})
     return PlanResult(rest, objective, _what_would_fit(rest, req))
@@ -291,7 +299,8 @@ def _what_would_fit(plans: list[Plan], req: PlanRequest) -> str:
     )
 
 
-def _dur(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """``2.00 h``, ``12.5 min`` or ``42.0 s``."""
     if seconds >= 3600:
         return f"{seconds / 3600:.2f} h"
     if seconds >= 60:
