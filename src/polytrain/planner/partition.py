@@ -18,11 +18,19 @@ __all__ = ["balanced_stages"]
 
 def balanced_stages(blocks: Sequence[BlockStats], num_stages: int) -> list[list[BlockStats]]:
     """Split ``blocks`` into ``num_stages`` non-empty runs minimizing the largest run's cost."""
+    return [list(stage) for stage in _balanced(tuple(blocks), num_stages)]
+
+
+@cache
+def _balanced(
+    blocks: tuple[BlockStats, ...], num_stages: int
+) -> tuple[tuple[BlockStats, ...], ...]:
+    # cached: the search asks for the same model's split once per layout
     n = len(blocks)
     if num_stages > n:
         raise PlanError(f"{num_stages} pipeline stages for a model of {n} blocks: use at most {n}")
     if num_stages == 1:
-        return [list(blocks)]
+        return (blocks,)
     total_flops = sum(b.fwd_flops for b in blocks) or 1.0
     total_bytes = sum(b.param_bytes for b in blocks) or 1.0
     cost = [b.fwd_flops / total_flops + 1e-3 * b.param_bytes / total_bytes for b in blocks]
@@ -44,10 +52,10 @@ def balanced_stages(blocks: Sequence[BlockStats], num_stages: int) -> list[list[
             out = min(out, (max(first, rest), j))
         return out
 
-    stages: list[list[BlockStats]] = []
+    stages: list[tuple[BlockStats, ...]] = []
     i = 0
     for k in range(num_stages, 0, -1):
         j = best(i, k)[1]
-        stages.append(list(blocks[i:j]))
+        stages.append(blocks[i:j])
         i = j
-    return stages
+    return tuple(stages)

@@ -17,6 +17,7 @@ factor above when the exact one was not measured).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from polytrain.planner.catalog import Link
 from polytrain.planner.cluster import Cluster
@@ -56,7 +57,7 @@ class Env:
     straggler_s: float = 0.0  # extra seconds the slowest worker takes per step
 
     # -- compute -------------------------------------------------------------------------
-    @property
+    @cached_property
     def flops_rate(self) -> float:
         """Achieved FLOP/s: measured when calibrated, else catalog peak x efficiency."""
         if self.profile is not None and self.profile.matmul_flops:
