@@ -91,7 +91,13 @@ def predicted_tflops(s: Setup) -> float:
     return megatron_flops(s) / (pred.step_s * s.layout.devices) / 1e12
 
 
-@pytest.mark.parametrize("setup", SETUPS, ids=[s.name for s in SETUPS])
+def _param(s: Setup) -> object:
+    # 64 stages x 512 micro-batches: a second or more of simulation, several under load
+    slow = s.layout.pp * s.layout.microbatches > 10_000
+    return pytest.param(s, id=s.name, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("setup", [_param(s) for s in SETUPS])
 def test_prediction_matches_the_doc(setup: Setup) -> None:
     assert setup.layout.devices == setup.cluster.size
     doc_value, doc_within = DOC_ROWS[setup.name]
