@@ -61,6 +61,8 @@ def test_zero3_moves_half_again_the_bytes_of_zero2() -> None:
     one = slow.collective_s("all_gather", 1e8, 2, 1)
     assert e2 == pytest.approx(8 * one, rel=0.01)  # 4 gathers + 4 scatters
     assert e3 == pytest.approx(12 * one, rel=0.01)  # + 4 gathers again in backward
+    _, _, quiet = zero_step(slow, 3, fwd, bwd, pb, dp=2, stride=1, scatter=False)
+    assert quiet == pytest.approx(8 * one, rel=0.01)  # accumulation micro-step: no scatter
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -34,6 +34,8 @@ def test_zero_shards_what_its_stage_says() -> None:
     assert z3.model_states == z2.model_states
     assert z3.total < z2.total
     assert z3.total < _mem(Layout(dp=4)).total
+    # accumulating under FSDP2 (gradient sync off until the last micro-step) keeps full grads
+    assert _mem(Layout(dp=4, zero=3, grad_accum=2)).grads == WEIGHTS
 
 
 def test_tensor_parallel_divides_weights_and_activations() -> None:

@@ -95,7 +95,8 @@ def _stage(
     tp, dp = layout.tp, layout.dp
     p_bytes = sum(b.param_bytes for b in blocks) / tp
     weights = p_bytes / dp if layout.zero >= 2 else p_bytes  # FSDP2 keeps only the shard
-    grads = p_bytes / dp if layout.zero >= 2 else p_bytes
+    # FSDP2 without gradient sync (accumulation micro-steps) keeps unsharded gradients
+    grads = p_bytes / dp if layout.zero >= 2 and layout.grad_accum == 1 else p_bytes
     state_bytes = p_bytes * stats.optimizer_state_per_param
     optimizer = state_bytes / dp if layout.zero >= 2 else state_bytes
     if layout.sync == "ps":  # workers keep no optimizer state; servers hold it (1/K each)

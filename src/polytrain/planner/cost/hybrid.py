@@ -93,9 +93,15 @@ def _spmd(
     grad_bytes = [b.param_bytes / layout.tp for b in blocks]
     dp, stride = layout.dp, layout.tp
     if layout.zero:
+        # FSDP2 gathers every micro-step; with accumulation it reduce-scatters on the last only
         f_end, b_end, exposed = zero_step(env, layout.zero, fwd, bwd, grad_bytes, dp, stride)
-        step = (f_end + b_end) * layout.grad_accum  # FSDP2 gathers and scatters every micro-step
-        exposed *= layout.grad_accum
+        step = f_end + b_end
+        if layout.grad_accum > 1:
+            f0, b0, e0 = zero_step(
+                env, layout.zero, fwd, bwd, grad_bytes, dp, stride, scatter=False
+            )
+            step += (f0 + b0) * (layout.grad_accum - 1)
+            exposed += e0 * (layout.grad_accum - 1)
     else:
         sf_s = 0.0
         if layout.sufficient_factor:

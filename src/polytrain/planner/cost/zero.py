@@ -27,15 +27,22 @@ def zero_step(
     param_bytes: Sequence[float],
     dp: int,
     stride: int,
+    *,
+    scatter: bool = True,
 ) -> tuple[float, float, float]:
     """(forward end, backward end, exposed communication) of one micro-step, blocks in forward
-    order; ``param_bytes[k]`` is block ``k``'s unsharded size on this rank (already / tp)."""
+    order; ``param_bytes[k]`` is block ``k``'s unsharded size on this rank (already / tp).
+
+    ``scatter=False``: an accumulation micro-step before the last, where the strategy turns
+    gradient sync off (``set_requires_gradient_sync(False)``): gathers, no reduce-scatter."""
     gather = [env.collective_s("all_gather", b, dp, stride) for b in param_bytes]
-    scatter = [env.collective_s("reduce_scatter", b, dp, stride) for b in param_bytes]
+    scatter_s = [
+        env.collective_s("reduce_scatter", b, dp, stride) if scatter else 0.0 for b in param_bytes
+    ]
     f_end, f_exposed = overlap(list(fwd_s), before=gather)
     rev = list(reversed(range(len(bwd_s))))
     b_before = [gather[k] for k in rev] if stage == 3 else None
     b_end, b_exposed = overlap(
-        [bwd_s[k] for k in rev], before=b_before, after=[scatter[k] for k in rev]
+        [bwd_s[k] for k in rev], before=b_before, after=[scatter_s[k] for k in rev]
     )
     return f_end, b_end, f_exposed + b_exposed
