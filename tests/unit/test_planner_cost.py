@@ -156,3 +156,14 @@ def test_a_calibrated_profile_replaces_the_catalog_inside_its_host() -> None:
     # a group that leaves the host uses the catalog link, not the loopback measurement
     eth = 2 * 1 / 2 * 5e5 / 1.25e9 + 2 * 14e-6 + 8.4e-6
     assert env.collective_s("all_reduce", 5e5, 2, 2) == pytest.approx(eth)
+
+
+def test_pipeline_accumulation_reruns_the_flushed_program() -> None:
+    # PipelineStrategy runs the m-micro-batch program once per accumulation micro-step
+    stats = gpt_stats(n_layer=4, n_embd=256, n_head=4, block_size=64, vocab_size=64)
+    env = Env(parse_cluster("1x2xA100-40GB"))
+    one = predict(Layout(pp=2, microbatches=4), stats, env, 16)
+    two = predict(Layout(pp=2, microbatches=4, grad_accum=2), stats, env, 32)
+    opt = one.breakdown["optimizer"]
+    assert two.step_s - opt == pytest.approx(2 * (one.step_s - opt))
+    assert two.breakdown["bubble"] == pytest.approx(2 * one.breakdown["bubble"])

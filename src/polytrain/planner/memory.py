@@ -76,7 +76,8 @@ def _in_flight(layout: Layout) -> list[int]:
     """Micro-batches whose activations a stage holds at once, from the schedule itself."""
     if layout.pp <= 1:
         return [1]
-    return list(_peaks(layout.schedule, layout.pp, layout.microbatches * layout.grad_accum))
+    # accumulation reruns the same m-micro-batch program, so it adds nothing in flight
+    return list(_peaks(layout.schedule, layout.pp, layout.microbatches))
 
 
 @cache

@@ -146,8 +146,10 @@ def _pipeline(
         send_f.append(env.p2p_s(out, pp_stride))
         inp = _input_bytes(blocks[0]) * mb_samples / layout.tp
         send_b.append(env.p2p_s(inp, pp_stride))
-    micro = layout.microbatches * layout.grad_accum
-    timing = pipeline_step(layout.schedule, micro, fwd_s, bwd_s, send_f, send_b)
+    timing = pipeline_step(layout.schedule, layout.microbatches, fwd_s, bwd_s, send_f, send_b)
+    # PipelineStrategy.train_step runs the m-micro-batch program once per accumulation
+    # micro-step, each with its flush (PipeDream streams instead and ignores accumulation).
+    runs = 1 if layout.schedule == "pipedream" else layout.grad_accum
     # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, stage by stage in
     # parallel: the slowest stage's is on the critical path. PipeDream's is deferred into
     # the next step (StepOutput.complete) and hides behind it.
@@ -161,13 +163,13 @@ def _pipeline(
         dp_s = max(0.0, dp_s - timing.per_step)
     params = max(sum(b.params for b in blocks) for blocks in stages)
     opt = _optimizer(layout, stats, env, params * layout.tp)
-    step = timing.per_step + dp_s + opt
-    compute = max(timing.busy)
+    step = timing.per_step * runs + dp_s + opt
+    tp_s = tp_total * layout.microbatches * runs
     return step, {
-        "compute": compute - tp_total * micro,
-        "tp_comm": tp_total * micro,
+        "compute": max(timing.busy) * runs - tp_s,
+        "tp_comm": tp_s,
         "dp_comm": dp_s,
-        "bubble": timing.bubble,
+        "bubble": timing.bubble * runs,
         "optimizer": opt,
     }
 
