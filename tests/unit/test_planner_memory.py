@@ -51,7 +51,15 @@ def test_pipeline_in_flight_microbatches_come_from_the_schedule() -> None:
     assert gpipe.activations == 8 * 2 * 1000.0
     assert ofob.activations == 2 * 2 * 1000.0
     pd = _mem(Layout(pp=2, schedule="pipedream", microbatches=8), mb=1.0)
-    assert pd.weights == 2 * (2 * 4 * P)  # stage 0 stashes p - s = 2 weight versions
+    # stage 0 stashes ceil((p - 1 - s) / m) + 1 = 2 versions (an update per step of m = 8)
+    assert pd.weights == 2 * (2 * 4 * P)
+    pd4 = memory_per_rank(
+        STATS,
+        Layout(pp=4, schedule="pipedream", microbatches=2),
+        balanced_stages(STATS.blocks, 4),
+        1.0,
+    )
+    assert pd4.weights == 3 * (4 * P)  # stage 0 of 4 with m = 2: ceil(3 / 2) + 1 = 3 versions
 
 
 def test_recomputation_keeps_block_inputs_only() -> None:

@@ -65,7 +65,7 @@ def memory_per_rank(
     in_flight = _in_flight(layout)
     best: MemoryEstimate | None = None
     for s, blocks in enumerate(stage_blocks):
-        est = _stage(stats, layout, blocks, microbatch_samples, in_flight[s])
+        est = _stage(stats, layout, blocks, microbatch_samples, in_flight[s], s)
         if best is None or est.total > best.total:
             best = est
     assert best is not None
@@ -92,6 +92,7 @@ def _stage(
     blocks: Sequence[BlockStats],
     mb_samples: float,
     in_flight: int,
+    stage_index: int,
 ) -> MemoryEstimate:
     tp, dp = layout.tp, layout.dp
     p_bytes = sum(b.param_bytes for b in blocks) / tp
@@ -103,9 +104,12 @@ def _stage(
     if layout.sync == "ps":  # workers keep no optimizer state; servers hold it (1/K each)
         optimizer = 0.0
     if layout.pp > 1 and layout.schedule == "pipedream":
-        # weight stashing: up to `in_flight` versions of the stage's weights (the live one
-        # counted above) [Note: PipeDream semantics]
-        weights += p_bytes * (in_flight - 1)
+        # Weight stashing with the default pipeline.pipedream_update = "step" (an update every
+        # m micro-batches): ceil((p - 1 - s) / m) + 1 versions, the live one counted above.
+        # The runtime's stash bound; one line here because its home moves in the pending
+        # merge (pipeline/partition.stashed_copies -> pipeline/schedule/pipedream.stash_bound).
+        copies = -(-(layout.pp - 1 - stage_index) // layout.microbatches) + 1
+        weights += p_bytes * (copies - 1)
     # Activations: tensor parallel splits the saved tensors of a Megatron layer across tp.
     saved = sum(b.saved_bytes for b in blocks) * mb_samples / tp
     if layout.recompute:

@@ -1,8 +1,9 @@
-"""Balanced contiguous stages for the cost model (pure).
+"""Stages for the cost model: the runtime's own partition search, fed from `BlockStats`.
 
-The runtime's ``pipeline.partition = "auto"`` balances measured stage times; the planner
-balances forward FLOPs (parameter bytes break ties for zero-FLOP blocks such as embeddings),
-minimizing the largest stage: the linear-partition dynamic program (as PipeDream's planner).
+`pipeline.partition.search_partition` is the dynamic program that ``pipeline.partition =
+"auto"`` runs on measured block profiles (PipeDream's planner: the fastest slowest stage, ties
+to the most even split). The planner runs the same search on profiles derived from FLOPs, so it
+prices the split the runtime would choose from a perfect profile. Pure, no torch.
 """
 
 from __future__ import annotations
@@ -11,51 +12,57 @@ from collections.abc import Sequence
 from functools import cache
 
 from polytrain.errors import PlanError
+from polytrain.pipeline.partition import BlockProfile, search_partition
 from polytrain.planner.types import BlockStats
 
 __all__ = ["balanced_stages"]
 
 
 def balanced_stages(blocks: Sequence[BlockStats], num_stages: int) -> list[list[BlockStats]]:
-    """Split ``blocks`` into ``num_stages`` non-empty runs minimizing the largest run's cost."""
-    return [list(stage) for stage in _balanced(tuple(blocks), num_stages)]
+    """Split ``blocks`` into ``num_stages`` contiguous non-empty stages, slowest stage fastest."""
+    if num_stages > len(blocks):
+        raise PlanError(
+            f"{num_stages} pipeline stages for a model of {len(blocks)} blocks: use at most "
+            f"{len(blocks)}"
+        )
+    return [list(stage) for stage in _split(tuple(blocks), num_stages)]
 
 
 @cache
-def _balanced(
-    blocks: tuple[BlockStats, ...], num_stages: int
-) -> tuple[tuple[BlockStats, ...], ...]:
+def _split(blocks: tuple[BlockStats, ...], num_stages: int) -> tuple[tuple[BlockStats, ...], ...]:
     # cached: the search asks for the same model's split once per layout
-    n = len(blocks)
-    if num_stages > n:
-        raise PlanError(f"{num_stages} pipeline stages for a model of {n} blocks: use at most {n}")
     if num_stages == 1:
         return (blocks,)
     total_flops = sum(b.fwd_flops for b in blocks) or 1.0
     total_bytes = sum(b.param_bytes for b in blocks) or 1.0
-    cost = [b.fwd_flops / total_flops + 1e-3 * b.param_bytes / total_bytes for b in blocks]
-    prefix = [0.0]
-    for c in cost:
-        prefix.append(prefix[-1] + c)
-
-    @cache
-    def best(i: int, k: int) -> tuple[float, int]:
-        """(max stage cost, end of the first stage) for blocks[i:] in k stages."""
-        if k == 1:
-            return prefix[n] - prefix[i], n
-        out = (float("inf"), i + 1)
-        for j in range(i + 1, n - k + 2):
-            first = prefix[j] - prefix[i]
-            if first >= out[0]:
-                break
-            rest = best(j, k - 1)[0]
-            out = min(out, (max(first, rest), j))
-        return out
-
+    profiles = []
+    for b in blocks:
+        # relative time: FLOPs, plus a little for parameter bytes so that FLOP-free blocks
+        # (embeddings) still weigh something, as their optimizer update and memory traffic do
+        t = b.fwd_flops / total_flops + 1e-3 * b.param_bytes / total_bytes
+        profiles.append(
+            BlockProfile(
+                forward_s=t,
+                backward_s=2 * t,
+                param_count=b.params,
+                param_bytes=b.param_bytes,
+                grad_bytes=b.param_bytes,
+                optimizer_bytes=0,
+                activation_bytes=int(b.saved_bytes),
+                input_bytes=0,
+                output_bytes=int(b.output_bytes),
+            )
+        )
+    result = search_partition(
+        profiles,
+        num_stages,
+        schedule="1f1b",
+        num_microbatches=num_stages,
+        memory_limit_bytes=None,
+    )
     stages: list[tuple[BlockStats, ...]] = []
-    i = 0
-    for k in range(num_stages, 0, -1):
-        j = best(i, k)[1]
-        stages.append(blocks[i:j])
-        i = j
+    start = 0
+    for count in result.counts:
+        stages.append(blocks[start : start + count])
+        start += count
     return tuple(stages)
