@@ -101,3 +101,15 @@ def test_a_model_that_fits_nowhere_says_what_would_fit() -> None:
 def test_cost_needs_a_price() -> None:
     with pytest.raises(PlanError, match="no price for M40"):
         search(PlanRequest(SMALL, parse_cluster("1x2xM40"), 8, 10, budget=5.0))
+
+
+def test_late_multiply_is_offered_only_where_a_layer_gains() -> None:
+    # an MLP on 2 samples per replica: factors (2 rows) are far smaller than 2048 x 2048
+    from polytrain.planner.stats_pure import mlp_stats
+
+    wide = mlp_stats(n_layer=4, n_embd=2048, block_size=32, vocab_size=65)
+    res = search(PlanRequest(wide, parse_cluster("2x1xV100:eth10"), 4, 10))
+    assert any(p.layout.sufficient_factor for p in res.plans)
+    # a GPT sees batch x tokens rows per Linear: the dense all-reduce wins, so no sf layout
+    res = search(PlanRequest(SMALL, parse_cluster("1x4xA100-40GB"), 32, 10))
+    assert not any(p.layout.sufficient_factor for p in res.plans)

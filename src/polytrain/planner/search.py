@@ -198,6 +198,8 @@ def search(req: PlanRequest) -> PlanResult:
             if layout.recompute and (layout.dp, layout.tp, layout.pp) in fit_plain:
                 continue  # [Note: pruning] recomputation only adds time once memory fits
             pred = predict(layout, req.stats, env, req.global_batch)
+            if layout.sufficient_factor and not pred.breakdown.get("late_multiply"):
+                continue  # no layer is cheaper with factors: the same as plain dp
             pred = _with_accumulation(layout, pred, req, env)
             if pred.fits and not layout.recompute and layout.zero == 0:
                 fit_plain.add((layout.dp, layout.tp, layout.pp))

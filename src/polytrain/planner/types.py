@@ -156,7 +156,7 @@ class Layout:
             out["pipeline.schedule"] = self.schedule
             out["pipeline.microbatches"] = self.microbatches
         if self.sufficient_factor:
-            out["parallel.sufficient_factor"] = "on"
+            out["parallel.sufficient_factor"] = "auto"  # the layers where factors are cheaper
         if self.sync == "ps":
             out["ps.servers"] = self.ps_servers
             out["ps.mode"] = self.ps_mode

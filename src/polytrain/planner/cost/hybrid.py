@@ -102,8 +102,8 @@ def _spmd(
             )
             step += (f0 + b0) * (layout.grad_accum - 1)
             exposed += e0 * (layout.grad_accum - 1)
-    else:
-        sf_s = 0.0
+    sf_s = 0.0
+    if not layout.zero:
         if layout.sufficient_factor:
             pairs = [sf_block_s(env, b, mb_samples, dp, stats.dtype_bytes) for b in blocks]
             sf_s = sum(p[0] for p in pairs)
@@ -120,6 +120,7 @@ def _spmd(
         "dp_comm": exposed,
         "bubble": 0.0,
         "optimizer": opt,
+        "late_multiply": sf_s,
     }
 
 
