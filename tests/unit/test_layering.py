@@ -22,6 +22,8 @@ PURE = [
     "ps/sharding.py",
     "ps/consistency.py",
 ]
+# The planner's torch-facing modules (planner2's): model statistics and host calibration.
+PURE_EXEMPT = {"planner/stats.py", "planner/calibrate.py"}
 # The only places that call c10d directly.
 C10D_ALLOWED = ["comm", "launch", "testing", "_torch_private.py"]  # the last: torch private APIs
 # torch.distributed sub-packages that strategies may build on.
@@ -106,6 +108,8 @@ def _rel(path: Path) -> str:
 @pytest.mark.parametrize("rel", PURE)
 def test_pure_modules_import_no_torch(rel: str) -> None:
     for path in _sources(rel):
+        if _rel(path) in PURE_EXEMPT:
+            continue
         for module, _ in _imports(path):
             assert module.split(".")[0] not in {"torch", "numpy"}, f"{_rel(path)} imports {module}"
 

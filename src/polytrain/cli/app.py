@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover
 
 from polytrain.cli.doctor import doctor
 from polytrain.cli.hogwild import hogwild_command
+from polytrain.cli.plan import plan_command
 from polytrain.cli.timeline import timeline_command
 from polytrain.cli.train import train_command
 from polytrain.errors import PolytrainError
@@ -36,6 +37,7 @@ app.command("train")(train_command)
 app.command("doctor")(doctor)
 app.command("hogwild")(hogwild_command)
 app.command("timeline")(timeline_command)
+app.command("plan")(plan_command)
 
 
 def _subclasses(cls: type) -> list[type]:

@@ -1,0 +1,285 @@
+"""``polytrain plan``: how many devices, which layout, what step time, memory and cost.
+
+Job flags are the `train` flags that describe the work (model, data, batch, steps, dtype,
+optimizer, ``--config``, ``--set``); the planner chooses the parallel ones. A user mistake is
+one line and exit code 2 (contract 6).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from polytrain.cli.train import resolve_job
+from polytrain.config.job import JobConfig
+from polytrain.errors import PlanError
+from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.search import Plan, PlanRequest, PlanResult, duration_text, search
+from polytrain.planner.stats_pure import gpt_stats, mlp_stats
+from polytrain.planner.types import ModelStats
+
+__all__ = ["parse_deadline", "parse_devices", "plan_command", "stats_for_job"]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d)\s*$")
+_UNIT_S = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_deadline(text: str, now: datetime | None = None) -> float:
+    """Seconds from now: a duration (``2h``, ``90m``, ``1.5h``, ``45s``, ``1d``) or an ISO time
+    (``2026-11-24T09:00``, UTC unless it carries an offset) that must be in the future."""
+    match = _DURATION.match(text)
+    if match:
+        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+        if seconds <= 0:
+            raise PlanError(
+                f"--deadline {text!r} is not positive: give a duration such as 2h or 90m"
+            )
+        return seconds
+    if text.strip().startswith("-"):
+        raise PlanError(f"--deadline {text!r} is not positive: give a duration such as 2h or 90m")
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise PlanError(
+            f"--deadline {text!r}: expected a duration (2h, 90m, 45s, 1d) or an ISO time such as "
+            "2026-11-24T09:00"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    now = now or datetime.now(timezone.utc)
+    seconds = (when - now).total_seconds()
+    if seconds <= 0:
+        raise PlanError(
+            f"--deadline {text!r} is in the past (now {now:%Y-%m-%dT%H:%M} UTC): give a later time"
+        )
+    return seconds
+
+
+def parse_devices(text: str | None) -> tuple[int, int]:
+    """``N`` (exactly N) or ``MIN:MAX``; None = 1 to the whole cluster (0)."""
+    if text is None:
+        return 1, 0
+    parts = text.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise PlanError(f"--devices {text!r}: expected N or MIN:MAX, e.g. 8 or 1:16") from None
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2 or values[0] < 1 or values[1] < values[0]:
+        raise PlanError(f"--devices {text!r}: expected N or MIN:MAX with 1 <= MIN <= MAX")
+    return values[0], values[1]
+
+
+def _vocab_size(job: JobConfig) -> int:
+    source = job.data.source
+    if source == "pydoc":
+        from polytrain.data.corpus import default_corpus
+
+        return len(set(default_corpus()))
+    if source.endswith(".txt") and Path(source).is_file():
+        return len(set(Path(source).read_text()))
+    return 256  # token files: their ids are not read here; planner.stats measures the real model
+
+
+def stats_for_job(job: JobConfig) -> ModelStats:
+    """The job's `ModelStats`: the measuring `planner.stats` when present, else the analytic
+    formulas of `planner.stats_pure` (built-in gpt and mlp)."""
+    try:  # planner2's module; by name, so this file type-checks with and without it
+        measured = importlib.import_module("polytrain.planner.stats")
+    except ImportError:
+        measured = None
+    if measured is not None:
+        stats: ModelStats = measured.model_stats(job)
+        return stats
+    m = job.model
+    if m.name not in ("gpt", "mlp"):
+        raise PlanError(
+            f"model.name = {m.name!r}: the analytic planner statistics know gpt and mlp only; "
+            "planner.stats (meta-device measurement) is needed for a user model"
+        )
+    from polytrain.models.registry import model_dims
+
+    dims = model_dims(m)
+    common = {
+        "vocab_size": _vocab_size(job),
+        "act_bytes": 2 if job.train.dtype == "bf16" else 4,
+        "optimizer_state_per_param": 2
+        if job.optim.name == "adamw"
+        else int(job.optim.momentum > 0),
+    }
+    if m.name == "gpt":
+        return gpt_stats(**dims, **common)
+    dims.pop("n_head", None)
+    return mlp_stats(**dims, **common)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _money(cost: float | None) -> str:
+    return "n/a" if cost is None else f"${cost:,.2f}"
+
+
+def plan_to_dict(plan: Plan, global_batch: int) -> dict[str, Any]:
+    pred = plan.prediction
+    return {
+        "layout": pred.layout.describe(),
+        "overrides": pred.layout.overrides(),
+        "devices": plan.devices,
+        "step_s": pred.step_s,
+        "samples_per_s": global_batch / pred.step_s if pred.step_s else None,
+        "memory_per_rank_bytes": pred.memory_per_rank,
+        "fits": pred.fits,
+        "total_s": plan.total_s,
+        "cost_usd": plan.cost,
+        "meets": plan.meets,
+        "why": plan.why,
+        "breakdown_s": {k: v for k, v in pred.breakdown.items() if not k.startswith("memory")},
+    }
+
+
+def _table(title: str, plans: list[Plan], global_batch: int) -> Table:
+    table = Table(title=title)
+    for col in (
+        "#",
+        "layout",
+        "devices",
+        "step",
+        "samples/s",
+        "memory/rank",
+        "time to finish",
+        "cost",
+        "why not first",
+    ):
+        table.add_column(col, justify="right" if col not in ("layout", "why not first") else "left")
+    for i, p in enumerate(plans, 1):
+        pred = p.prediction
+        table.add_row(
+            str(i),
+            pred.layout.describe(),
+            str(p.devices),
+            f"{pred.step_s * 1e3:.1f} ms",
+            f"{global_batch / pred.step_s:,.1f}" if pred.step_s else "-",
+            _gib(pred.memory_per_rank),
+            duration_text(p.total_s),
+            _money(p.cost),
+            p.why or ("chosen" if i == 1 and p.meets else ""),
+        )
+    return table
+
+
+def _explain(best: Plan, result: PlanResult, device_key: str) -> str:
+    b = best.prediction.breakdown
+    step = best.prediction.step_s or 1.0
+    parts = [f"compute {b.get('compute', 0) / step:.0%}"]
+    for key, name in (
+        ("bubble", "bubble"),
+        ("dp_comm", "exposed gradient sync"),
+        ("tp_comm", "tensor-parallel comm"),
+    ):
+        if b.get(key, 0) > 0:
+            parts.append(f"{name} {b[key] / step:.0%}")
+    goal = "the cheapest" if result.objective == "cost" else "the fastest"
+    return (
+        f"plan: {best.devices} x {device_key}, {best.layout.describe()}: {goal} layout that fits and meets "
+        f"the limits; step {best.prediction.step_s * 1e3:.1f} ms ({', '.join(parts)}), "
+        f"{duration_text(best.total_s)} to finish, {_money(best.cost)}"
+    )
+
+
+def plan_command(
+    config: Annotated[Path | None, typer.Option(help="TOML job file")] = None,
+    model: Annotated[str | None, typer.Option(help="gpt or mlp")] = None,
+    size: Annotated[str | None, typer.Option(help="tiny, small or medium")] = None,
+    data: Annotated[
+        str | None, typer.Option(help="pydoc, or a .txt/.npy/.safetensors path")
+    ] = None,
+    steps: Annotated[int | None, typer.Option(help="optimizer steps")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="global batch size")] = None,
+    dtype: Annotated[str | None, typer.Option(help="fp32 or bf16 autocast")] = None,
+    optimizer: Annotated[str | None, typer.Option(help="adamw or sgd")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="section.key=value (repeatable)")
+    ] = None,
+    cluster: Annotated[
+        str, typer.Option(help="catalog spec (4x8xH100:ib400) or cluster TOML")
+    ] = "1x2xcpu",
+    devices: Annotated[str | None, typer.Option(help="N or MIN:MAX devices to consider")] = None,
+    deadline: Annotated[
+        str | None, typer.Option(help="finish within: 2h, 90m, or an ISO time")
+    ] = None,
+    budget: Annotated[float | None, typer.Option(help="dollars the run may cost")] = None,
+    objective: Annotated[
+        str | None, typer.Option(help="time or cost (default: cost with --deadline, else time)")
+    ] = None,
+    allow_async: Annotated[
+        bool, typer.Option(help="also price PipeDream and async/SSP parameter servers")
+    ] = False,
+    json_: Annotated[bool, typer.Option("--json", help="print JSON for tools")] = False,
+    top: Annotated[int, typer.Option(help="plans to show")] = 8,
+) -> None:
+    """Predict step time, memory and cost of every layout on a cluster, and pick one."""
+    if budget is not None and budget < 0:
+        raise PlanError(f"--budget {budget}: expected a non-negative number of dollars")
+    if objective not in (None, "time", "cost"):
+        raise PlanError(f"--objective {objective!r}: expected time or cost")
+    if top < 1:
+        raise PlanError(f"--top {top}: expected at least 1")
+    deadline_s = parse_deadline(deadline) if deadline is not None else None
+    lo, hi = parse_devices(devices)
+    clu = parse_cluster(cluster)
+    flags = {"model": model, "size": size, "data": data, "steps": steps, "batch_size": batch_size}
+    flags |= {"dtype": dtype, "optimizer": optimizer}
+    job = resolve_job(config, flags, set_ or [])
+    stats = stats_for_job(job)
+    request = PlanRequest(
+        stats=stats,
+        cluster=clu,
+        global_batch=job.train.global_batch_size,
+        steps=job.train.steps,
+        min_devices=lo,
+        max_devices=hi,
+        dtype=job.train.dtype,
+        objective=objective,  # type: ignore[arg-type]
+        deadline_s=deadline_s,
+        budget=budget,
+        bucket_bytes=job.parallel.bucket_mb * 2**20,
+        allow_async=allow_async,
+    )
+    result = search(request)
+    batch = job.train.global_batch_size
+    if json_:
+        out = {
+            "model": stats.name,
+            "params": stats.params,
+            "cluster": clu.describe(),
+            "objective": result.objective,
+            "note": result.note,
+            "best": plan_to_dict(result.best, batch) if result.best else None,
+            "plans": [plan_to_dict(p, batch) for p in result.plans[:top]],
+            "extremes": {k: plan_to_dict(p, batch) for k, p in result.extremes.items()},
+        }
+        typer.echo(json.dumps(out, indent=2))
+        return
+    console = Console(width=None if Console().is_terminal else 150)
+    console.print(
+        f"{stats.name}: {stats.params / 1e6:,.1f} M parameters, batch {batch}, {job.train.steps} steps "
+        f"on {clu.describe()} ({_money(clu.price_per_device_hour)} per device-hour)"
+    )
+    if result.best is not None:
+        console.print(_explain(result.best, result, clu.device.key))
+        console.print(_table("best plan and runners-up", result.plans[:top], batch))
+        return
+    console.print(f"[bold]{result.note}[/bold]")
+    if result.extremes:
+        console.print(_table("cheapest and fastest", list(result.extremes.values()), batch))

@@ -1,0 +1,164 @@
+"""A cluster to plan for: hosts x devices per host x device, and the links between them.
+
+Written as a short spec, ``4x8xH100:ib400`` (4 hosts of 8 H100 joined by InfiniBand NDR), or a
+TOML file (see `load_cluster`). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from polytrain.errors import PlanError
+from polytrain.planner.catalog import Device, Link, device, device_names, link, link_names, price
+
+__all__ = ["Cluster", "load_cluster", "parse_cluster"]
+
+_SPEC = re.compile(r"^(?:(\d+)x)?(?:(\d+)x)?([A-Za-z][A-Za-z0-9-]*)(?::([A-Za-z0-9]+))?$")
+_FORM = "expected HOSTSxDEVICESxDEVICE[:LINK], e.g. 4x8xH100:ib400, 8xA100-80GB or 1x2xcpu"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Identical hosts; devices of one host share `intra`, hosts talk over `inter`.
+
+    [Note: one NIC per device] `inter` is the bandwidth of ONE device's share of the network
+    (rail-optimized clusters such as DGX A100/H100 give each GPU its own NIC), so a collective
+    across hosts is limited by `inter.bandwidth` per device, not divided by devices per host.
+    """
+
+    hosts: int
+    per_host: int
+    device: Device
+    intra: Link
+    inter: Link | None
+    price_per_device_hour: float | None
+
+    @property
+    def size(self) -> int:
+        return self.hosts * self.per_host
+
+    def describe(self) -> str:
+        where = f" over {self.inter.key}" if self.inter and self.hosts > 1 else ""
+        return f"{self.hosts} x {self.per_host} x {self.device.key}{where}"
+
+    def link_for(self, stride: int, size: int) -> Link:
+        """The slowest link a group of ``size`` ranks ``stride`` apart crosses.
+
+        Ranks are laid out host by host (rank // per_host is the host), so the group stays in
+        one host iff its span ``stride * size`` fits in a host (topology's [Note: axis order]).
+        """
+        if size <= 1 or stride * size <= self.per_host or self.inter is None:
+            return self.intra
+        return self.inter
+
+    def with_size(self, devices: int) -> Cluster:
+        """The same hardware cut to ``devices`` devices (whole hosts first)."""
+        if devices <= self.per_host:
+            return Cluster(
+                1, devices, self.device, self.intra, self.inter, self.price_per_device_hour
+            )
+        hosts = -(-devices // self.per_host)
+        return Cluster(
+            hosts, self.per_host, self.device, self.intra, self.inter, self.price_per_device_hour
+        )
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """A catalog spec (``4x8xH100:ib400``) or the path of a cluster TOML file."""
+    text = spec.strip()
+    if text.endswith(".toml") or Path(text).is_file():
+        return load_cluster(Path(text))
+    match = _SPEC.match(text)
+    if match is None:
+        raise PlanError(f"malformed cluster spec {spec!r}: {_FORM}")
+    first, second, dev, inter = match.groups()
+    if second is not None:
+        hosts, per_host = int(first), int(second)
+    else:
+        hosts, per_host = 1, int(first) if first is not None else 1
+    return _build(hosts, per_host, dev, inter, None, None, origin=spec)
+
+
+def load_cluster(path: Path) -> Cluster:
+    """A cluster TOML::
+
+    [cluster]
+    hosts = 4
+    devices_per_host = 8
+    device = "H100"
+    inter_link = "ib400"        # needed when hosts > 1
+    intra_link = "nvlink4"      # optional: the device's default
+    price_per_device_hour = 2.5 # optional: the catalog's on-demand price
+    """
+    if not path.is_file():
+        raise PlanError(
+            f"cluster file {str(path)!r} does not exist: give a path or a spec ({_FORM})"
+        )
+    try:
+        data: dict[str, Any] = tomllib.loads(path.read_text()).get("cluster", {})
+    except tomllib.TOMLDecodeError as exc:
+        raise PlanError(f"cluster file {str(path)!r} is not valid TOML: {exc}") from None
+    known = {
+        "hosts",
+        "devices_per_host",
+        "device",
+        "inter_link",
+        "intra_link",
+        "price_per_device_hour",
+    }
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlanError(
+            f"cluster file {str(path)!r}: unknown key {unknown[0]!r}: expected {', '.join(sorted(known))}"
+        )
+    if "device" not in data:
+        raise PlanError(
+            f"cluster file {str(path)!r} names no device: add device = one of {', '.join(device_names())}"
+        )
+    price_in = data.get("price_per_device_hour")
+    return _build(
+        int(data.get("hosts", 1)),
+        int(data.get("devices_per_host", 1)),
+        str(data["device"]),
+        data.get("inter_link"),
+        data.get("intra_link"),
+        float(price_in) if price_in is not None else None,
+        origin=str(path),
+    )
+
+
+def _build(
+    hosts: int,
+    per_host: int,
+    dev_key: str,
+    inter_key: str | None,
+    intra_key: str | None,
+    price_in: float | None,
+    *,
+    origin: str,
+) -> Cluster:
+    if hosts < 1 or per_host < 1:
+        raise PlanError(
+            f"cluster {origin!r} has {hosts} hosts x {per_host} devices: both must be >= 1"
+        )
+    dev = device(dev_key)
+    if hosts > 1 and inter_key is None:
+        raise PlanError(
+            f"cluster {origin!r} spans {hosts} hosts but names no link between them: add one, "
+            f"e.g. ':ib400' (links: {', '.join(link_names())})"
+        )
+    if price_in is not None and price_in < 0:
+        raise PlanError(f"cluster {origin!r}: price_per_device_hour = {price_in} is negative")
+    return Cluster(
+        hosts=hosts,
+        per_host=per_host,
+        device=dev,
+        intra=link(intra_key or dev.intra_link),
+        inter=link(inter_key) if inter_key else None,
+        price_per_device_hour=price_in if price_in is not None else price(dev.key),
+    )

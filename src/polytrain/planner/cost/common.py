@@ -1,0 +1,130 @@
+"""What every cost family shares: the compute rate and the alpha-beta collectives.
+
+[Note: collective formulas] Ring algorithms on N ranks moving a buffer of X bytes over a link of
+bandwidth B (one direction) and per-hop latency alpha (Patarasuk and Yuan 2009; Thakur et al.
+2005; NCCL's own model in src/graph/tuning.cc):
+
+* all-reduce      2 (N-1)/N * X / B + 2 (N-1) alpha + base
+* all-gather      (N-1)/N * X / B + (N-1) alpha + base     (X = the gathered, full size)
+* reduce-scatter  (N-1)/N * X / B + (N-1) alpha + base     (X = the full input size)
+* p2p             X / B + alpha + base
+
+With a calibrated `HostProfile` a group inside the calibrated host uses the measured curve of
+that operation and world size instead (the nearest measured world size, rescaled by the ring
+factor above when the exact one was not measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from polytrain.planner.catalog import Link
+from polytrain.planner.cluster import Cluster
+from polytrain.planner.types import BlockStats, HostProfile
+
+__all__ = ["Env", "ring_factor"]
+
+
+def ring_factor(op: str, n: int) -> float:
+    """Bytes on the wire per byte of X, per rank, for a ring ``op`` on ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0  # p2p
+
+
+def _hops(op: str, n: int) -> int:
+    if op == "all_reduce":
+        return 2 * (n - 1)
+    if op in ("all_gather", "reduce_scatter"):
+        return n - 1
+    return 1
+
+
+@dataclass(frozen=True)
+class Env:
+    """Cluster + optional calibrated profile + the job's compute dtype."""
+
+    cluster: Cluster
+    dtype: str = "fp32"
+    profile: HostProfile | None = None
+    bucket_bytes: float = 25.0 * 2**20  # parallel.bucket_mb
+    ps_chunk_bytes: float = 256.0 * 1024  # ps.chunk_kb
+    straggler_s: float = 0.0  # extra seconds the slowest worker takes per step
+
+    # -- compute -------------------------------------------------------------------------
+    @cached_property
+    def flops_rate(self) -> float:
+        """Achieved FLOP/s: measured when calibrated, else catalog peak x efficiency."""
+        if self.profile is not None and self.profile.matmul_flops:
+            rate = self.profile.matmul_flops.get(self.dtype) or self.profile.matmul_flops.get(
+                "fp32"
+            )
+            if rate:
+                return rate
+        dev = self.cluster.device
+        return dev.flops(self.dtype) * dev.efficiency
+
+    @property
+    def mem_bw(self) -> float:
+        if self.profile is not None and self.profile.mem_bw > 0:
+            return self.profile.mem_bw
+        return self.cluster.device.mem_bw
+
+    def fwd_s(self, block: BlockStats, samples: float) -> float:
+        """Forward seconds of ``samples`` samples through ``block`` (measured when known)."""
+        if block.fwd_s is not None:
+            return block.fwd_s * samples
+        return block.fwd_flops * samples / self.flops_rate
+
+    def bwd_s(self, block: BlockStats, samples: float) -> float:
+        """Backward = input and weight gradients = 2x the forward FLOPs (measured when known)."""
+        if block.bwd_s is not None:
+            return block.bwd_s * samples
+        return 2.0 * block.fwd_flops * samples / self.flops_rate
+
+    def optimizer_s(self, params: float, state_per_param: int, dtype_bytes: int) -> float:
+        """Memory-bound update: read p, g and the states, write p and the states."""
+        return params * dtype_bytes * (3 + 2 * state_per_param) / self.mem_bw
+
+    # -- communication -------------------------------------------------------------------
+    def link(self, stride: int, size: int) -> Link:
+        return self.cluster.link_for(stride, size)
+
+    def collective_s(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
+        """Seconds of one ``op`` over ``size`` ranks ``stride`` apart; see [Note: collective
+        formulas]. ``nbytes`` is X: the full buffer (all-reduce input, gathered output)."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        link = self.link(stride, size)
+        measured = self._measured(op, nbytes, size, link)
+        if measured is not None:
+            return measured
+        return (
+            ring_factor(op, size) * nbytes / link.bandwidth
+            + _hops(op, size) * link.latency
+            + link.base
+        )
+
+    def p2p_s(self, nbytes: float, stride: int) -> float:
+        """One message to the rank ``stride`` away."""
+        if nbytes <= 0:
+            return 0.0
+        return self.collective_s("p2p", nbytes, 2, stride)
+
+    def _measured(self, op: str, nbytes: float, size: int, link: Link) -> float | None:
+        # A profile describes the calibrated host only: groups that leave it use the catalog.
+        if self.profile is None or link is not self.cluster.intra:
+            return None
+        curves = self.profile.collectives.get(op)
+        if not curves:
+            return None
+        if size in curves:
+            return curves[size].seconds(nbytes)
+        nearest = min(curves, key=lambda n: abs(n - size))
+        scale = ring_factor(op, size) / max(ring_factor(op, nearest), 1e-12)
+        return curves[nearest].seconds(nbytes) * scale

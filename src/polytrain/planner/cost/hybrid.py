@@ -1,0 +1,210 @@
+"""Hybrid composition: dp x tp x pp (with ZeRO, recomputation, late multiply) or a PS layout.
+
+The order is the runtime's (STYLE 3: tensor parallel -> recompute -> data parallel): a rank's
+blocks are its pipeline stage's, each block's compute is split tp ways and pays its
+tensor-parallel collectives, recomputation adds one forward to each backward, and data
+parallel (DDP, ZeRO or the pipeline's flat all-reduce) combines the replicas. Mesh groups are
+placed as `topology.ParallelDims` lays ranks out (``pp, dp, tp``, tp fastest), which decides
+whether a group crosses hosts. Derivation: docs/planner.md "Hybrids".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from polytrain.planner.cost.common import Env
+from polytrain.planner.cost.dp import dp_backward
+from polytrain.planner.cost.pipeline import pipeline_step
+from polytrain.planner.cost.ps import ps_step
+from polytrain.planner.cost.sufficient_factor import sf_block_s
+from polytrain.planner.cost.tp import tp_comm_s
+from polytrain.planner.cost.zero import zero_step
+from polytrain.planner.memory import memory_per_rank
+from polytrain.planner.partition import balanced_stages
+from polytrain.planner.types import BlockStats, Layout, ModelStats, Prediction
+
+__all__ = ["predict"]
+
+
+def predict(layout: Layout, stats: ModelStats, env: Env, global_batch: int) -> Prediction:
+    """Step time, memory and breakdown of ``layout`` for a step of ``global_batch`` samples."""
+    stages = balanced_stages(stats.blocks, layout.pp)
+    replica_samples = global_batch / layout.dp
+    micro = layout.microbatches if layout.pp > 1 else layout.grad_accum
+    if layout.pp > 1:
+        micro *= layout.grad_accum
+    mb_samples = replica_samples / micro
+    mem = memory_per_rank(stats, layout, stages, mb_samples)
+    fits = mem.total <= env.cluster.device.memory
+    if layout.sync == "ps":
+        step, breakdown = _ps(layout, stats, env, replica_samples)
+    elif layout.pp > 1:
+        step, breakdown = _pipeline(layout, stats, env, stages, mb_samples)
+    else:
+        step, breakdown = _spmd(layout, stats, env, mb_samples)
+    breakdown["memory_" + "total"] = mem.total
+    why = "" if fits else f"out of memory ({_gib(mem.total)} > {_gib(env.cluster.device.memory)})"
+    return Prediction(layout, step, mem.total, breakdown, fits, why)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _block_times(
+    env: Env,
+    blocks: Sequence[BlockStats],
+    samples: float,
+    tp: int,
+    recompute: bool,
+    *,
+    first: int,
+    last: int,
+) -> tuple[list[float], list[float], float]:
+    """Per-block forward and backward seconds (compute / tp + tensor-parallel collectives)
+    and the tensor-parallel share of them. ``first``/``last``: model indices of the ends."""
+    fwd, bwd = [], []
+    tp_s = 0.0
+    for k, b in enumerate(blocks):
+        comm = tp_comm_s(env, b, samples, tp, first=(k == first), last=(k == last))
+        f = env.fwd_s(b, samples) / tp + comm
+        bw = env.bwd_s(b, samples) / tp + comm + (f if recompute else 0.0)
+        tp_s += 2 * comm + (comm if recompute else 0.0)
+        fwd.append(f)
+        bwd.append(bw)
+    return fwd, bwd, tp_s
+
+
+def _optimizer(layout: Layout, stats: ModelStats, env: Env, params: float) -> float:
+    shard = params / layout.tp / (layout.dp if layout.zero >= 2 else 1)
+    return env.optimizer_s(shard, stats.optimizer_state_per_param, stats.dtype_bytes)
+
+
+def _spmd(
+    layout: Layout, stats: ModelStats, env: Env, mb_samples: float
+) -> tuple[float, dict[str, float]]:
+    blocks = stats.blocks
+    n = len(blocks)
+    fwd, bwd, tp_s = _block_times(
+        env, blocks, mb_samples, layout.tp, layout.recompute, first=0, last=n - 1
+    )
+    compute = (sum(fwd) + sum(bwd)) * layout.grad_accum
+    tp_s *= layout.grad_accum
+    grad_bytes = [b.param_bytes / layout.tp for b in blocks]
+    dp, stride = layout.dp, layout.tp
+    if layout.zero:
+        # FSDP2 gathers every micro-step; with accumulation it reduce-scatters on the last only
+        f_end, b_end, exposed = zero_step(env, layout.zero, fwd, bwd, grad_bytes, dp, stride)
+        step = f_end + b_end
+        if layout.grad_accum > 1:
+            f0, b0, e0 = zero_step(
+                env, layout.zero, fwd, bwd, grad_bytes, dp, stride, scatter=False
+            )
+            step += (f0 + b0) * (layout.grad_accum - 1)
+            exposed += e0 * (layout.grad_accum - 1)
+    sf_s = 0.0
+    if not layout.zero:
+        if layout.sufficient_factor:
+            pairs = [sf_block_s(env, b, mb_samples, dp, stats.dtype_bytes) for b in blocks]
+            sf_s = sum(p[0] for p in pairs)
+            grad_bytes = [p[1] / layout.tp for p in pairs]
+        b_end, exposed = dp_backward(env, bwd, grad_bytes, dp, stride)
+        # no_sync micro-steps first, then the last one overlaps its all-reduce (DDP)
+        step = (sum(fwd) + sum(bwd)) * (layout.grad_accum - 1) + sum(fwd) + b_end + sf_s
+        exposed += sf_s
+    opt = _optimizer(layout, stats, env, stats.params)
+    step += opt
+    return step, {
+        "compute": compute - tp_s,
+        "tp_comm": tp_s,
+        "dp_comm": exposed,
+        "bubble": 0.0,
+        "optimizer": opt,
+        "late_multiply": sf_s,
+    }
+
+
+def _pipeline(
+    layout: Layout,
+    stats: ModelStats,
+    env: Env,
+    stages: Sequence[Sequence[BlockStats]],
+    mb_samples: float,
+) -> tuple[float, dict[str, float]]:
+    n = len(stats.blocks)
+    fwd_s, bwd_s, send_f, send_b, tp_total = [], [], [], [], 0.0
+    start = 0
+    pp_stride = layout.dp * layout.tp  # pp is the outermost mesh axis
+    for blocks in stages:
+        f, b, tp_s = _block_times(
+            env, blocks, mb_samples, layout.tp, layout.recompute, first=-start, last=n - 1 - start
+        )
+        start += len(blocks)
+        fwd_s.append(sum(f))
+        bwd_s.append(sum(b))
+        tp_total = max(tp_total, tp_s)
+        out = blocks[-1].output_bytes * mb_samples / layout.tp
+        send_f.append(env.p2p_s(out, pp_stride))
+        inp = _input_bytes(blocks[0]) * mb_samples / layout.tp
+        send_b.append(env.p2p_s(inp, pp_stride))
+    timing = pipeline_step(layout.schedule, layout.microbatches, fwd_s, bwd_s, send_f, send_b)
+    # PipelineStrategy.train_step runs the m-micro-batch program once per accumulation
+    # micro-step, each with its flush (PipeDream streams instead and ignores accumulation).
+    runs = 1 if layout.schedule == "pipedream" else layout.grad_accum
+    # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, stage by stage in
+    # parallel: the slowest stage's is on the critical path. PipeDream's is deferred into
+    # the next step (StepOutput.complete) and hides behind it.
+    dp_s = max(
+        env.collective_s(
+            "all_reduce", sum(b.param_bytes for b in blocks) / layout.tp, layout.dp, layout.tp
+        )
+        for blocks in stages
+    )
+    if layout.schedule == "pipedream":
+        dp_s = max(0.0, dp_s - timing.per_step)
+    params = max(sum(b.params for b in blocks) for blocks in stages)
+    opt = _optimizer(layout, stats, env, params * layout.tp)
+    step = timing.per_step * runs + dp_s + opt
+    tp_s = tp_total * layout.microbatches * runs
+    return step, {
+        "compute": max(timing.busy) * runs - tp_s,
+        "tp_comm": tp_s,
+        "dp_comm": dp_s,
+        "bubble": timing.bubble * runs,
+        "optimizer": opt,
+    }
+
+
+def _input_bytes(block: BlockStats) -> float:
+    if block.linears:
+        fan_in, fan_out = block.linears[0]
+        return (
+            block.output_bytes * fan_in / fan_out if block.rows_per_sample else block.output_bytes
+        )
+    return block.output_bytes
+
+
+def _ps(
+    layout: Layout, stats: ModelStats, env: Env, replica_samples: float
+) -> tuple[float, dict[str, float]]:
+    compute = sum(
+        env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
+    )
+    step, comm = ps_step(
+        env,
+        layout.ps_mode,
+        layout.dp,
+        max(layout.ps_servers, 1),
+        compute,
+        float(stats.param_bytes),
+        float(stats.params),
+        stats.optimizer_state_per_param,
+        stats.dtype_bytes,
+    )
+    return step, {
+        "compute": compute,
+        "tp_comm": 0.0,
+        "dp_comm": comm,
+        "bubble": 0.0,
+        "optimizer": 0.0,
+    }

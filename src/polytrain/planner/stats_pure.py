@@ -1,0 +1,159 @@
+"""Analytic model statistics for the built-in models and for published transformer setups.
+
+The fallback of `planner.stats` (planner2's torch-facing module, which measures the real model
+on the meta device): closed formulas from the model's dimensions, so it also prices models far
+too large to build here. Pure Python, no torch.
+
+FLOPs count a multiply-add as 2. Per transformer layer and sample (sequence of T tokens, width
+C): ``24 T C^2 + 4 T^2 C`` forward FLOPs (Narayanan et al. SC21, eq. 3 before its 3x/4x factor
+for backward and recomputation), ``12 C^2 + 13 C`` parameters, and saved activations of
+``T C (34 + 5 a T / C)`` bytes with 16-bit activations (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", eq. 1; doubled for fp32).
+"""
+
+from __future__ import annotations
+
+from polytrain.planner.types import BlockStats, ModelStats
+
+__all__ = ["gpt_stats", "mlp_stats", "transformer_stats"]
+
+MLP_EMBED_DIM = 16  # models.mlp.EMBED_DIM (kept equal by tests/unit/test_planner_stats.py)
+
+
+def transformer_stats(
+    *,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    seq_len: int,
+    vocab_size: int,
+    act_bytes: int = 4,
+    param_bytes: int = 4,
+    optimizer_state_per_param: int = 2,
+    name: str = "gpt",
+) -> ModelStats:
+    """Block view [embedding, layer x n_layer, head] of a GPT (ours or Megatron's)."""
+    T, C, V = seq_len, n_embd, vocab_size
+    act = T * C * act_bytes
+    emb_params = V * C + T * C
+    blocks = [
+        BlockStats(
+            name="blocks.0",
+            params=emb_params,
+            param_bytes=emb_params * param_bytes,
+            fwd_flops=0.0,  # a gather, not a matmul
+            saved_bytes=float(act),
+            output_bytes=float(act),
+        )
+    ]
+    layer_params = 12 * C * C + 13 * C
+    # Korthikanti et al. eq. 1 is for 2-byte activations; scale to ours.
+    saved = T * C * (34 + 5 * n_head * T / C) * act_bytes / 2
+    for i in range(n_layer):
+        blocks.append(
+            BlockStats(
+                name=f"blocks.{i + 1}",
+                params=layer_params,
+                param_bytes=layer_params * param_bytes,
+                fwd_flops=24.0 * T * C * C + 4.0 * T * T * C,
+                saved_bytes=saved,
+                output_bytes=float(act),
+                linears=((C, C), (C, C), (C, C), (C, C), (C, 4 * C), (4 * C, C)),
+                rows_per_sample=T,
+            )
+        )
+    head_params = C * V + 2 * C
+    blocks.append(
+        BlockStats(
+            name=f"blocks.{n_layer + 1}",
+            params=head_params,
+            param_bytes=head_params * param_bytes,
+            fwd_flops=2.0 * T * C * V,
+            # layer norm input + logits, and the loss's fp32 softmax of the logits
+            saved_bytes=float(act + T * V * act_bytes + T * V * 4),
+            output_bytes=float(T * V * act_bytes),
+            linears=((C, V),),
+            rows_per_sample=T,
+        )
+    )
+    return ModelStats(
+        name=name,
+        blocks=tuple(blocks),
+        dtype_bytes=param_bytes,
+        tokens_per_sample=T,
+        optimizer_state_per_param=optimizer_state_per_param,
+        tp_divisor=n_head,  # heads split evenly over the tensor-parallel ranks
+    )
+
+
+def gpt_stats(
+    *,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    block_size: int,
+    vocab_size: int,
+    act_bytes: int = 4,
+    optimizer_state_per_param: int = 2,
+) -> ModelStats:
+    """Our `models.gpt` (nanoGPT layout: separate q/k/v with biases, GELU MLP, untied head)."""
+    return transformer_stats(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        seq_len=block_size,
+        vocab_size=vocab_size,
+        act_bytes=act_bytes,
+        optimizer_state_per_param=optimizer_state_per_param,
+        name="gpt",
+    )
+
+
+def mlp_stats(
+    *,
+    n_layer: int,
+    n_embd: int,
+    block_size: int,
+    vocab_size: int,
+    act_bytes: int = 4,
+    optimizer_state_per_param: int = 2,
+) -> ModelStats:
+    """Our `models.mlp` on tokens: [embed+flatten, (Linear, GELU) x n_layer, Linear]."""
+    blocks: list[BlockStats] = []
+    emb_params = vocab_size * MLP_EMBED_DIM
+    fan_in = block_size * MLP_EMBED_DIM
+    blocks.append(
+        BlockStats(
+            name="blocks.0",
+            params=emb_params,
+            param_bytes=emb_params * 4,
+            fwd_flops=0.0,
+            saved_bytes=float(fan_in * act_bytes),
+            output_bytes=float(fan_in * act_bytes),
+        )
+    )
+    dims = [*[(fan_in if i == 0 else n_embd, n_embd) for i in range(n_layer)], (n_embd, vocab_size)]
+    for i, (fi, fo) in enumerate(dims):
+        params = fi * fo + fo
+        last = i == len(dims) - 1
+        blocks.append(
+            BlockStats(
+                name=f"blocks.{i + 1}",
+                params=params,
+                param_bytes=params * 4,
+                fwd_flops=2.0 * fi * fo,
+                # the Linear's input, and GELU's input (none after the output layer)
+                saved_bytes=float((fi + (0 if last else fo)) * act_bytes),
+                output_bytes=float(fo * act_bytes),
+                linears=((fi, fo),),
+                rows_per_sample=1,
+            )
+        )
+    return ModelStats(
+        name="mlp",
+        blocks=tuple(blocks),
+        dtype_bytes=4,
+        tokens_per_sample=1,
+        optimizer_state_per_param=optimizer_state_per_param,
+        tp_divisor=n_embd,  # colwise/rowwise pairs split the hidden width
+    )

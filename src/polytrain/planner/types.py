@@ -1,0 +1,175 @@
+"""The planner's vocabulary: what it knows of a model, a host and a layout (pure, no torch).
+
+`ModelStats` comes from `planner.stats` (the one torch-facing module), `HostProfile` from
+`polytrain calibrate`, `Layout` is what the search enumerates and what `--strategy auto` runs:
+every field maps onto a `JobConfig` field (contract 3: the planner emits exactly these fields).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BlockStats", "Curve", "HostProfile", "Layout", "ModelStats", "Prediction"]
+
+
+@dataclass(frozen=True)
+class BlockStats:
+    """One block of the model's block view (what a pipeline stage holds a run of)."""
+
+    name: str  # the module path, e.g. "blocks.3"
+    params: int  # parameter count
+    param_bytes: int  # bytes of its parameters in the training dtype
+    fwd_flops: float  # forward FLOPs for ONE sample (one sequence / one example)
+    saved_bytes: float  # activation bytes saved for backward, for one sample
+    output_bytes: float  # bytes of the block's output for one sample (pipeline p2p payload)
+    fwd_s: float | None = None  # measured forward seconds per sample on this host, if asked
+    bwd_s: float | None = None  # measured backward seconds per sample on this host, if asked
+    # (fan_in, fan_out) of the block's Linear layers, for sufficient-factor pricing; () = unknown
+    linears: tuple[tuple[int, int], ...] = ()
+    rows_per_sample: int = 1  # rows a Linear sees per sample (tokens per sequence for a GPT)
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Per-block statistics of a model; sums are derived, never stored twice."""
+
+    name: str
+    blocks: tuple[BlockStats, ...]
+    dtype_bytes: int = 4
+    tokens_per_sample: int = 1
+    optimizer_state_per_param: int = 2  # AdamW: exp_avg + exp_avg_sq; SGD momentum: 1
+    tp_divisor: int = 0  # a tensor-parallel degree must divide this (attention heads); 0 = any
+
+    @property
+    def params(self) -> int:
+        return sum(b.params for b in self.blocks)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(b.param_bytes for b in self.blocks)
+
+    @property
+    def fwd_flops(self) -> float:
+        return sum(b.fwd_flops for b in self.blocks)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Measured (bytes, seconds) points of one operation; `seconds` interpolates between them.
+
+    Outside the measured range it extrapolates with the alpha-beta fit of the two nearest points
+    (latency + bytes / bandwidth), which is what a link looks like at both ends.
+    """
+
+    points: tuple[tuple[float, float], ...]  # sorted by bytes
+
+    def seconds(self, nbytes: float) -> float:
+        pts = sorted(self.points)
+        if not pts:
+            raise ValueError("empty curve")
+        if len(pts) == 1:
+            return pts[0][1] * max(nbytes, 1.0) / max(pts[0][0], 1.0)
+        lo, hi = pts[0], pts[1]
+        for a, b in itertools.pairwise(pts):
+            lo, hi = a, b
+            if nbytes <= b[0]:
+                break
+        slope = (hi[1] - lo[1]) / (hi[0] - lo[0]) if hi[0] != lo[0] else 0.0
+        return max(lo[1] + slope * (nbytes - lo[0]), 0.0)
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second at the largest measured size."""
+        size, secs = max(self.points)
+        return size / secs if secs > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """What `polytrain calibrate` measured on one host (saved as JSON, reused until
+    `fingerprint`, the hardware and torch identity, changes)."""
+
+    fingerprint: str
+    device: str  # "cpu" or the accelerator's name
+    matmul_flops: dict[str, float]  # dtype ("fp32", "bf16", ...) -> achieved FLOP/s, large sizes
+    mem_bw: float  # bytes per second
+    # op ("all_reduce", "all_gather", "reduce_scatter", "p2p") -> world size -> curve
+    collectives: dict[str, dict[int, Curve]] = field(default_factory=dict)
+    startup_s: float = 0.0  # seconds to start a worker process group
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate layout; `overrides` turns it into `JobConfig` dotted keys."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sync: str = "allreduce"  # allreduce | ps (| gossip | localsgd when they exist)
+    schedule: str = "1f1b"  # pipeline schedule when pp > 1
+    microbatches: int = 1
+    recompute: bool = False
+    grad_accum: int = 1
+    ps_servers: int = 0
+    ps_mode: str = "sync"
+    sufficient_factor: bool = False  # late multiply for Linear layers (plain data parallel)
+
+    def describe(self) -> str:
+        """Short name, e.g. ``dp4``, ``dp2-tp2-zero3``, ``pp4-1f1b-m8-dp2``, ``ps-async-w3-s1``."""
+        if self.sync == "ps":
+            return f"ps-{self.ps_mode}-w{self.dp}-s{self.ps_servers}"
+        parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == 1 and self.pp == 1) else []
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}-{self.schedule}-m{self.microbatches}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.sufficient_factor:
+            parts.append("sf")
+        if self.recompute:
+            parts.append("recompute")
+        if self.grad_accum > 1:
+            parts.append(f"accum{self.grad_accum}")
+        return "-".join(parts)
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp + (self.ps_servers if self.sync == "ps" else 0)
+
+    def overrides(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "parallel.dp": self.dp,
+            "parallel.tp": self.tp,
+            "parallel.pp": self.pp,
+            "parallel.zero": self.zero,
+            "parallel.sync": self.sync,
+            "parallel.recompute": self.recompute,
+            "train.grad_accum": self.grad_accum,
+            "launch.nproc": self.devices,
+        }
+        if self.pp > 1:
+            out["pipeline.schedule"] = self.schedule
+            out["pipeline.microbatches"] = self.microbatches
+        if self.sufficient_factor:
+            out["parallel.sufficient_factor"] = "auto"  # the layers where factors are cheaper
+        if self.sync == "ps":
+            out["ps.servers"] = self.ps_servers
+            out["ps.mode"] = self.ps_mode
+        return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's answer for one layout on one cluster."""
+
+    layout: Layout
+    step_s: float
+    memory_per_rank: float  # peak bytes on the busiest rank
+    breakdown: dict[str, float] = field(default_factory=dict)  # compute, comm, bubble, ... (s)
+    fits: bool = True
+    why: str = ""  # why it lost or does not fit: "out of memory", "bubble", "communication"

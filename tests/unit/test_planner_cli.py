@@ -1,0 +1,92 @@
+"""``polytrain plan``: JSON for tools, PAI's question end to end, one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+import pytest
+
+from polytrain.cli.app import main
+from polytrain.cli.plan import parse_deadline, parse_devices
+from polytrain.errors import PlanError
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr()
+    return int(exc.value.code or 0), out.out, out.err
+
+
+def test_plan_json_answers_pais_question(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "gpt", "--size", "medium", "--budget", "20", "--deadline", "2h"]
+    code, out, _ = _run([*argv, "--cluster", "4x8xH100:ib400", "--json", "--top", "3"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    best = data["best"]
+    assert data["objective"] == "cost"  # a deadline: the cheapest that finishes in time
+    assert best["meets"] and best["cost_usd"] <= 20 and best["total_s"] <= 7200
+    assert best["overrides"]["launch.nproc"] == best["devices"]
+    assert len(data["plans"]) == 3 and all(p["why"] for p in data["plans"][1:])
+
+
+def test_plan_table_and_nothing_meets_the_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(
+        [
+            "plan",
+            "--model",
+            "gpt",
+            "--size",
+            "medium",
+            "--budget",
+            "0.001",
+            "--cluster",
+            "1x8xA100-40GB",
+        ],
+        capsys,
+    )
+    assert code == 0
+    assert "no layout meets a budget of $0.00" in out
+    assert "cheapest and fastest" in out
+
+
+def test_plan_for_a_model_that_fits_no_device(capsys: pytest.CaptureFixture[str]) -> None:
+    big = ["--set", "model.n_layer=96", "--set", "model.n_embd=12288", "--set", "model.n_head=96"]
+    code, out, _ = _run(["plan", "--model", "gpt", *big, "--cluster", "1x2xL4", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["best"] is None and "would fit" in data["note"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--cluster", "4x8xH1000:ib400"], "unknown device 'H1000'"),
+        (["--cluster", "4x8"], "malformed cluster spec"),
+        (["--deadline", "2020-01-01T00:00"], "is in the past"),
+        (["--deadline", "0h"], "is not positive"),
+        (["--deadline", "soon"], "expected a duration"),
+        (["--budget", "-5"], "--budget -5.0"),
+        (["--devices", "8:2"], "--devices '8:2'"),
+        (["--objective", "speed"], "--objective 'speed'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(["plan", *args], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_deadline_and_devices_parsing() -> None:
+    now = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)
+    assert parse_deadline("90m") == 5400
+    assert parse_deadline("1.5h") == 5400
+    assert parse_deadline("2026-11-23T13:00", now=now) == 3600
+    with pytest.raises(PlanError):
+        parse_deadline("2026-11-23T11:00", now=now)
+    assert parse_devices("8") == (8, 8)
+    assert parse_devices("2:16") == (2, 16)
+    assert parse_devices(None) == (1, 0)

@@ -1,0 +1,169 @@
+"""Each cost family against numbers computed by hand (pure, milliseconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from polytrain.pipeline.schedule import bubble_fraction
+from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.cost import Env, predict
+from polytrain.planner.cost.dp import bucket_sizes, dp_backward
+from polytrain.planner.cost.overlap import overlap
+from polytrain.planner.cost.pipeline import pipeline_step
+from polytrain.planner.cost.ps import ps_step
+from polytrain.planner.cost.sufficient_factor import dense_s, sf_s
+from polytrain.planner.cost.zero import zero_step
+from polytrain.planner.stats_pure import gpt_stats
+from polytrain.planner.types import Layout
+
+ENV = Env(parse_cluster("2x4xA100-40GB:ib200"))
+
+
+def test_ring_all_reduce_alpha_beta() -> None:
+    # inside a host: NVLink 3, 300 GB/s, 3.4 us per hop, 8.4 us base
+    x, n = 1e9, 4
+    expected = 2 * (n - 1) / n * x / 300e9 + 2 * (n - 1) * 3.4e-6 + 8.4e-6
+    assert ENV.collective_s("all_reduce", x, n, 1) == pytest.approx(expected)
+    # across hosts (stride 4 x 2 > 4 devices per host): InfiniBand HDR, 25 GB/s, 14 us per hop
+    cross = 2 * 1 / 2 * x / 25e9 + 2 * 1 * 14e-6 + 8.4e-6
+    assert ENV.collective_s("all_reduce", x, 2, 4) == pytest.approx(cross)
+    gather = (n - 1) / n * x / 300e9 + (n - 1) * 3.4e-6 + 8.4e-6
+    assert ENV.collective_s("all_gather", x, n, 1) == pytest.approx(gather)
+    assert ENV.collective_s("all_reduce", x, 1, 1) == 0.0
+
+
+def test_two_stream_overlap_hides_communication_behind_compute() -> None:
+    # three 1 s backward blocks, each emitting 0.5 s of all-reduce: only the last is exposed
+    end, exposed = overlap([1.0, 1.0, 1.0], after=[0.5, 0.5, 0.5])
+    assert (end, exposed) == (pytest.approx(3.5), pytest.approx(0.5))
+    # communication longer than compute: 0.5 s exposed per block after the first... 2 s each
+    end, exposed = overlap([1.0, 1.0], after=[2.0, 2.0])
+    assert end == pytest.approx(5.0)  # comm 1->3, 3->5
+    # prefetched gathers: the first is exposed, the rest hide behind compute
+    end, _ = overlap([1.0, 1.0, 1.0], before=[0.2, 0.2, 0.2])
+    assert end == pytest.approx(3.2)
+
+
+def test_ddp_buckets_and_exposed_all_reduce() -> None:
+    assert bucket_sizes([30.0, 30.0, 5.0], 25.0) == [[(1, 25.0)], [(1, 25.0)], [(1, 15.0)]]
+    env = Env(parse_cluster("1x4xA100-40GB"), bucket_bytes=1e9)
+    # one 1 GB bucket closes at the end of backward: fully exposed
+    end, exposed = dp_backward(env, [0.01, 0.01], [5e8, 5e8], dp=4, stride=1)
+    assert exposed == pytest.approx(env.collective_s("all_reduce", 1e9, 4, 1))
+    assert end == pytest.approx(0.02 + exposed)
+
+
+def test_zero3_moves_half_again_the_bytes_of_zero2() -> None:
+    slow = Env(parse_cluster("2x1xA100-40GB:eth10"))  # communication dominates
+    fwd, bwd, pb = [1e-6] * 4, [2e-6] * 4, [1e8] * 4
+    _, _b2, e2 = zero_step(slow, 2, fwd, bwd, pb, dp=2, stride=1)
+    _, _b3, e3 = zero_step(slow, 3, fwd, bwd, pb, dp=2, stride=1)
+    one = slow.collective_s("all_gather", 1e8, 2, 1)
+    assert e2 == pytest.approx(8 * one, rel=0.01)  # 4 gathers + 4 scatters
+    assert e3 == pytest.approx(12 * one, rel=0.01)  # + 4 gathers again in backward
+    _, _, quiet = zero_step(slow, 3, fwd, bwd, pb, dp=2, stride=1, scatter=False)
+    assert quiet == pytest.approx(8 * one, rel=0.01)  # accumulation micro-step: no scatter
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(2, 1), (4, 4), (4, 8), (3, 7)])
+def test_pipeline_simulation_has_the_known_bubble(schedule: str, p: int, m: int) -> None:
+    f, b = 1.0, 2.0
+    t = pipeline_step(schedule, m, [f] * p, [b] * p, [0.0] * p, [0.0] * p)
+    assert t.makespan == pytest.approx((m + p - 1) * (f + b))
+    idle = 1 - max(t.busy) / t.makespan
+    assert idle == pytest.approx(bubble_fraction(p, m))
+
+
+def test_pipeline_p2p_time_lengthens_the_fill() -> None:
+    p, m, c = 4, 8, 0.1
+    t0 = pipeline_step("gpipe", m, [1.0] * p, [2.0] * p, [0.0] * p, [0.0] * p)
+    t1 = pipeline_step("gpipe", m, [1.0] * p, [2.0] * p, [c] * p, [c] * p)
+    # GPipe: the first forward and the last backward each cross p - 1 links
+    assert t1.makespan == pytest.approx(t0.makespan + 2 * (p - 1) * c)
+    # 1F1B alternates F and B in steady state, so messages also sit on its critical path
+    # there (Narayanan et al. 2021, sec. 2.2): at least GPipe's extra, and more
+    f0 = pipeline_step("1f1b", m, [1.0] * p, [2.0] * p, [0.0] * p, [0.0] * p)
+    f1 = pipeline_step("1f1b", m, [1.0] * p, [2.0] * p, [c] * p, [c] * p)
+    assert f1.makespan > f0.makespan + 2 * (p - 1) * c
+
+
+def test_pipedream_steady_state_has_no_bubble() -> None:
+    p, m = 4, 8
+    t = pipeline_step("pipedream", m, [1.0] * p, [2.0] * p, [0.0] * p, [0.0] * p)
+    assert t.per_step == pytest.approx(m * 3.0)
+    assert t.bubble == pytest.approx(0.0)
+
+
+def test_parameter_server_is_bound_by_server_bandwidth() -> None:
+    env = Env(parse_cluster("1x8xcpu"))
+    link = env.link(1, 8)
+    g = 1e8
+    step, comm = ps_step(env, "sync", 7, 1, 0.5, g, g / 4, 2, 4)
+    assert comm == pytest.approx(7 * g / link.bandwidth + 2 * link.latency, rel=1e-6)
+    _step2, comm2 = ps_step(env, "sync", 6, 2, 0.5, g, g / 4, 2, 4)
+    assert comm2 < comm / 2  # twice the servers, each taking 6/2 instead of 7 pushes
+    # async: the global step is bound by the servers, not by compute + the worker's exchange
+    a_step, _ = ps_step(env, "async", 7, 1, 0.01, g, g / 4, 2, 4)
+    assert a_step < step and a_step >= comm
+
+
+def test_sufficient_factor_wins_for_small_batches_and_loses_for_large() -> None:
+    env = Env(parse_cluster("1x4xV100"))
+    assert sf_s(env, 4096, 4096, rows=8, dp=4, dtype_bytes=4) < dense_s(env, 4096, 4096, 4, 4)
+    assert sf_s(env, 4096, 4096, rows=8192, dp=4, dtype_bytes=4) > dense_s(env, 4096, 4096, 4, 4)
+
+
+def test_tensor_parallel_pays_four_all_reduces_per_layer() -> None:
+    stats = gpt_stats(n_layer=4, n_embd=1024, n_head=16, block_size=512, vocab_size=256)
+    env = Env(parse_cluster("1x4xA100-40GB"))
+    p1 = predict(Layout(dp=1, tp=4), stats, env, 8)
+    layer = stats.blocks[1]
+    one = env.collective_s("all_reduce", layer.output_bytes * 8, 4, 1)
+    # 4 layers x (2 forward + 2 backward), and the embedding and the head 1 + 1 each, all
+    # of the same (B, T, C) activation
+    assert p1.breakdown["tp_comm"] == pytest.approx(20 * one)
+
+
+def test_more_replicas_split_the_compute() -> None:
+    stats = gpt_stats(n_layer=8, n_embd=512, n_head=8, block_size=256, vocab_size=100)
+    env = Env(parse_cluster("1x8xA100-40GB"))
+    one = predict(Layout(dp=1), stats, env, 64)
+    eight = predict(Layout(dp=8), stats, env, 64)
+    assert eight.breakdown["compute"] == pytest.approx(one.breakdown["compute"] / 8)
+    assert one.step_s / eight.step_s > 6  # nearly linear over NVLink
+    # the same compute with recomputation costs one more forward
+    rec = predict(Layout(dp=1, recompute=True), stats, env, 64)
+    assert rec.breakdown["compute"] == pytest.approx(one.breakdown["compute"] * 4 / 3, rel=1e-6)
+
+
+def test_a_calibrated_profile_replaces_the_catalog_inside_its_host() -> None:
+    from polytrain.planner.types import Curve, HostProfile
+
+    curve = Curve(((1e3, 1e-4), (1e6, 1e-2)))
+    profile = HostProfile(
+        fingerprint="test",
+        device="cpu",
+        matmul_flops={"fp32": 5e10},
+        mem_bw=1e10,
+        collectives={"all_reduce": {2: curve}},
+    )
+    env = Env(parse_cluster("2x2xcpu:eth10"), profile=profile)
+    assert env.flops_rate == 5e10
+    assert env.mem_bw == 1e10
+    # measured curve inside the host (interpolated), rescaled for an unmeasured world size
+    assert env.collective_s("all_reduce", 5e5, 2, 1) == pytest.approx(curve.seconds(5e5))
+    # a group that leaves the host uses the catalog link, not the loopback measurement
+    eth = 2 * 1 / 2 * 5e5 / 1.25e9 + 2 * 14e-6 + 8.4e-6
+    assert env.collective_s("all_reduce", 5e5, 2, 2) == pytest.approx(eth)
+
+
+def test_pipeline_accumulation_reruns_the_flushed_program() -> None:
+    # PipelineStrategy runs the m-micro-batch program once per accumulation micro-step
+    stats = gpt_stats(n_layer=4, n_embd=256, n_head=4, block_size=64, vocab_size=64)
+    env = Env(parse_cluster("1x2xA100-40GB"))
+    one = predict(Layout(pp=2, microbatches=4), stats, env, 16)
+    two = predict(Layout(pp=2, microbatches=4, grad_accum=2), stats, env, 32)
+    opt = one.breakdown["optimizer"]
+    assert two.step_s - opt == pytest.approx(2 * (one.step_s - opt))
+    assert two.breakdown["bubble"] == pytest.approx(2 * one.breakdown["bubble"])

@@ -1,0 +1,68 @@
+"""Memory per rank against hand-computed bytes (pure, milliseconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from polytrain.planner.memory import ALLOCATOR_SLACK, memory_per_rank
+from polytrain.planner.partition import balanced_stages
+from polytrain.planner.types import BlockStats, Layout, ModelStats
+
+P = 1_000_000  # parameters per block
+BLOCK = BlockStats("b", P, 4 * P, fwd_flops=1e9, saved_bytes=1000.0, output_bytes=100.0)
+STATS = ModelStats("toy", (BLOCK,) * 4, dtype_bytes=4, optimizer_state_per_param=2)
+WEIGHTS = 4 * 4 * P  # four blocks, fp32
+
+
+def _mem(layout: Layout, mb: float = 8.0):  # type: ignore[no-untyped-def]
+    return memory_per_rank(STATS, layout, balanced_stages(STATS.blocks, layout.pp), mb)
+
+
+def test_ddp_replicates_model_states() -> None:
+    m = _mem(Layout(dp=4))
+    assert (m.weights, m.grads, m.optimizer) == (WEIGHTS, WEIGHTS, 2 * WEIGHTS)
+    assert m.buffers == 0  # gradient_as_bucket_view: the buckets are the gradients
+    assert m.activations == 4 * 1000.0 * 8
+    assert m.total == pytest.approx((4 * WEIGHTS + 32000) * (1 + ALLOCATOR_SLACK))
+
+
+def test_zero_shards_what_its_stage_says() -> None:
+    z2, z3 = _mem(Layout(dp=4, zero=2)), _mem(Layout(dp=4, zero=3))
+    assert (z2.weights, z2.grads, z2.optimizer) == (WEIGHTS / 4, WEIGHTS / 4, 2 * WEIGHTS / 4)
+    assert z2.buffers == WEIGHTS  # gathered parameters kept from forward to backward
+    assert z3.buffers == 2 * 4 * P  # the current and the prefetched block
+    assert z3.model_states == z2.model_states
+    assert z3.total < z2.total
+    assert z3.total < _mem(Layout(dp=4)).total
+    # accumulating under FSDP2 (gradient sync off until the last micro-step) keeps full grads
+    assert _mem(Layout(dp=4, zero=3, grad_accum=2)).grads == WEIGHTS
+
+
+def test_tensor_parallel_divides_weights_and_activations() -> None:
+    m = _mem(Layout(tp=4))
+    assert m.weights == WEIGHTS / 4
+    assert m.activations == 4 * 1000.0 * 8 / 4
+
+
+def test_pipeline_in_flight_microbatches_come_from_the_schedule() -> None:
+    # 2 stages of 2 blocks; GPipe holds all m = 8 micro-batches, 1F1B at most p - s = 2
+    gpipe = _mem(Layout(pp=2, schedule="gpipe", microbatches=8), mb=1.0)
+    ofob = _mem(Layout(pp=2, schedule="1f1b", microbatches=8), mb=1.0)
+    assert gpipe.activations == 8 * 2 * 1000.0
+    assert ofob.activations == 2 * 2 * 1000.0
+    pd = _mem(Layout(pp=2, schedule="pipedream", microbatches=8), mb=1.0)
+    # stage 0 stashes ceil((p - 1 - s) / m) + 1 = 2 versions (an update per step of m = 8)
+    assert pd.weights == 2 * (2 * 4 * P)
+    pd4 = memory_per_rank(
+        STATS,
+        Layout(pp=4, schedule="pipedream", microbatches=2),
+        balanced_stages(STATS.blocks, 4),
+        1.0,
+    )
+    assert pd4.weights == 3 * (4 * P)  # stage 0 of 4 with m = 2: ceil(3 / 2) + 1 = 3 versions
+
+
+def test_recomputation_keeps_block_inputs_only() -> None:
+    plain, rec = _mem(Layout()), _mem(Layout(recompute=True))
+    assert rec.activations == 4 * 100.0 * 8 + 1000.0 * 8
+    assert rec.activations < plain.activations
