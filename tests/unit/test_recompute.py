@@ -14,13 +14,15 @@ from polytrain.parallel.recompute import apply_recompute, is_recomputed
 def _model() -> BlockModel:
     torch.manual_seed(0)
     blocks: list[nn.Module] = [
-        nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 32)) for _ in range(3)
+        nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Dropout(0.2), nn.Linear(256, 32))
+        for _ in range(3)
     ]
     return BlockModel([*blocks, nn.Identity()], loss_fn=lambda out, y: (out - y).pow(2).mean())
 
 
 def _saved_bytes(model: BlockModel, x: torch.Tensor) -> int:
     total = 0
+    torch.manual_seed(1)  # the same dropout masks for both models; recomputation replays them
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total

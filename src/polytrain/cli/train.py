@@ -6,14 +6,17 @@ reaches every field. The job is validated here, before any process starts, then 
 
 from __future__ import annotations
 
+import inspect
+import types
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, Union, cast, get_args, get_origin
 
 import tomli_w
 import typer
 
 from polytrain.api import prepare, run
-from polytrain.config.base import to_dict
+from polytrain.config.base import FieldInfo, describe_field, to_dict
 from polytrain.config.io import job_from_dict, load_job, merge, parse_override
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
@@ -97,63 +100,54 @@ def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]
     return job_from_dict(data)
 
 
-def train_command(
+_KEYWORD = inspect.Parameter.KEYWORD_ONLY
+
+
+def _flag_type(tp: Any) -> type:
+    """The command-line type of a field annotated ``tp``: its first non-None alternative, with
+    ``Literal`` choices and lists (``pipeline.partition``) read as text and checked by the
+    config, so a bad value gets the config's one-line error."""
+    if get_origin(tp) in (Union, types.UnionType):
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    if get_origin(tp) in (Literal, list):
+        return str
+    assert tp in (int, float, bool, str), f"no command-line type for {tp!r}"
+    return cast(type, tp)
+
+
+def _flag_help(info: FieldInfo) -> str:
+    """The field's own help, its choices, and where it lives: ``optimizer steps (train.steps,
+    default 1200)``."""
+    text = info.help
+    tp = info.type
+    if get_origin(tp) in (Union, types.UnionType):
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    if get_origin(tp) is Literal:
+        text += f": {' | '.join(str(c) for c in get_args(tp))}"
+    default = info.default
+    if isinstance(default, bool):
+        default = str(default).lower()
+    shown = "''" if default == "" else default
+    # Round brackets: typer renders help as rich markup, where [...] would be a style tag.
+    return f"{text} ({info.path}, default {shown})"
+
+
+def _flag_parameter(name: str, path: str) -> inspect.Parameter:
+    info = describe_field(JobConfig, path)
+    option = typer.Option(help=_flag_help(info), show_default=False)
+    annotation = Annotated[_flag_type(info.type) | None, option]  # type: ignore[valid-type]
+    return inspect.Parameter(name, _KEYWORD, default=None, annotation=annotation)
+
+
+def _train(
     config: Annotated[Path | None, typer.Option(help="TOML job file")] = None,
-    model: Annotated[str | None, typer.Option(help="gpt, mlp or package.module:factory")] = None,
-    size: Annotated[str | None, typer.Option(help="tiny, small or medium")] = None,
-    data: Annotated[
-        str | None, typer.Option(help="pydoc, or a .txt/.npy/.safetensors path")
-    ] = None,
-    steps: Annotated[int | None, typer.Option(help="optimizer steps")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="global batch size")] = None,
-    grad_accum: Annotated[int | None, typer.Option(help="accumulation micro-steps")] = None,
-    seed: Annotated[int | None, typer.Option(help="seed of weights and batch order")] = None,
-    dtype: Annotated[str | None, typer.Option(help="fp32 or bf16 autocast")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu, cuda or auto")] = None,
-    eval_every: Annotated[int | None, typer.Option(help="validation every N steps")] = None,
-    optimizer: Annotated[str | None, typer.Option(help="adamw or sgd")] = None,
-    lr: Annotated[float | None, typer.Option(help="peak learning rate")] = None,
-    momentum: Annotated[float | None, typer.Option(help="SGD momentum")] = None,
-    nproc: Annotated[int | None, typer.Option(help="worker processes on this node")] = None,
-    nnodes: Annotated[int | None, typer.Option(help="number of nodes")] = None,
-    node_rank: Annotated[int | None, typer.Option(help="rank of this node")] = None,
-    rdzv_endpoint: Annotated[str | None, typer.Option(help="HOST:PORT (multi-node)")] = None,
-    max_restarts: Annotated[int | None, typer.Option(help="worker-group restarts")] = None,
-    timeout: Annotated[float | None, typer.Option(help="collective timeout, seconds")] = None,
-    dp: Annotated[int | None, typer.Option(help="data-parallel degree")] = None,
-    tp: Annotated[int | None, typer.Option(help="tensor-parallel degree")] = None,
-    pp: Annotated[int | None, typer.Option(help="pipeline stages")] = None,
-    zero: Annotated[int | None, typer.Option(help="ZeRO stage: 0, 2 or 3")] = None,
-    sync: Annotated[str | None, typer.Option(help="allreduce or ps")] = None,
-    bucket_mb: Annotated[float | None, typer.Option(help="DDP bucket size, MiB")] = None,
-    grad_compression: Annotated[str | None, typer.Option(help="none, bf16 or fp16")] = None,
-    sufficient_factor: Annotated[str | None, typer.Option(help="auto, on or off")] = None,
-    recompute: Annotated[bool | None, typer.Option(help="recompute activations")] = None,
-    schedule: Annotated[str | None, typer.Option(help="gpipe, 1f1b or pipedream")] = None,
-    microbatches: Annotated[int | None, typer.Option(help="pipeline micro-batches")] = None,
-    partition: Annotated[str | None, typer.Option(help="auto, uniform or 3,5")] = None,
-    memory_limit_mb: Annotated[
-        float | None, typer.Option(help="per-stage memory limit for --partition auto, MiB")
-    ] = None,
-    ps_servers: Annotated[int | None, typer.Option(help="parameter-server ranks")] = None,
-    ps_mode: Annotated[str | None, typer.Option(help="sync, async or ssp")] = None,
-    staleness: Annotated[int | None, typer.Option(help="ssp staleness bound")] = None,
-    checkpoint_dir: Annotated[str | None, typer.Option(help="checkpoint directory")] = None,
-    checkpoint_every: Annotated[int | None, typer.Option(help="save every N steps")] = None,
-    checkpoint_keep: Annotated[int | None, typer.Option(help="keep the newest K")] = None,
-    async_save: Annotated[bool | None, typer.Option(help="write checkpoints in background")] = None,
-    resume: Annotated[bool | None, typer.Option(help="resume from the newest checkpoint")] = None,
-    save_final: Annotated[str | None, typer.Option(help="final weights .safetensors")] = None,
-    out_dir: Annotated[str | None, typer.Option(help="run directory (metrics, logs)")] = None,
-    trace: Annotated[str | None, typer.Option(help="Chrome trace output path")] = None,
-    progress: Annotated[bool | None, typer.Option(help="progress bar on rank 0")] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="section.key=value (repeatable)")
     ] = None,
     dry_run: Annotated[bool, typer.Option(help="validate and print the job, do not run")] = False,
+    **flags: Any,
 ) -> None:
     """Train a model; with no arguments, the default job (gpt tiny, 2 CPU workers, DP)."""
-    flags = {name: value for name, value in locals().items() if name in FLAG_FIELDS}
     job = prepare(resolve_job(config, flags, set_ or []))
     if dry_run:
         typer.echo(tomli_w.dumps(to_dict(job)))
@@ -163,3 +157,26 @@ def train_command(
         f"all, run dir {job.observe.out_dir}"
     )
     run(job)
+
+
+def _command() -> Callable[..., None]:
+    """`_train` with one keyword option per `FLAG_FIELDS` entry, its help taken from the config
+    field (contract 2: the flags are views of the fields, described once)."""
+    fixed = {
+        name: p.replace(kind=_KEYWORD)
+        for name, p in inspect.signature(_train, eval_str=True).parameters.items()
+    }
+    params = [fixed["config"]]
+    params += [_flag_parameter(name, path) for name, path in FLAG_FIELDS.items()]
+    params += [fixed["set_"], fixed["dry_run"]]
+
+    def train_command(**kwargs: Any) -> None:
+        """Train a model; with no arguments, the default job (gpt tiny, 2 CPU workers, DP)."""
+        _train(**kwargs)
+
+    train_command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    train_command.__annotations__ = {p.name: p.annotation for p in params}
+    return train_command
+
+
+train_command = _command()

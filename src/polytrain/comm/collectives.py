@@ -21,7 +21,6 @@ __all__ = [
     "all_reduce_sum_",
     "all_reduce_sum_async_",
     "barrier",
-    "broadcast_",
     "collective_device",
     "world_size",
 ]
@@ -42,11 +41,6 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()
-
-
-def broadcast_(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
-    if world_size(group) > 1:
-        dist.broadcast(tensor, src=src, group=group)
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

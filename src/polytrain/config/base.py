@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from polytrain.errors import ConfigError
 
-__all__ = ["field_help", "from_dict", "option", "to_dict"]
+__all__ = ["FieldInfo", "describe_field", "from_dict", "option", "to_dict"]
 
 T = TypeVar("T")
 
@@ -29,11 +29,36 @@ def option(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
-def field_help(cls: type, name: str) -> str:
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return str(f.metadata.get("help", ""))
-    return ""
+@dataclasses.dataclass(frozen=True)
+class FieldInfo:
+    """What a config field says about itself: its annotation, default and one-line help."""
+
+    path: str
+    type: Any
+    default: Any
+    help: str
+
+
+def describe_field(cls: type, path: str) -> FieldInfo:
+    """The field at dotted ``path`` (``"train.steps"``) of dataclass ``cls``, nested sections
+    followed through their annotations. An unknown name is a `ConfigError` listing the valid
+    ones (as `from_dict` does)."""
+    *sections, name = path.split(".")
+    for section in [*sections, name]:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if section not in fields:
+            raise ConfigError(f"unknown key {path!r}: valid keys here are {', '.join(fields)}")
+        tp = typing.get_type_hints(cls)[section]
+        if section != name:
+            cls = tp
+    f = fields[name]
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:  # pragma: no cover - every config field has a default
+        default = None
+    return FieldInfo(path, tp, default, str(f.metadata.get("help", "")))
 
 
 def _type_name(tp: Any) -> str:

@@ -185,7 +185,7 @@ class PipelineConfig:
     partition: str | list[int] = option(
         "uniform", "'auto' (profiled), 'uniform', or blocks per stage, e.g. [3, 5]"
     )
-    memory_limit_mb: float = option(0.0, "per-stage memory limit for 'auto' (0 = none)")
+    memory_limit_mb: float = option(0.0, "per-stage memory limit in MiB for 'auto' (0 = none)")
     partition_trials: int = option(
         4,
         "'auto': time the profile's best partition and up to N - 1 neighbours (one boundary "
@@ -294,7 +294,9 @@ class LaunchConfig:
     node_rank: int = option(0, "rank of this node")
     rdzv_endpoint: str = option("", "host:port of the rendezvous ('' = loopback, one node)")
     max_restarts: int = option(0, "restarts of the worker group after a failure")
-    timeout_s: float = option(300.0, "collective timeout; a rank that does not arrive fails")
+    timeout_s: float = option(
+        300.0, "collective timeout in seconds; a rank that does not arrive is named and fails"
+    )
     backend: Literal["auto", "gloo", "nccl"] = option("auto", "c10d backend")
 
     def __post_init__(self) -> None:

@@ -37,10 +37,6 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleDict({str(i): block for i, block in sorted(blocks.items())})
         self.recompute = recompute
 
-    @property
-    def block_indices(self) -> list[int]:
-        return [int(k) for k in self.blocks]
-
     def forward(
         self, x: torch.Tensor, weights: Mapping[str, torch.Tensor] | None = None
     ) -> torch.Tensor:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import polytrain
 
-__all__ = ["load_weights", "save_weights"]
+__all__ = ["save_weights"]
 
 
 def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> Path:
@@ -23,8 +23,3 @@ def save_weights(state: dict[str, torch.Tensor], path: str | Path) -> Path:
     )
     tmp.replace(out)
     return out
-
-
-def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors only: safetensors cannot carry code."""
-    return load_file(str(path))

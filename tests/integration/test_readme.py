@@ -1,0 +1,128 @@
+"""Every command in README.md's "Using it" block runs as written, so the README cannot drift.
+
+The block is parsed from README.md at test time: an edited example is tested as edited. ``train``
+commands run with ``--dry-run`` (the whole job is resolved and pre-flighted: config, model built
+on the meta device, mesh, partition, plans) and, in the slow test, for two real steps;
+``polytrain doctor`` runs as it is. The files an example names (``job.toml``, ``corpus.txt``, the
+``mypkg.models:build`` factory) are created first, as a user would have them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+USER_FACTORY = '''
+from torch import nn
+
+
+def build(spec):
+    """A user model: one nn.Sequential child per pipeline block."""
+    return nn.Sequential(
+        nn.Embedding(spec.vocab_size, 16), nn.Linear(16, 32), nn.GELU(),
+        nn.Linear(32, spec.vocab_size),
+    )
+'''
+
+
+def readme_commands() -> list[list[str]]:
+    """The ``polytrain ...`` lines of the first bash block under "## Using it", as argv lists
+    (comments dropped; the ``...`` placeholder of ``--dry-run ...`` dropped)."""
+    text = README.read_text()
+    section = text.split("## Using it", 1)[1]
+    match = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
+    assert match, 'README.md: no ```bash block under "## Using it"'
+    commands = []
+    for line in match.group(1).splitlines():
+        argv = [a for a in shlex.split(line, comments=True) if a != "..."]
+        if argv:
+            assert argv[0] == "polytrain", f"README example does not start with polytrain: {line}"
+            commands.append(argv[1:])
+    return commands
+
+
+COMMANDS = readme_commands()
+
+
+def _id(argv: list[str]) -> str:
+    return " ".join(argv)
+
+
+@pytest.fixture
+def user_dir(tmp_path: Path) -> Path:
+    """A directory holding what the examples name: job.toml, corpus.txt, mypkg/models.py."""
+    (tmp_path / "job.toml").write_text('[model]\nname = "mlp"\n\n[train]\nsteps = 100\n')
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "models.py").write_text(USER_FACTORY)
+    return tmp_path
+
+
+def polytrain(argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join([str(cwd), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "polytrain.cli.app", *argv],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_readme_block_has_the_examples() -> None:
+    assert len(COMMANDS) >= 5
+    assert ["doctor"] in COMMANDS
+    assert all(argv[0] in ("train", "doctor") for argv in COMMANDS)
+
+
+@pytest.mark.slow  # a subprocess per example: seconds each
+@pytest.mark.parametrize("argv", COMMANDS, ids=_id)
+def test_readme_example_validates(argv: list[str], user_dir: Path) -> None:
+    if argv[0] == "train" and "--dry-run" not in argv:
+        argv = [*argv, "--dry-run"]
+    proc = polytrain(argv, user_dir)
+    assert proc.returncode == 0, f"polytrain {_id(argv)}\n{proc.stderr}"
+    if argv[0] == "train":
+        assert "[parallel]" in proc.stdout  # the resolved job, printed as TOML
+    else:
+        assert "torch" in proc.stdout
+    if "--save-final" in argv:
+        assert not (user_dir / argv[argv.index("--save-final") + 1]).exists()  # dry run
+
+
+TRAIN = [argv for argv in COMMANDS if argv[0] == "train" and "--dry-run" not in argv]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", TRAIN, ids=_id)
+def test_readme_example_trains_two_steps(argv: list[str], user_dir: Path) -> None:
+    """The same command, shortened to two steps (the last --steps wins), trains and exits 0."""
+    short = [
+        *argv,
+        "--steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--set",
+        "train.sample_tokens=0",
+        "--out-dir",
+        str(user_dir / "run"),
+    ]
+    proc = polytrain(short, user_dir, timeout=600)
+    assert proc.returncode == 0, f"polytrain {_id(short)}\n{proc.stderr[-3000:]}"
+    metrics = (user_dir / "run" / "metrics.jsonl").read_text()
+    assert '"step": 2' in metrics or '"step":2' in metrics
+    if "--save-final" in argv:
+        assert (user_dir / argv[argv.index("--save-final") + 1]).stat().st_size > 0

@@ -1,0 +1,58 @@
+"""``polytrain train`` flags are generated from the config fields (contract 2): each flag's help
+is its field's help, and each flag sets its field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import typer
+
+from polytrain.cli.app import app
+from polytrain.cli.train import FLAG_FIELDS, resolve_job
+from polytrain.config.base import describe_field
+from polytrain.config.job import JobConfig
+from polytrain.errors import ConfigError
+
+
+def _train() -> Any:
+    """The click command typer builds (typer >= 0.20 vendors its own click)."""
+    group: Any = typer.main.get_command(app)
+    return group.commands["train"]
+
+
+def test_every_flag_documents_its_field() -> None:
+    options = {p.name: p for p in _train().params if p.param_type_name == "option"}
+    for name, path in FLAG_FIELDS.items():
+        info = describe_field(JobConfig, path)
+        assert info.help, f"{path} has no help"
+        help_text = options[name].help or ""
+        assert help_text.startswith(info.help) and f"({path}, default " in help_text
+
+
+def test_flags_keep_their_names_and_set_their_fields() -> None:
+    argv = ["--nproc", "2", "--dp", "2", "--batch-size", "64", "--grad-accum", "2",
+            "--timeout", "12.5", "--no-progress", "--partition", "3,5", "--ps-mode", "ssp",
+            "--staleness", "1", "--recompute", "--sync", "allreduce"]  # fmt: skip
+    ctx = _train().make_context("train", argv)
+    flags = {k: v for k, v in ctx.params.items() if k in FLAG_FIELDS}
+    assert set(flags) == set(FLAG_FIELDS)  # every flag exists under its old name
+    job = resolve_job(None, flags, [])
+    assert (job.launch.nproc, job.parallel.dp, job.train.global_batch_size) == (2, 2, 64)
+    assert job.train.grad_accum == 2 and job.launch.timeout_s == 12.5
+    assert job.observe.progress is False and job.parallel.recompute is True
+    assert job.pipeline.partition == [3, 5] and (job.ps.mode, job.ps.staleness) == ("ssp", 1)
+    assert job.optim == JobConfig().optim  # flags left out keep the defaults
+
+
+def test_a_bad_choice_is_the_configs_one_line_error() -> None:
+    ctx = _train().make_context("train", ["--schedule", "zigzag"])
+    flags = {k: v for k, v in ctx.params.items() if k in FLAG_FIELDS}
+    with pytest.raises(ConfigError, match="pipeline.schedule = 'zigzag' is not a valid choice"):
+        resolve_job(None, flags, [])
+
+
+def test_describe_field_names_the_valid_keys() -> None:
+    assert describe_field(JobConfig, "train.steps").default == 1200
+    with pytest.raises(ConfigError, match="valid keys here are .*global_batch_size"):
+        describe_field(JobConfig, "train.stepz")
