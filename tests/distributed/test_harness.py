@@ -28,7 +28,7 @@ def _raise_on_one(rank: int, world_size: int) -> None:
 def _crash_on_one(rank: int, world_size: int) -> None:
     if rank == 1:
         os._exit(3)
-    time.sleep(30)
+    time.sleep(3600)  # until the harness kills it
 
 
 def _fail_on_zero_while_one_crashes(rank: int, world_size: int) -> None:
@@ -40,7 +40,7 @@ def _fail_on_zero_while_one_crashes(rank: int, world_size: int) -> None:
 
 def _hang_on_one(rank: int, world_size: int) -> None:
     if rank == 1:
-        time.sleep(60)
+        time.sleep(3600)  # until the harness kills it
 
 
 def test_results_come_back_in_rank_order() -> None:
@@ -56,10 +56,10 @@ def test_exception_names_rank_and_carries_traceback() -> None:
 
 
 def test_crashed_rank_fails_fast() -> None:
-    start = time.monotonic()
+    # Rank 0 never finishes: a RankFailure rather than the deadline's TimeoutError shows the
+    # crash ended the run (an order of events, not a wall-clock bound).
     with pytest.raises(RankFailure, match="rank 1 exited with code 3"):
         run_distributed(_crash_on_one, 2, timeout_s=60)
-    assert time.monotonic() - start < 30
 
 
 def test_the_crashed_rank_is_named_before_the_peer_it_took_down() -> None:
@@ -71,5 +71,10 @@ def test_the_crashed_rank_is_named_before_the_peer_it_took_down() -> None:
 
 
 def test_hang_becomes_timeout_naming_the_rank() -> None:
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 5 s"):
+    """Only the hung rank is named: the deadline, 5 s on an idle machine, stretches with the
+    machine's measured slowdown so that the healthy rank's start-up (spawn, import torch, gloo
+    rendezvous) fits in it under load ([Note: deadlines scale with machine speed])."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"^ranks \[1\] did not finish within \d+ s$"):
         run_distributed(_hang_on_one, 2, timeout_s=5)
+    assert time.monotonic() - start >= 5  # it waited for the deadline, no less
