@@ -33,15 +33,7 @@ def exploding(spec: DataSpec) -> nn.Module:
 
 
 def _spin(seconds: float) -> None:
-    """Busy-wait for ``seconds`` of this process's CPU time.
-
-    [Note: timed blocks spin on CPU time] The block profile measures CPU time (one thread,
-    `pipeline.profile`'s clock), so it sees exactly ``seconds`` however loaded the machine is;
-    in the pipeline (wall clock) every block then stretches with the process's share of a core,
-    like real compute and like the overhead around it, so the ratios between partitions survive
-    load. A wall-clock spin did not stretch while the p2p and Python overhead did, and under a
-    heavy load that overhead swamped the difference between partitions.
-    """
+    """Busy-wait for ``seconds`` of this process's CPU time."""
     import time
 
     end = time.process_time() + seconds
@@ -50,8 +42,16 @@ def _spin(seconds: float) -> None:
 
 
 class _Timed(nn.Module):
-    """A block that takes ``seconds`` of CPU per forward, ``extra`` more while `profile_blocks`
-    runs it."""
+    """A block that takes ``seconds`` per forward, ``extra`` more while `profile_blocks` runs it.
+
+    [Note: timed blocks] Under `profile_blocks` the block spins for ``seconds + extra`` of CPU
+    time: the profile measures CPU time (one thread; `pipeline.profile`'s clock), so it sees
+    exactly that however loaded the machine is. Anywhere else the block sleeps ``seconds``, like
+    a host waiting for an accelerator: stages that sleep overlap whatever else the machine runs,
+    so the pipeline's wall-clock step time keeps the partitions' differences. A CPU-bound block
+    did not: on a machine with far more runnable processes than cores, two busy ranks share the
+    CPU with everything else and every partition costs about the same total CPU time.
+    """
 
     def __init__(self, width: int, seconds: float, extra: float = 0.0) -> None:
         super().__init__()
@@ -59,7 +59,12 @@ class _Timed(nn.Module):
         self.seconds, self.extra = seconds, extra
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _spin(self.seconds + (self.extra if self.extra and _in_profile_blocks() else 0.0))
+        import time
+
+        if _in_profile_blocks():
+            _spin(self.seconds + self.extra)
+        else:
+            time.sleep(self.seconds)
         return self.fc(x)
 
 
@@ -88,10 +93,10 @@ def timed_blocks(
 
 
 def misprofiled(spec: DataSpec) -> nn.Module:
-    """Six blocks of 5 ms each; block 1 looks 50 ms slower to the profiler than it is.
+    """Six blocks of 10 ms each; block 1 looks 50 ms slower to the profiler than it is.
 
-    The profile's best 2-stage split isolates block 1 ([2, 4]); in the pipeline the balanced
-    [3, 3] is ~20% faster (15 ms per stage and micro-batch, not 10 and 20), which only
-    partition trials can see. [Note: timed blocks spin on CPU time]
+    The profile's best 2-stage split isolates block 1 ([2, 4]: 70 ms against 40, where [3, 3]
+    would be 80 against 30); in the pipeline the balanced [3, 3] is ~25% faster (30 ms per stage
+    and micro-batch, not 20 and 40), which only partition trials can see. [Note: timed blocks]
     """
-    return timed_blocks(spec, [0.005] * 6, [0.0, 0.05, 0.0, 0.0, 0.0, 0.0])
+    return timed_blocks(spec, [0.01] * 6, [0.0, 0.05, 0.0, 0.0, 0.0, 0.0])
