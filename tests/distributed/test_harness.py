@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from polytrain.testing import RankFailure, run_distributed
+from polytrain.testing import RankFailure, run_distributed, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,10 @@ def _fail_on_zero_while_one_crashes(rank: int, world_size: int) -> None:
         time.sleep(0.3)  # the crash lands just after rank 0's report, as in a real race
         os._exit(3)
     raise RuntimeError("Connection closed by peer")
+
+
+def _noop(rank: int, world_size: int) -> None:
+    pass
 
 
 def _hang_on_one(rank: int, world_size: int) -> None:
@@ -71,10 +75,14 @@ def test_the_crashed_rank_is_named_before_the_peer_it_took_down() -> None:
 
 
 def test_hang_becomes_timeout_naming_the_rank() -> None:
-    """Only the hung rank is named: the deadline, 5 s on an idle machine, stretches with the
-    machine's measured slowdown so that the healthy rank's start-up (spawn, import torch, gloo
-    rendezvous) fits in it under load ([Note: deadlines scale with machine speed])."""
+    """Only the hung rank is named. The deadline must outlast the healthy rank's start-up
+    (spawn, import torch, gloo rendezvous), which a loaded machine stretches far more than CPU
+    work: it is three times a measured start-up of the same world, and at least the 5 s of an
+    idle machine, scaled ([Note: deadlines scale with machine speed])."""
+    start = time.monotonic()
+    run_distributed(_noop, 2)
+    deadline = max(scaled(5.0), 3 * (time.monotonic() - start))
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"^ranks \[1\] did not finish within \d+ s$"):
-        run_distributed(_hang_on_one, 2, timeout_s=5)
-    assert time.monotonic() - start >= 5  # it waited for the deadline, no less
+        run_distributed(_hang_on_one, 2, timeout_s=deadline, scale_timeout=False)
+    assert time.monotonic() - start >= deadline  # it waited for the deadline, no less

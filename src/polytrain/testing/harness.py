@@ -121,14 +121,17 @@ def run_distributed(
     *args: Any,
     timeout_s: float = 120.0,
     collective_timeout_s: float = 60.0,
+    scale_timeout: bool = True,
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks; return the per-rank results in rank order.
 
     ``timeout_s`` bounds the whole run on an idle machine; the deadline used is
-    ``scaled(timeout_s)``. ``collective_timeout_s`` is the process group's own timeout, as given
+    ``scaled(timeout_s)`` (``timeout_s`` itself with ``scale_timeout=False``, for a deadline
+    the caller measured). ``collective_timeout_s`` is the process group's own timeout, as given
     (tests of hang detection set it on purpose).
     """
-    timeout_s = scaled(timeout_s)
+    if scale_timeout:
+        timeout_s = scaled(timeout_s)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="polytrain-test-") as tmp:
