@@ -167,9 +167,10 @@ def run_distributed(
                     continue
                 if not ok:
                     # A rank that crashed outright is the cause; the others' errors (a peer
-                    # closed the connection) follow from it, and may arrive first.
+                    # closed the connection) follow from it, and may arrive first. Waiting
+                    # for its exit is a deadline too, scaled like the others.
                     others = sorted(set(range(world_size)) - set(out) - {rank})
-                    dead = _crashed(procs, others, wait_s=1.0)
+                    dead = _crashed(procs, others, wait_s=scaled(1.0))
                     if dead is not None:
                         raise RankFailure(
                             f"{_crash_message(procs, dead)}; then rank {rank} failed: {value}"
