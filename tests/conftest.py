@@ -7,6 +7,22 @@ from typing import Any
 import pytest
 
 from polytrain.config import JobConfig, job_from_dict
+from polytrain.testing import scaled
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-timeout's per-test limit is seconds on an idle machine, stretched by the measured
+    slowdown like every other deadline ([Note: deadlines scale with machine speed])."""
+    given = config.getoption("timeout", None)  # --timeout on the command line wins, as given
+    if given is not None:
+        return
+    limit = float(config.getini("timeout") or 0)
+    if limit <= 0:
+        return
+    stretched = pytest.mark.timeout(scaled(limit))
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(stretched)
 
 
 def small_job(**sections: dict[str, Any]) -> JobConfig:

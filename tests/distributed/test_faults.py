@@ -7,7 +7,6 @@ must still agree (stop or skip at the same step; the healthy rank names the miss
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,18 +63,18 @@ def test_skip_drops_the_update_and_continues() -> None:
 
 
 def test_a_rank_that_stops_participating_is_named() -> None:
+    # Rank 1 hangs for an hour (hang_rank1_step3): a RankFailure from rank 0 naming it, before
+    # the harness deadline's TimeoutError, shows the 3 s watchdog caught the hang; an order of
+    # events, not a wall-clock bound, so it holds on a loaded machine.
     timeout = 3.0
     job = faulty("hang_rank1_step3", launch={"nproc": 2, "timeout_s": timeout})
-    t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
         # The harness makes the process group; give it the timeout the loop would.
         pg_timeout = collective_timeout_s(timeout)
         run_distributed(_train, 2, [job, job], timeout_s=90, collective_timeout_s=pg_timeout)
-    elapsed = time.monotonic() - t0
     message = str(info.value).splitlines()[0]
     assert message.startswith("rank 0 failed: CollectiveTimeoutError: train step 3 of ddp-dp2")
     assert "rank(s) [1] did not arrive: rank 1 (last started step 3)" in message
-    assert elapsed < 25, f"took {elapsed:.0f} s to fail (timeout {timeout} s)"
 
 
 def test_ranks_given_different_jobs_are_named_at_start_up() -> None:

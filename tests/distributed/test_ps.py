@@ -19,7 +19,7 @@ import torch
 
 from polytrain.errors import ProtocolError
 from polytrain.ps import check_staleness_trace
-from polytrain.testing import assert_state_close, run_distributed, run_job
+from polytrain.testing import assert_state_close, run_distributed, run_job, scaled
 from polytrain.testing.harness import _entry
 from tests.conftest import small_job
 
@@ -130,7 +130,7 @@ def test_async_survives_killed_worker_and_admits_joiner(tmp_path: Path) -> None:
         p.start()
     try:
         metrics = Path(out_dir) / "metrics.jsonl"
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + scaled(90)
         while time.monotonic() < deadline:  # kill once rank 0 has logged 40 steps
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 40:
                 break

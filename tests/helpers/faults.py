@@ -80,8 +80,8 @@ def nan_grad_rank1_step3(spec: DataSpec) -> nn.Module:
 
 
 def hang_rank1_step3(spec: DataSpec) -> nn.Module:
-    """Rank 1 stops participating for 30 s in the forward of step 3."""
-    return _model(spec, _Fault("hang", 3, rank=1, seconds=30.0))
+    """Rank 1 stops participating (for an hour) in the forward of step 3."""
+    return _model(spec, _Fault("hang", 3, rank=1, seconds=3600.0))
 
 
 def slow(spec: DataSpec) -> nn.Module:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from polytrain.data import DataSpec
+from polytrain.models.base import BlockModel
 
 
 def sequential(spec: DataSpec) -> nn.Module:
@@ -32,16 +33,25 @@ def exploding(spec: DataSpec) -> nn.Module:
 
 
 def _spin(seconds: float) -> None:
-    """Busy-wait: costs CPU time, which the block profile measures (a sleep would not)."""
+    """Busy-wait for ``seconds`` of this process's CPU time."""
     import time
 
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
         pass
 
 
 class _Timed(nn.Module):
-    """A block that takes ``seconds`` per forward, ``extra`` more while `profile_blocks` runs it."""
+    """A block that takes ``seconds`` per forward, ``extra`` more while `profile_blocks` runs it.
+
+    [Note: timed blocks] Under `profile_blocks` the block spins for ``seconds + extra`` of CPU
+    time: the profile measures CPU time (one thread; `pipeline.profile`'s clock), so it sees
+    exactly that however loaded the machine is. Anywhere else the block sleeps ``seconds``, like
+    a host waiting for an accelerator: stages that sleep overlap whatever else the machine runs,
+    so the pipeline's wall-clock step time keeps the partitions' differences. A CPU-bound block
+    did not: on a machine with far more runnable processes than cores, two busy ranks share the
+    CPU with everything else and every partition costs about the same total CPU time.
+    """
 
     def __init__(self, width: int, seconds: float, extra: float = 0.0) -> None:
         super().__init__()
@@ -49,7 +59,12 @@ class _Timed(nn.Module):
         self.seconds, self.extra = seconds, extra
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _spin(self.seconds + (self.extra if self.extra and _in_profile_blocks() else 0.0))
+        import time
+
+        if _in_profile_blocks():
+            _spin(self.seconds + self.extra)
+        else:
+            time.sleep(self.seconds)
         return self.fc(x)
 
 
@@ -64,19 +79,24 @@ def _in_profile_blocks() -> bool:
     return False
 
 
-def misprofiled(spec: DataSpec) -> nn.Module:
-    """Six blocks of 5 ms each; block 1 looks 50 ms slower to the profiler than it is.
-
-    The profile's best 2-stage split isolates block 1 ([2, 4]); in the pipeline the balanced
-    [3, 3] is ~20% faster (15 ms per stage and micro-batch, not 10 and 20), which only
-    partition trials can see. The blocks busy-wait on the wall clock, so a loaded machine
-    stretches the difference less than it would stretch real compute.
-    """
-    from polytrain.models.base import BlockModel
-
+def timed_blocks(
+    spec: DataSpec, seconds: list[float], extra: list[float] | None = None
+) -> BlockModel:
+    """A `BlockModel` whose block ``i`` busy-waits ``seconds[i]`` per forward (``extra[i]``
+    more while `profile_blocks` runs it): the first block embeds, the last is the head."""
     width = 8
+    extra = extra or [0.0] * len(seconds)
     embed = nn.Embedding(spec.vocab_size, width)
-    blocks = [_Timed(width, 0.005, 0.05 if i == 0 else 0.0) for i in range(4)]  # blocks 1-4
-    head = _Timed(width, 0.005)
-    head.fc = nn.Linear(width, spec.vocab_size)
-    return BlockModel([nn.Sequential(embed, _Timed(width, 0.005)), *blocks, head])
+    blocks = [_Timed(width, s, e) for s, e in zip(seconds, extra, strict=True)]
+    blocks[-1].fc = nn.Linear(width, spec.vocab_size)
+    return BlockModel([nn.Sequential(embed, blocks[0]), *blocks[1:]])
+
+
+def misprofiled(spec: DataSpec) -> nn.Module:
+    """Six blocks of 10 ms each; block 1 looks 50 ms slower to the profiler than it is.
+
+    The profile's best 2-stage split isolates block 1 ([2, 4]: 70 ms against 40, where [3, 3]
+    would be 80 against 30); in the pipeline the balanced [3, 3] is ~25% faster (30 ms per stage
+    and micro-batch, not 20 and 40), which only partition trials can see. [Note: timed blocks]
+    """
+    return timed_blocks(spec, [0.01] * 6, [0.0, 0.05, 0.0, 0.0, 0.0, 0.0])

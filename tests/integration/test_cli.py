@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from polytrain.testing import max_abs_diff
+from polytrain.testing import max_abs_diff, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def polytrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Complet
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=scaled(timeout),
     )
 
 
@@ -165,7 +165,7 @@ def test_two_nodes_on_loopback(tmp_path: Path) -> None:
     )
     try:
         node1 = polytrain(*common, "--node-rank", "1", "--out-dir", "n1", cwd=tmp_path)
-        _, err0 = node0.communicate(timeout=120)
+        _, err0 = node0.communicate(timeout=scaled(120))
     finally:
         node0.kill()
     assert node1.returncode == 0 and node0.returncode == 0, err0 + node1.stderr

@@ -21,6 +21,7 @@ import pytest
 
 from polytrain.config import job_from_dict
 from polytrain.launch.local import tolerated_ranks
+from polytrain.testing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +90,7 @@ def run_and_kill(tmp_path: Path, rank: int) -> tuple[subprocess.Popen[str], str,
     )
     try:
         metrics = out / "metrics.jsonl"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while last_step(metrics) < 5:
             assert launcher.poll() is None, launcher.communicate()
             assert time.monotonic() < deadline, "rank 0 never reached step 5"
@@ -98,7 +99,7 @@ def run_and_kill(tmp_path: Path, rank: int) -> tuple[subprocess.Popen[str], str,
         assert victim is not None, f"rank {rank} not found among the launcher's children"
         os.kill(victim, signal.SIGKILL)
         killed_at = last_step(metrics)
-        stdout, stderr = launcher.communicate(timeout=120)
+        stdout, stderr = launcher.communicate(timeout=scaled(120))
     finally:
         if launcher.poll() is None:
             launcher.kill()

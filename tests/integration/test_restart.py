@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from polytrain.config import job_from_dict, load_job
-from polytrain.testing import run_job
+from polytrain.testing import run_job, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,8 @@ def listening(pids: list[int]) -> list[str]:
 
 
 def wait_for(predicate: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+    """Poll ``predicate`` for ``timeout`` seconds on an idle machine, ``scaled`` to this one."""
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         if callable(predicate) and predicate():
             return
@@ -91,7 +92,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) 
             addresses = listening([proc.pid, *workers])
             assert addresses and all(a.startswith("127.0.0.1:") for a in addresses), addresses
         os.kill(workers[1], signal.SIGKILL)  # mid-run: 50 steps of >= 50 ms remain
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=scaled(120))
     finally:
         proc.kill()
     assert proc.returncode == 0, err
@@ -119,7 +120,7 @@ def test_nan_stop_is_one_line_naming_the_step(tmp_path: Path) -> None:
         *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"),
         cwd=tmp_path,
     )
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=scaled(120))
     assert proc.returncode == 2, err
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1, err

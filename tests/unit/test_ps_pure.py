@@ -40,6 +40,7 @@ from polytrain.ps.protocol import (
     dtype_from_code,
     job_fingerprint,
 )
+from polytrain.testing import scaled
 
 JOB = job_fingerprint([("w", (4, 3), "torch.float32"), ("b", (3,), "torch.float32")])
 NUM_WORKERS, NUM_SHARDS = 4, 2
@@ -66,7 +67,7 @@ def _run_python(code: str) -> str:
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
         env={**os.environ, "PYTHONPATH": path},
     )
     assert out.returncode == 0, out.stderr

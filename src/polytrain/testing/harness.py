@@ -2,7 +2,9 @@
 
 Rendezvous is a ``file://`` store in a fresh temporary directory (no port races between tests),
 every rank runs one compute thread, and a deadline turns a hang into a `TimeoutError` that names
-the ranks that never reported. ``fn(rank, world_size, *args)`` must be importable at module
+the ranks that never reported. The deadline is given in seconds on an idle machine and stretched
+by the machine's measured slowdown ([Note: deadlines scale with machine speed] in
+`polytrain.testing.speed`). ``fn(rank, world_size, *args)`` must be importable at module
 level (processes are spawned, not forked).
 """
 
@@ -17,6 +19,8 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from polytrain.testing.speed import scaled
 
 __all__ = ["RankFailure", "run_distributed"]
 
@@ -117,8 +121,17 @@ def run_distributed(
     *args: Any,
     timeout_s: float = 120.0,
     collective_timeout_s: float = 60.0,
+    scale_timeout: bool = True,
 ) -> list[Any]:
-    """Run ``fn`` on ``world_size`` ranks; return the per-rank results in rank order."""
+    """Run ``fn`` on ``world_size`` ranks; return the per-rank results in rank order.
+
+    ``timeout_s`` bounds the whole run on an idle machine; the deadline used is
+    ``scaled(timeout_s)`` (``timeout_s`` itself with ``scale_timeout=False``, for a deadline
+    the caller measured). ``collective_timeout_s`` is the process group's own timeout, as given
+    (tests of hang detection set it on purpose).
+    """
+    if scale_timeout:
+        timeout_s = scaled(timeout_s)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="polytrain-test-") as tmp:
@@ -154,9 +167,10 @@ def run_distributed(
                     continue
                 if not ok:
                     # A rank that crashed outright is the cause; the others' errors (a peer
-                    # closed the connection) follow from it, and may arrive first.
+                    # closed the connection) follow from it, and may arrive first. Waiting
+                    # for its exit is a deadline too, scaled like the others.
                     others = sorted(set(range(world_size)) - set(out) - {rank})
-                    dead = _crashed(procs, others, wait_s=1.0)
+                    dead = _crashed(procs, others, wait_s=scaled(1.0))
                     if dead is not None:
                         raise RankFailure(
                             f"{_crash_message(procs, dead)}; then rank {rank} failed: {value}"
