@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import cache
 
 import torch
@@ -40,7 +40,7 @@ class _MallInfo2(ctypes.Structure):
 
 
 @cache
-def _mallinfo2() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+def _mallinfo2() -> Callable[[], _MallInfo2]:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     try:
         fn = libc.mallinfo2
