@@ -50,6 +50,7 @@ FLAG_FIELDS: dict[str, str] = {
     "grad_compression": "parallel.grad_compression",
     "sufficient_factor": "parallel.sufficient_factor",
     "recompute": "parallel.recompute",
+    "hierarchical": "parallel.hierarchical",
     "schedule": "pipeline.schedule",
     "microbatches": "pipeline.microbatches",
     "partition": "pipeline.partition",
@@ -129,6 +130,9 @@ def train_command(
     grad_compression: Annotated[str | None, typer.Option(help="none, bf16 or fp16")] = None,
     sufficient_factor: Annotated[str | None, typer.Option(help="auto, on or off")] = None,
     recompute: Annotated[bool | None, typer.Option(help="recompute activations")] = None,
+    hierarchical: Annotated[
+        str | None, typer.Option(help="two-level DDP all-reduce across hosts: auto, on or off")
+    ] = None,
     schedule: Annotated[str | None, typer.Option(help="gpipe, 1f1b or pipedream")] = None,
     microbatches: Annotated[int | None, typer.Option(help="pipeline micro-batches")] = None,
     partition: Annotated[str | None, typer.Option(help="auto, uniform or 3,5")] = None,

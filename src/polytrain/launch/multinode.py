@@ -126,12 +126,9 @@ def _listening_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((addr, port))
-    except OSError as exc:
+    except OSError:
         sock.close()
-        raise ClusterError(
-            f"cannot listen on the rendezvous endpoint {addr}:{port} ({exc.strerror}): "
-            "another job may use the port; pick another one in --rdzv-endpoint"
-        ) from None
+        raise
     sock.listen(1024)
     return dist.TCPStore(
         addr,
@@ -208,14 +205,23 @@ def _create(params: RendezvousParameters) -> DynamicRendezvousHandler:
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     endpoint_addr = resolve(host)
     timeout_s = float(params.get_as_int("read_timeout", 60) or 60)
-    is_host = params.get_as_bool("is_host")
-    if is_host is None:
-        is_host = is_local_address(endpoint_addr)  # [Note: who hosts the store]
+    told = params.get_as_bool("is_host")
+    is_host = is_local_address(endpoint_addr) if told is None else told
     me = params.local_addr or local_address(endpoint_addr, port)
     params.local_addr = me
-    if is_host:
-        store = _listening_store(endpoint_addr, port, timeout_s)
-    else:
+    store: dist.TCPStore | None = None
+    if is_host:  # [Note: who hosts the store]
+        try:
+            store = _listening_store(endpoint_addr, port, timeout_s)
+        except OSError as exc:
+            # As torch: several nodes of one job on one machine; the first one hosts.
+            if told is not None or exc.errno != errno.EADDRINUSE:
+                raise ClusterError(
+                    f"cannot listen on the rendezvous endpoint {endpoint_addr}:{port} "
+                    f"({exc.strerror}): pick a free port in --rdzv-endpoint"
+                ) from None
+            is_host = False
+    if store is None:
         store = _client_store(endpoint_addr, port, timeout_s, me)
     handler = create_handler(store, _Backend(store, params.run_id), params)
     node = NodeInfo(me, int(params.get_as_int("node_rank", 0) or 0), params.max_nodes)
