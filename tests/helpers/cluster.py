@@ -14,13 +14,13 @@ import pytest
 
 from polytrain.testing.cluster import Cluster, Host, LinkSpec, unavailable_reason
 
-__all__ = ["NodeResult", "emulated_cluster", "run_nodes", "single_process"]
+__all__ = ["NodeResult", "emulated_cluster", "node_env", "run_nodes", "single_process"]
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 
 
-def _env() -> dict[str, str]:
+def node_env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(SRC), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path}
 
@@ -60,7 +60,7 @@ def run_nodes(
         host.popen(
             [sys.executable, "-m", "polytrain.cli.app", *args],
             cwd=cwd,
-            env=_env(),
+            env=node_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -86,7 +86,7 @@ def single_process(args: Sequence[str], *, cwd: Path, timeout: float = 300.0) ->
     proc = subprocess.run(
         [sys.executable, "-m", "polytrain.cli.app", *args],
         cwd=cwd,
-        env=_env(),
+        env=node_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

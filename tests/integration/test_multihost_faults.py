@@ -1,0 +1,117 @@
+"""Multi-host mistakes and faults on emulated hosts: one clear line per node, exit code 2 for a
+mistake, within the timeout, and no process left behind in any host (issue 16)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from polytrain.testing.cluster import Cluster, LinkSpec
+from tests.helpers.cluster import NodeResult, emulated_cluster, node_env, run_nodes
+
+pytestmark = pytest.mark.slow
+
+PORT = 29533
+TIMEOUT_S = 15
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    yield from emulated_cluster(2, LinkSpec(rate_mbit=1000))
+
+
+def _node(nnodes: int, node_rank: int, endpoint: str, *extra: str) -> list[str]:
+    return [
+        "train", "--model", "mlp", "--steps", "2", "--no-progress",
+        "--timeout", str(TIMEOUT_S), "--nproc", "2", "--nnodes", str(nnodes),
+        "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint,
+        "--out-dir", f"node{node_rank}", *extra,
+    ]  # fmt: skip
+
+
+def _one_line(result: NodeResult) -> str:
+    """The node's error line; C++ warnings from torch may precede it, a traceback may not."""
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("polytrain: error")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def _nothing_left(cluster: Cluster) -> None:
+    for host in cluster.hosts:
+        assert host.pids() == [], f"processes left on host {host.addr}"
+
+
+def test_unreachable_endpoint(cluster: Cluster, tmp_path: Path) -> None:
+    host = cluster.hosts[1]
+    [result] = run_nodes(cluster, [_node(2, 1, f"10.77.0.9:{PORT}")], cwd=tmp_path, timeout=200)
+    assert result.returncode == 2, result.stderr
+    line = _one_line(result)
+    assert "could not reach the rendezvous endpoint 10.77.0.9" in line
+    assert host.addr in line
+    assert result.seconds < TIMEOUT_S + 90  # the timeout, plus start-up on a loaded machine
+    _nothing_left(cluster)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ([(2, 0), (3, 1)], "the nodes disagree on --nnodes"),
+        ([(2, 0), (2, 0)], "both passed --node-rank 0"),
+    ],
+    ids=["nnodes", "node-rank"],
+)
+def test_nodes_that_disagree(
+    cluster: Cluster, tmp_path: Path, flags: list[tuple[int, int]], message: str
+) -> None:
+    endpoint = f"{cluster.hosts[0].addr}:{PORT}"
+    results = run_nodes(
+        cluster, [_node(n, r, endpoint) for n, r in flags], cwd=tmp_path, timeout=300
+    )
+    for result in results:
+        assert result.returncode == 2, result.stderr
+        line = _one_line(result)
+        assert message in line
+        assert all(h.addr in line for h in cluster.hosts) or "--nnodes" not in message
+    assert not list(tmp_path.glob("node*/metrics.jsonl"))  # no worker ever trained
+    _nothing_left(cluster)
+
+
+def test_link_drop_mid_run_fails_within_timeout(cluster: Cluster, tmp_path: Path) -> None:
+    """Host 1's cable is pulled after training started: both nodes stop with an error within
+    the collective timeout (plus the agents' shutdown), and nothing is left running."""
+    endpoint = f"{cluster.hosts[0].addr}:{PORT}"
+    args = [_node(2, i, endpoint, "--steps", "100000", "--dp", "4") for i in range(2)]
+    procs = [
+        h.popen(
+            [sys.executable, "-m", "polytrain.cli.app", *a],
+            cwd=tmp_path,
+            env=node_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for h, a in zip(cluster.hosts, args, strict=True)
+    ]
+    metrics = tmp_path / "node0" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline, "training never started"
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.5)
+    cut_at = time.monotonic()
+    cluster.cut(1)
+    outs = [p.communicate(timeout=TIMEOUT_S * 4 + 120) for p in procs]
+    waited = time.monotonic() - cut_at
+    for proc, (_, err) in zip(procs, outs, strict=True):
+        assert proc.returncode not in (0, None), err
+        assert "Traceback" not in err, err
+    assert waited < TIMEOUT_S * 4 + 120
+    print(f"stopped {waited:.0f} s after the cut; node 0: {outs[0][1].strip()[-300:]!r}; "
+          f"node 1: {outs[1][1].strip()[-300:]!r}")  # fmt: skip
+    _nothing_left(cluster)
