@@ -48,7 +48,7 @@ def _nothing_left(cluster: Cluster) -> None:
 
 
 def test_unreachable_endpoint(cluster: Cluster, tmp_path: Path) -> None:
-    host = cluster.hosts[1]
+    host = cluster.hosts[0]  # run_nodes starts node_args[i] on host i
     [result] = run_nodes(cluster, [_node(2, 1, f"10.77.0.9:{PORT}")], cwd=tmp_path, timeout=200)
     assert result.returncode == 2, result.stderr
     line = _one_line(result)
@@ -77,14 +77,15 @@ def test_nodes_that_disagree(
         assert result.returncode == 2, result.stderr
         line = _one_line(result)
         assert message in line
-        assert all(h.addr in line for h in cluster.hosts) or "--nnodes" not in message
+        assert all(h.addr in line for h in cluster.hosts), line  # names both hosts
     assert not list(tmp_path.glob("node*/metrics.jsonl"))  # no worker ever trained
     _nothing_left(cluster)
 
 
 def test_link_drop_mid_run_fails_within_timeout(cluster: Cluster, tmp_path: Path) -> None:
-    """Host 1's cable is pulled after training started: both nodes stop with an error within
-    the collective timeout (plus the agents' shutdown), and nothing is left running."""
+    """Host 1's cable is pulled after training started: both nodes stop with one error line
+    naming the other host within the timeout (plus the agents' shutdown and start-up slack on
+    a loaded machine), and nothing is left running."""
     endpoint = f"{cluster.hosts[0].addr}:{PORT}"
     args = [_node(2, i, endpoint, "--steps", "100000", "--dp", "4") for i in range(2)]
     procs = [
@@ -109,9 +110,15 @@ def test_link_drop_mid_run_fails_within_timeout(cluster: Cluster, tmp_path: Path
     outs = [p.communicate(timeout=TIMEOUT_S * 4 + 120) for p in procs]
     waited = time.monotonic() - cut_at
     for proc, (_, err) in zip(procs, outs, strict=True):
-        assert proc.returncode not in (0, None), err
+        assert proc.returncode == 1, err
         assert "Traceback" not in err, err
     assert waited < TIMEOUT_S * 4 + 120
-    print(f"stopped {waited:.0f} s after the cut; node 0: {outs[0][1].strip()[-300:]!r}; "
-          f"node 1: {outs[1][1].strip()[-300:]!r}")  # fmt: skip
+    # The hosting side: its collective timed out; the message names the ranks and their hosts.
+    host0 = [line for line in outs[0][1].splitlines() if "polytrain: error" in line]
+    assert len(host0) == 1 and "did not arrive" in host0[0] and "10.77.0.2" in host0[0], outs[0][1]
+    # The cut-off side: its guard stopped it ([Note: lost node]).
+    host1 = [line for line in outs[1][1].splitlines() if "polytrain: error" in line]
+    assert len(host1) == 1 and "lost its network path" in host1[0], outs[1][1]
+    assert "10.77.0.1" in host1[0]
+    print(f"both nodes stopped within {waited:.0f} s of the cut")
     _nothing_left(cluster)

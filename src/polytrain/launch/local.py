@@ -27,7 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from polytrain.config.job import JobConfig
-from polytrain.launch import loopback, multinode
+from polytrain.launch import loopback, multinode, node_guard
 from polytrain.launch.tolerant import launch_tolerant
 
 __all__ = ["WorkerFailure", "launch", "tolerated_ranks"]
@@ -118,7 +118,11 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
         else:
             elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as err:
-        raise _failure_of(err, log_dir) from None
+        failure = _failure_of(err, log_dir)
+        if not local:
+            failure.message += multinode.hosts_note(lc.nproc)
+        raise failure from None
     finally:
+        node_guard.stop_all()  # [Note: lost node]
         os.environ.clear()
         os.environ.update(env_before)

@@ -31,6 +31,7 @@ import errno
 import fcntl
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -49,12 +50,14 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from polytrain.config.job import LaunchConfig
 from polytrain.errors import ClusterError
+from polytrain.launch.node_guard import NodeGuard
 
 __all__ = [
     "BACKEND",
     "DEFAULT_PORT",
     "NodeInfo",
     "check_nodes",
+    "hosts_note",
     "interface_of",
     "is_local_address",
     "local_address",
@@ -230,32 +233,86 @@ def _create(params: RendezvousParameters) -> DynamicRendezvousHandler:
         return _listening_store(me, 0, timeout_s)
 
     handler._create_tcp_store_server = shared_server  # type: ignore[method-assign]
+    guard = None if is_host else NodeGuard(me, endpoint_addr, port, timeout_s)
     handler.next_rendezvous = _checked_rounds(  # type: ignore[method-assign]
-        handler, node, is_host, f"{endpoint_addr}:{port}", timeout_s
+        handler, store, node, is_host, f"{endpoint_addr}:{port}", timeout_s, guard
     )
     return handler
 
 
+_HELLO = "polytrain/hello"
+LAST_NODES: list[NodeInfo] = []  # the nodes of this process's last round, by node rank
+
+
+def _say_hello(store: dist.Store, node: NodeInfo) -> None:
+    """Leave this node's flags in the store before joining, for `_join_timeout` to read."""
+    index = store.add(f"{_HELLO}/count", 1)
+    store.set(f"{_HELLO}/{index}", node.encode())
+
+
+def _join_timeout(
+    store: dist.Store, node: NodeInfo, is_host: bool, endpoint: str, timeout_s: float
+) -> ClusterError:
+    """The error for a rendezvous that did not complete: flags that disagree, or who is missing.
+
+    torch's rendezvous never completes when the nodes pass different ``--nnodes`` (each waits
+    for its own count), so the disagreement is found here, from the nodes' hellos.
+    """
+    try:
+        count = store.add(f"{_HELLO}/count", 0)
+        raw = store.multi_get([f"{_HELLO}/{i}" for i in range(1, count + 1)])
+        seen = list({n.addr: n for n in map(NodeInfo.decode, raw)}.values())
+    except (RuntimeError, TimeoutError):
+        return ClusterError(
+            f"node {node.addr} lost the rendezvous store at {endpoint} while waiting for the "
+            "other nodes; see the error printed on the node that hosts it"
+        )
+    if is_host:
+        # Let the other nodes, whose deadlines are near ours, read the hellos before the store
+        # goes away with this process.
+        time.sleep(min(5.0, timeout_s / 3))
+    if len({n.nnodes for n in seen}) > 1:
+        said = ", ".join(f"{n.addr} says {n.nnodes}" for n in seen)
+        return ClusterError(
+            f"the nodes disagree on --nnodes ({said}): pass the same --nnodes on every node"
+        )
+    addrs = ", ".join(n.addr for n in seen) or "none"
+    return ClusterError(
+        f"rendezvous at {endpoint}: {len(seen)} of {node.nnodes} nodes arrived within "
+        f"{timeout_s:g} s (seen: {addrs}): start the missing nodes with the same "
+        "--rdzv-endpoint and --nnodes"
+    )
+
+
+def hosts_note(nproc: int) -> str:
+    """Which host holds which global ranks, after a round (for failure messages)."""
+    if not LAST_NODES:
+        return ""
+    parts = [
+        f"node {n.node_rank} = {n.addr}, ranks {n.node_rank * nproc}-{(n.node_rank + 1) * nproc - 1}"
+        for n in LAST_NODES
+    ]
+    return f" (hosts: {'; '.join(parts)})"
+
+
 def _checked_rounds(
     handler: DynamicRendezvousHandler,
+    raw_store: dist.Store,
     node: NodeInfo,
     is_host: bool,
     endpoint: str,
     timeout_s: float,
+    guard: NodeGuard | None,
 ) -> Callable[[], RendezvousInfo]:
     """``handler.next_rendezvous`` with clear timeouts, the node check and the node rank kept."""
     first_round = handler.next_rendezvous
 
     def next_rendezvous() -> RendezvousInfo:
+        _say_hello(raw_store, node)
         try:
             info = first_round()
         except RendezvousTimeoutError:
-            joined = sorted(p.addr for p in handler._state_holder.state.participants)
-            raise ClusterError(
-                f"rendezvous at {endpoint}: {len(joined)} of {node.nnodes} nodes joined within "
-                f"the timeout (joined: {', '.join(joined) or 'none'}): start the missing "
-                "nodes with the same --rdzv-endpoint and --nnodes"
-            ) from None
+            raise _join_timeout(raw_store, node, is_host, endpoint, timeout_s) from None
         store = info.store  # a store prefixed with this round: keys do not leak across rounds
         keys = [f"polytrain/node/{r}" for r in range(info.world_size)]
         store.set(keys[info.rank], node.encode())
@@ -277,6 +334,9 @@ def _checked_rounds(
             except (RuntimeError, TimeoutError):
                 pass
         check_nodes(nodes)
+        LAST_NODES[:] = sorted(nodes, key=lambda n: n.node_rank)
+        if guard is not None:
+            guard.start()  # [Note: lost node] in launch/node_guard.py
         assert info.bootstrap_store_info is not None  # torch sets it when sharing its store
         return RendezvousInfo(store, node.node_rank, info.world_size, info.bootstrap_store_info)
 
