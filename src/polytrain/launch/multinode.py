@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousTimeoutError,
@@ -250,32 +251,45 @@ def _say_hello(store: dist.Store, node: NodeInfo) -> None:
     store.set(f"{_HELLO}/{index}", node.encode())
 
 
-def _join_timeout(
+def _hellos(store: dist.Store) -> list[NodeInfo]:
+    """Every node that said hello, the latest word of each address."""
+    count = store.add(f"{_HELLO}/count", 0)
+    raw = store.multi_get([f"{_HELLO}/{i}" for i in range(1, count + 1)])
+    return list({n.addr: n for n in map(NodeInfo.decode, raw)}.values())
+
+
+def _nnodes_clash(seen: list[NodeInfo]) -> ClusterError | None:
+    if len({n.nnodes for n in seen}) < 2:
+        return None
+    said = ", ".join(f"{n.addr} says {n.nnodes}" for n in seen)
+    return ClusterError(
+        f"the nodes disagree on --nnodes ({said}): pass the same --nnodes on every node"
+    )
+
+
+def _join_failed(
     store: dist.Store, node: NodeInfo, is_host: bool, endpoint: str, timeout_s: float
 ) -> ClusterError:
     """The error for a rendezvous that did not complete: flags that disagree, or who is missing.
 
-    torch's rendezvous never completes when the nodes pass different ``--nnodes`` (each waits
-    for its own count), so the disagreement is found here, from the nodes' hellos.
+    [Note: --nnodes disagreement] torch's rendezvous never completes when the nodes pass
+    different ``--nnodes`` (each waits for its own count). So every node leaves its flags in the
+    store before joining (a "hello"), and the node that finds a disagreement closes the
+    rendezvous, which ends the others' join loop at once; each node then reads the hellos here.
+    The hosting node waits a moment before its store goes away with it, so that the others can.
     """
     try:
-        count = store.add(f"{_HELLO}/count", 0)
-        raw = store.multi_get([f"{_HELLO}/{i}" for i in range(1, count + 1)])
-        seen = list({n.addr: n for n in map(NodeInfo.decode, raw)}.values())
+        seen = _hellos(store)
     except (RuntimeError, TimeoutError):
         return ClusterError(
             f"node {node.addr} lost the rendezvous store at {endpoint} while waiting for the "
             "other nodes; see the error printed on the node that hosts it"
         )
     if is_host:
-        # Let the other nodes, whose deadlines are near ours, read the hellos before the store
-        # goes away with this process.
         time.sleep(min(5.0, timeout_s / 3))
-    if len({n.nnodes for n in seen}) > 1:
-        said = ", ".join(f"{n.addr} says {n.nnodes}" for n in seen)
-        return ClusterError(
-            f"the nodes disagree on --nnodes ({said}): pass the same --nnodes on every node"
-        )
+    clash = _nnodes_clash(seen)
+    if clash is not None:
+        return clash
     addrs = ", ".join(n.addr for n in seen) or "none"
     return ClusterError(
         f"rendezvous at {endpoint}: {len(seen)} of {node.nnodes} nodes arrived within "
@@ -309,10 +323,13 @@ def _checked_rounds(
 
     def next_rendezvous() -> RendezvousInfo:
         _say_hello(raw_store, node)
+        if _nnodes_clash(_hellos(raw_store)) is not None:  # [Note: --nnodes disagreement]
+            handler.set_closed()
+            raise _join_failed(raw_store, node, is_host, endpoint, timeout_s)
         try:
             info = first_round()
-        except RendezvousTimeoutError:
-            raise _join_timeout(raw_store, node, is_host, endpoint, timeout_s) from None
+        except (RendezvousTimeoutError, RendezvousClosedError):
+            raise _join_failed(raw_store, node, is_host, endpoint, timeout_s) from None
         store = info.store  # a store prefixed with this round: keys do not leak across rounds
         keys = [f"polytrain/node/{r}" for r in range(info.world_size)]
         store.set(keys[info.rank], node.encode())
