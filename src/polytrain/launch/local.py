@@ -4,7 +4,8 @@
 workers' master address are ``127.0.0.1`` on a free port, and gloo is pinned to the loopback
 interface, so a local run accepts no connection from another host (torch's stores would listen
 on every interface; see [Note: loopback rendezvous] in launch/loopback.py). Naming an endpoint (multi-node)
-makes the store listen where the user said; see docs/reliability.md for what that exposes.
+makes the store listen where the user said (launch/multinode.py); see docs/multihost.md for what
+that exposes.
 
 Workers' output: rank 0's stdout reaches the terminal (progress bar, summary); every rank's
 stderr and the other ranks' stdout go to ``<run dir>/logs``. A failure is reported once, as the
