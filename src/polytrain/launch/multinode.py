@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import os
 import socket
 import struct
 import time
@@ -174,7 +175,7 @@ class NodeInfo:
 
     @classmethod
     def decode(cls, raw: bytes) -> NodeInfo:
-        addr, node_rank, nnodes = raw.decode().split()
+        addr, node_rank, nnodes, *_ = raw.decode().split()
         return cls(addr, int(node_rank), int(nnodes))
 
 
@@ -246,16 +247,18 @@ LAST_NODES: list[NodeInfo] = []  # the nodes of this process's last round, by no
 
 
 def _say_hello(store: dist.Store, node: NodeInfo) -> None:
-    """Leave this node's flags in the store before joining, for `_join_timeout` to read."""
+    """Leave this node's flags in the store before joining, for `_join_failed` to read."""
     index = store.add(f"{_HELLO}/count", 1)
-    store.set(f"{_HELLO}/{index}", node.encode())
+    store.set(f"{_HELLO}/{index}", f"{node.encode()} {os.getpid()}")
 
 
 def _hellos(store: dist.Store) -> list[NodeInfo]:
-    """Every node that said hello, the latest word of each address."""
+    """Every node that said hello, the latest word of each (nodes on one machine share an
+    address, so a node is its address and its agent's pid, which survives restarts)."""
     count = store.add(f"{_HELLO}/count", 0)
     raw = store.multi_get([f"{_HELLO}/{i}" for i in range(1, count + 1)])
-    return list({n.addr: n for n in map(NodeInfo.decode, raw)}.values())
+    latest = {tuple(r.decode().split()[::3]): NodeInfo.decode(r) for r in raw}  # (addr, pid)
+    return list(latest.values())
 
 
 def _nnodes_clash(seen: list[NodeInfo]) -> ClusterError | None:
