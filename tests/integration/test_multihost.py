@@ -96,6 +96,9 @@ def test_dp4_on_two_hosts_matches_one_process(
     two = load_file(str(tmp_path / "two_hosts.safetensors"))
     assert set(two) == set(reference)
     assert max_abs_diff(two, reference) <= 1e-5
+    # parallel.hierarchical = auto (the default) measured both all-reduces across the hosts.
+    log = "".join(p.read_text() for p in (tmp_path / "node0" / "logs").rglob("stderr.log"))
+    assert "dp all-reduce: hierarchical (flat" in log or "dp all-reduce: flat (flat" in log, log
     assert (0, cluster.hosts[0].addr) in listeners  # the rendezvous store, on node 0
     allowed = {(h.index, h.addr) for h in cluster.hosts} | {
         (h.index, "127.0.0.1") for h in cluster.hosts
