@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "ClusterError",
     "ConfigError",
     "MeshError",
     "PartitionError",
@@ -49,3 +50,7 @@ class CheckpointError(PolytrainError):
 
 class ProtocolError(PolytrainError):
     """A parameter-server or gossip message is malformed or does not match the job."""
+
+
+class ClusterError(PolytrainError):
+    """The nodes of a multi-node job cannot meet or disagree (endpoint, --nnodes, --node-rank)."""

@@ -153,7 +153,7 @@ def test_two_nodes_on_loopback(tmp_path: Path) -> None:
         "--save-final",
         "two_nodes.safetensors",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}  # this checkout's code
     # Whichever node's worker becomes global rank 0 writes the weights.
     node0 = subprocess.Popen(
         [sys.executable, "-m", "polytrain.cli.app", *common, "--node-rank", "0", "--out-dir", "n0"],

@@ -53,6 +53,7 @@ FLAG_FIELDS: dict[str, str] = {
     "grad_compression": "parallel.grad_compression",
     "sufficient_factor": "parallel.sufficient_factor",
     "recompute": "parallel.recompute",
+    "hierarchical": "parallel.hierarchical",
     "schedule": "pipeline.schedule",
     "microbatches": "pipeline.microbatches",
     "partition": "pipeline.partition",

@@ -137,6 +137,11 @@ class ParallelConfig:
         "off", "sufficient-factor (late multiply) exchange for large linear layers"
     )
     recompute: bool = option(False, "recompute activations in backward instead of storing them")
+    hierarchical: Literal["auto", "on", "off"] = option(
+        "auto",
+        "DDP all-reduce in two levels (reduce inside a host, all-reduce across hosts, broadcast "
+        "back): on, off, or auto (measured at start-up, used where faster)",
+    )
     tp_plan: list[str] = option(
         [],
         "tensor-parallel plan rows 'module.path.pattern=style' (colwise, colwise_gather, "
@@ -160,6 +165,12 @@ class ParallelConfig:
                 f"parallel.grad_compression = {self.grad_compression!r} is a DDP hook, and a "
                 f"tensor-parallel model (parallel.tp = {self.tp}) is replicated without DDP: "
                 "set --grad-compression none"
+            )
+        if self.hierarchical == "on" and self.grad_compression != "none":
+            raise ConfigError(
+                "parallel.hierarchical = 'on' and parallel.grad_compression = "
+                f"{self.grad_compression!r} are both DDP communication hooks and DDP takes one: "
+                "drop one of them"
             )
         if self.sufficient_factor != "off":
             clash = {

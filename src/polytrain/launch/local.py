@@ -4,7 +4,8 @@
 workers' master address are ``127.0.0.1`` on a free port, and gloo is pinned to the loopback
 interface, so a local run accepts no connection from another host (torch's stores would listen
 on every interface; see [Note: loopback rendezvous] in launch/loopback.py). Naming an endpoint (multi-node)
-makes the store listen where the user said; see docs/reliability.md for what that exposes.
+makes the store listen where the user said (launch/multinode.py); see docs/multihost.md for what
+that exposes.
 
 Workers' output: rank 0's stdout reaches the terminal (progress bar, summary); every rank's
 stderr and the other ranks' stdout go to ``<run dir>/logs``. A failure is reported once, as the
@@ -27,7 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
 from torch.distributed.launcher.api import elastic_launch
 
 from polytrain.config.job import JobConfig
-from polytrain.launch import loopback
+from polytrain.launch import loopback, multinode, node_guard
 from polytrain.launch.tolerant import launch_tolerant
 
 __all__ = ["WorkerFailure", "launch", "tolerated_ranks"]
@@ -81,6 +82,7 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
     lc = job.launch
     local = lc.nnodes == 1 and not lc.rdzv_endpoint
     endpoint = "127.0.0.1:0" if local else lc.rdzv_endpoint
+    node_addr = "127.0.0.1" if local else multinode.node_address(endpoint)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     redirects = {r: (Std.ERR if r == 0 else Std.ALL) for r in range(lc.nproc)}
@@ -89,21 +91,23 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
         max_nodes=lc.nnodes,
         nproc_per_node=lc.nproc,
         run_id=uuid.uuid4().hex if local else "polytrain",
-        rdzv_backend=loopback.BACKEND if local else "c10d",
+        rdzv_backend=loopback.BACKEND if local else multinode.BACKEND,
         rdzv_endpoint=endpoint,
-        rdzv_configs={"rank": lc.node_rank, "timeout": 900} if not local else {"timeout": 900},
+        rdzv_configs={"timeout": 900} if local else multinode.rdzv_configs(lc),
         max_restarts=lc.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        local_addr="127.0.0.1" if local else None,
+        local_addr=node_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=redirects),
     )
     loopback.register()  # [Note: loopback rendezvous]
+    multinode.register()  # [Note: who hosts the store]
     env_before = dict(os.environ)
     # One compute thread per worker unless the user chose otherwise: N workers on N cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if local:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    iface = "lo" if local else multinode.interface_of(node_addr)
+    if iface:  # [Note: listening only where the user said]
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         # The agent logs each failure with its own format; we report it once, below.
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -115,7 +119,11 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
         else:
             elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as err:
-        raise _failure_of(err, log_dir) from None
+        failure = _failure_of(err, log_dir)
+        if not local:
+            failure.message += multinode.hosts_note(lc.nproc)
+        raise failure from None
     finally:
+        node_guard.stop_all()  # [Note: lost node]
         os.environ.clear()
         os.environ.update(env_before)

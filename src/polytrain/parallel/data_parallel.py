@@ -2,10 +2,13 @@
 
 Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB
 2020). Gradient accumulation skips the all-reduce of the inner micro-steps (``no_sync``); the
-optional hooks halve the bytes on the wire by all-reducing bf16 or fp16 copies of the buckets.
+optional hooks halve the bytes on the wire by all-reducing bf16 or fp16 copies of the buckets,
+or, across hosts, reduce inside each host first (parallel/hierarchical.py).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
@@ -14,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from polytrain.comm.compression import compress_hook
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import ParallelConfig
+from polytrain.parallel.hierarchical import apply_hierarchical
 
 __all__ = ["apply_data_parallel"]
 
@@ -31,4 +35,8 @@ def apply_data_parallel(module: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> D
     if cfg.grad_compression != "none":
         dtype = torch.bfloat16 if cfg.grad_compression == "bf16" else torch.float16
         ddp.register_comm_hook(mesh.group("dp"), compress_hook(dtype))
+    elif cfg.hierarchical != "off":
+        done = apply_hierarchical(ddp, mesh, cfg)
+        if mesh.rank == 0 and done != "flat":  # rank 0's stderr goes to the run's log
+            print(f"polytrain: dp all-reduce: {done}", file=sys.stderr, flush=True)
     return ddp
