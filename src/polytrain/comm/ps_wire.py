@@ -17,6 +17,17 @@ posted. Every failure of an operation with a known peer is raised as `PeerLost` 
 Waits pass an explicit week-long timeout: without one gloo applies the process group's timeout
 (``launch.timeout_s``) and an idle server (every worker busy computing) would close its pairs.
 
+[Note: hung server] A server whose process is alive but no longer serves (stuck main
+thread, stopped process) keeps its connections open, so `peer_is_gone` cannot see it and a
+worker waiting for its reply would wait a week. Every server therefore increments a heartbeat
+counter in the c10d store (`heartbeat`) about twice a second while it serves, and a worker
+waits for a reply through `wait_all_watched`: a daemon thread does the blocking gloo wait (a
+wait with a timeout would close the pair, see above; ``Work.is_completed`` of a gloo receive
+stays False until someone waits) while the worker checks the server's counter; a counter that
+has not moved for ``launch.timeout_s`` raises `PeerHung` naming the server. A server that is
+only busy (waiting for a slow worker before it grants a pull) keeps beating, so it is never
+mistaken for a hung one.
+
 [Note: payload guard] Gloo cannot tell a receiver how long a message was: a shorter message
 fills the front of the buffer silently, and a longer one aborts the receiving process inside
 gloo. Payloads are therefore received into a buffer one element longer than the header
@@ -30,11 +41,16 @@ the receiver in gloo (documented limit).
 from __future__ import annotations
 
 import datetime
+import os
+import queue
+import threading
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from polytrain.comm.watchdog import default_store
 from polytrain.errors import ProtocolError
 
 __all__ = [
@@ -43,16 +59,19 @@ __all__ = [
     "TAG_PUSH",
     "TAG_REPLY",
     "TAG_REQUEST",
+    "PeerHung",
     "PeerLost",
     "all_reduce_sum",
     "broadcast",
     "check_guarded",
     "guarded_buffer",
+    "heartbeat",
     "new_group",
     "peer_is_gone",
     "post_recv",
     "post_send",
     "wait_all",
+    "wait_all_watched",
 ]
 
 _FOREVER = datetime.timedelta(days=7)
@@ -75,6 +94,14 @@ class PeerLost(RuntimeError):
     def __init__(self, peer: int, detail: str) -> None:
         super().__init__(f"lost rank {peer}: {detail.splitlines()[0] if detail else ''}")
         self.peer = peer
+
+
+class PeerHung(Exception):
+    """A live peer sent no reply and showed no sign of work for ``launch.timeout_s``.
+
+    Not a `RuntimeError`: it names the peer already, so the loop's watchdog (which turns
+    RuntimeErrors of failed collectives into a list of missing ranks) lets it through.
+    """
 
 
 class _Op:
@@ -118,6 +145,79 @@ def wait_all(ops: Sequence[_Op]) -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+def _beat_key(name: str) -> str:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"polytrain/ps/{attempt}/beat/{name}"
+
+
+_BEAT_EVERY_S = 0.5
+_last_beat: dict[str, float] = {}
+
+
+def heartbeat(name: str) -> None:
+    """Tell waiting peers that ``name`` (e.g. ``server0``) is serving ([Note: hung server]).
+
+    Cheap to call often: the store is written at most every `_BEAT_EVERY_S` seconds.
+    """
+    store = default_store()
+    now = time.monotonic()
+    if store is None or now - _last_beat.get(name, -1e9) < _BEAT_EVERY_S:
+        return
+    _last_beat[name] = now
+    store.add(_beat_key(name), 1)
+
+
+_Request = tuple[Sequence[_Op], list[BaseException], threading.Event]
+
+
+class _Waiter:
+    """A daemon thread that runs the blocking waits handed to it ([Note: hung server])."""
+
+    def __init__(self) -> None:
+        self.requests: queue.Queue[_Request] = queue.Queue()
+        threading.Thread(target=self._run, name="ps-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            ops, errors, done = self.requests.get()
+            try:
+                wait_all(ops)
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                errors.append(exc)
+            done.set()
+
+
+_waiter: list[_Waiter] = []  # at most one per process, started on first use
+
+
+def wait_all_watched(ops: Sequence[_Op], peer: int, name: str, timeout_s: float, what: str) -> None:
+    """`wait_all` for replies from ``peer``, whose heartbeat is ``name``: raise `PeerHung`
+    if they have not come and the heartbeat has not moved for ``timeout_s`` seconds."""
+    store = default_store()
+    if store is None or not ops:
+        wait_all(ops)
+        return
+    if not _waiter:
+        _waiter.append(_Waiter())
+    errors: list[BaseException] = []
+    done = threading.Event()
+    _waiter[0].requests.put((ops, errors, done))
+    key = _beat_key(name)
+    beats, since = -1, time.monotonic()
+    while not done.wait(timeout=min(1.0, timeout_s / 4)):
+        now_beats = int(store.add(key, 0))
+        if now_beats != beats:
+            beats, since = now_beats, time.monotonic()
+        elif time.monotonic() - since > timeout_s:
+            raise PeerHung(
+                f"rank {peer} ({name}) did not answer {what} within launch.timeout_s = "
+                f"{timeout_s:g} s and stopped serving (its process is alive, its heartbeat "
+                f"stopped): see rank {peer}'s log, or raise --timeout if it is only slow"
+            )
+    if errors:
+        raise errors[0]
 
 
 def peer_is_gone(peer: int) -> bool:

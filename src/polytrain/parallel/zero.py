@@ -5,11 +5,16 @@ gathered parameters after each block's forward (``reshard_after_forward=True``).
 keeps the gathered parameters from forward to backward (no second all-gather), which is ZeRO-2's
 traffic with ZeRO-3's memory at rest. ``zero = 1`` (optimizer state only) has no FSDP2
 counterpart and is rejected at configuration time.
+
+``parallel.grad_compression`` (bf16, fp16) becomes FSDP2's ``reduce_dtype``: gradients are
+reduce-scattered in that dtype (half the bytes, as DDP's compression hook) and the sharded
+gradient is kept in the parameters' dtype for the optimizer step.
 """
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import FSDPModule, fully_shard
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import ParallelConfig
@@ -17,12 +22,15 @@ from polytrain.models.base import BlockModel
 
 __all__ = ["apply_zero"]
 
+_REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def apply_zero(module: BlockModel, mesh: Mesh, cfg: ParallelConfig) -> FSDPModule:
     """Shard every block, then the root, over the ``dp`` axis."""
     reshard = cfg.zero == 3
     dp_mesh = mesh.sub("dp")
+    policy = MixedPrecisionPolicy(reduce_dtype=_REDUCE_DTYPES.get(cfg.grad_compression))
     for block in module.blocks:
         if any(p.requires_grad for p in block.parameters()):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)

@@ -291,6 +291,7 @@ class ParameterServer:
 
     def _serve(self, done: Callable[[], bool]) -> None:
         while not done():
+            ps_wire.heartbeat(f"server{self.index}")  # [Note: hung server] in comm.ps_wire
             try:
                 kind, src, a, b = self._inbox.get(timeout=_POLL_S)
             except queue.Empty:

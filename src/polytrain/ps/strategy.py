@@ -159,7 +159,9 @@ class PSStrategy(Strategy):
             self.modules = [module_of(self.server.params)]
             self.name = f"ps-{ps.mode}-server{index}"
         else:
-            self.client = WorkerClient(rank, self.layout, self.servers, self.num_workers)
+            self.client = WorkerClient(
+                rank, self.layout, self.servers, self.num_workers, job.launch.timeout_s
+            )
             if job.parallel.recompute:  # [Note: recompute on workers]
                 apply_recompute(model)
             self.modules = [model]

@@ -28,10 +28,16 @@ class WorkerClient:
     """Worker ``worker`` (its global rank) talking to the server ranks ``servers``."""
 
     def __init__(
-        self, worker: int, layout: ShardLayout, servers: list[int], num_worker_slots: int
+        self,
+        worker: int,
+        layout: ShardLayout,
+        servers: list[int],
+        num_worker_slots: int,
+        reply_timeout_s: float = 300.0,
     ) -> None:
         self.worker, self.layout, self.servers = worker, layout, servers
         self.num_worker_slots = num_worker_slots
+        self.reply_timeout_s = reply_timeout_s  # [Note: hung server] in comm.ps_wire
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -67,6 +73,15 @@ class WorkerClient:
             for w, r in zip(wires, self.servers, strict=True)
         ]
         return wires, ops
+
+    def _wait_replies(self, ops: list[Any], what: str) -> None:
+        """Wait for replies from the servers, naming a server that hangs ([Note: hung server]).
+
+        Each server's operations are waited for in server order; every receive was posted
+        before the request, so the order delays nothing."""
+        for s, rank in enumerate(self.servers):
+            mine = [op for op in ops if op.peer == rank]
+            ps_wire.wait_all_watched(mine, rank, f"server{s}", self.reply_timeout_s, what)
 
     def _check_acks(self, wires: list[torch.Tensor]) -> list[int]:
         """The clock field of every server's ACK (in server order)."""
@@ -120,9 +135,10 @@ class WorkerClient:
         wires, ack_ops = self._post_acks()
         flats, chunk_wires, chunk_ops = self._post_params()
         self._send_all(Op.PULL, clock)
-        ps_wire.wait_all(ack_ops)
+        what = f"worker {self.worker}'s pull of step {clock + 1}"
+        self._wait_replies(ack_ops, what)
         floors = self._check_acks(wires)
-        ps_wire.wait_all(chunk_ops)
+        self._wait_replies(chunk_ops, what)
         self._check_params(flats, chunk_wires)
         return flats, floors
 
@@ -153,7 +169,7 @@ class WorkerClient:
         """Join a running job; return the clock to start at (see [Note: membership])."""
         wires, ops = self._post_acks()
         self._send_all(Op.JOIN, 0)
-        ps_wire.wait_all(ops)
+        self._wait_replies(ops, f"worker {self.worker}'s join")
         starts = self._check_acks(wires)
         start = max(starts)
         # Servers that admitted us at a lower clock see empty clocks up to the common start.
@@ -173,7 +189,7 @@ class WorkerClient:
     def final_params(self, posted: list[Any]) -> list[torch.Tensor]:
         """Coordinator only: every server's final shard, then stop the servers."""
         flats, wires, ops = posted
-        ps_wire.wait_all(ops)
+        self._wait_replies(ops, "the final weights")
         self._check_params(flats, wires)
         self._send_all(Op.SHUTDOWN, 0)
         return flats
