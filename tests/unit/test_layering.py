@@ -19,6 +19,8 @@ PURE = [
     "ps/sharding.py",
     "ps/consistency.py",
 ]
+# The planner's torch-facing modules (ARCHITECTURE: model statistics and host calibration).
+TORCH_FACING = {"planner/stats.py", "planner/calibrate.py"}
 # The only places that call c10d directly.
 C10D_ALLOWED = ["comm", "launch", "testing"]
 # torch.distributed sub-packages that strategies may build on.
@@ -71,6 +73,8 @@ def _rel(path: Path) -> str:
 @pytest.mark.parametrize("rel", PURE)
 def test_pure_modules_import_no_torch(rel: str) -> None:
     for path in _sources(rel):
+        if _rel(path) in TORCH_FACING:
+            continue
         for module, _ in _imports(path):
             assert module.split(".")[0] not in {"torch", "numpy"}, f"{_rel(path)} imports {module}"
 
