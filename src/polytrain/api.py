@@ -50,7 +50,14 @@ def _run_dir(job: JobConfig) -> Path:
 
 
 def prepare(job: JobConfig) -> JobConfig:
-    """Validate ``job`` as a whole (no processes started) and fix its run directory."""
+    """Validate ``job`` as a whole (no processes started) and fix its run directory.
+
+    A job with ``strategy = "auto"`` comes back as the planner's first plan
+    (`polytrain.trainer.auto`): use the returned job."""
+    if job.strategy == "auto":
+        from polytrain.trainer.auto import resolve_auto
+
+        job = resolve_auto(job).job
     preflight(job)
     job.observe.out_dir = str(_run_dir(job))
     return job
@@ -65,7 +72,7 @@ def run(job: JobConfig) -> Path:
     from polytrain.config.io import save_job
     from polytrain.launch.local import launch
 
-    prepare(job)
+    job = prepare(job)
     run_dir = Path(job.observe.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     name = "job.toml" if not (run_dir / "job.toml").exists() else f"job-{time.time_ns()}.toml"

@@ -22,6 +22,7 @@ __all__ = ["resolve_job", "train_command"]
 
 # flag name -> config path; the flag's value (when given) overrides that field.
 FLAG_FIELDS: dict[str, str] = {
+    "strategy": "strategy",
     "model": "model.name",
     "size": "model.size",
     "data": "data.source",
@@ -97,8 +98,35 @@ def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]
     return job_from_dict(data)
 
 
+def _describe(overrides: dict[str, Any]) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items() if k != "launch.nproc")
+
+
+def _plan_first(job: JobConfig) -> JobConfig:
+    """``--strategy auto``: say what the planner chose and why, then run that."""
+    from polytrain.trainer.auto import resolve_auto
+
+    choice = resolve_auto(job)
+    p = choice.prediction
+    source = (
+        "this host's calibrated profile"
+        if choice.profiled
+        else ("catalog figures (run `polytrain calibrate` for measured ones)")
+    )
+    typer.echo(
+        f"polytrain: planner chose {_describe(choice.layout.overrides())} on "
+        f"{choice.layout.devices} "
+        f"process(es): predicted {p.step_s * 1e3:.1f} ms/step, "
+        f"{p.memory_per_rank / 2**20:.0f} MiB per rank ({source})"
+    )
+    return choice.job
+
+
 def train_command(
     config: Annotated[Path | None, typer.Option(help="TOML job file")] = None,
+    strategy: Annotated[
+        str | None, typer.Option(help="manual, or auto: the planner picks the layout")
+    ] = None,
     model: Annotated[str | None, typer.Option(help="gpt, mlp or package.module:factory")] = None,
     size: Annotated[str | None, typer.Option(help="tiny, small or medium")] = None,
     data: Annotated[
@@ -154,7 +182,10 @@ def train_command(
 ) -> None:
     """Train a model; with no arguments, the default job (gpt tiny, 2 CPU workers, DP)."""
     flags = {name: value for name, value in locals().items() if name in FLAG_FIELDS}
-    job = prepare(resolve_job(config, flags, set_ or []))
+    job = resolve_job(config, flags, set_ or [])
+    if job.strategy == "auto":
+        job = _plan_first(job)
+    job = prepare(job)
     if dry_run:
         typer.echo(tomli_w.dumps(to_dict(job)))
         return
