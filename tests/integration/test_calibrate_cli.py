@@ -33,6 +33,7 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert all(v > 1e8 for v in profile.matmul_flops.values())  # > 0.1 GFLOP/s
     assert set(profile.matmul_flops) == {"fp32", "bf16"}
     assert profile.mem_bw > 1e8
+    assert set(profile.matmul_concurrent) == {1, 2} and min(profile.matmul_concurrent.values()) > 0
     assert profile.startup_s > 0 and profile.baseline_bytes > 50 * 2**20
     assert set(profile.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
     for by_world in profile.collectives.values():

@@ -27,6 +27,7 @@ def _profile() -> HostProfile:
         collectives={"all_reduce": {2: Curve(((4096.0, 1e-4), (2**20, 2e-3)))}},
         startup_s=3.0,
         baseline_bytes=3e8,
+        matmul_concurrent={1: 5e10, 4: 2.5e10},
     )
 
 

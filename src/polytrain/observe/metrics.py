@@ -16,10 +16,27 @@ from torch.distributed.tensor import DTensor
 __all__ = ["MetricsWriter", "model_state_bytes", "peak_memory_mb"]
 
 
+def _vm_hwm_kb() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA allocator peak, or the resident-set high-water mark."""
+    """Peak memory of this process: CUDA allocator peak, or the resident-set high-water mark.
+
+    [Note: inherited maxrss] On Linux ``ru_maxrss`` survives ``execve``: a worker started by a
+    launcher that held 800 MB reports at least 800 MB. ``VmHWM`` belongs to this process image
+    only, so it is read first."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    hwm = _vm_hwm_kb()
+    if hwm is not None:
+        return hwm / 2**10
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 

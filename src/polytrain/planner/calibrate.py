@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import platform
-import resource
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,7 +42,7 @@ class CalibrationPlan:
     matmul_sizes: tuple[int, ...] = (128, 256, 512, 1024)
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     copy_bytes: int = 256 * 2**20
-    message_bytes: tuple[int, ...] = tuple(4 * _KB * 4**i for i in range(9))  # 4 KB .. 256 MB
+    message_bytes: tuple[int, ...] = tuple(4 * _KB * 4**i for i in range(8))  # 4 KB .. 64 MB
     world_sizes: tuple[int, ...] = (2, 3, 4)
     budget_s: float = 0.5  # per (operation, size): at most ~this long once two calls are in
 
@@ -110,21 +108,38 @@ def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> float:
 
 
 def _rank_collectives(
-    rank: int, world: int, ops: tuple[str, ...], sizes: tuple[int, ...], budget_s: float
+    rank: int,
+    world: int,
+    ops: tuple[str, ...],
+    sizes: tuple[int, ...],
+    budget_s: float,
+    matmul_n: int,
 ) -> dict[str, list[tuple[float, float]]]:
     from polytrain.comm.probe import time_collective
 
-    return {
+    out: dict[str, list[tuple[float, float]]] = {
         op: [(float(n), time_collective(op, n, budget_s=budget_s)) for n in sizes] for op in ops
     }
+    out["matmul"] = [(float(matmul_n), _concurrent_matmul(matmul_n, max(budget_s, 0.2)))]
+    return out
 
 
 def _rank_baseline(rank: int, world: int) -> float:
-    """Peak resident bytes of a worker that imported the trainer and joined the group."""
+    """Peak resident bytes of a worker that imported the trainer and joined the group (the
+    trainer's own measure, `observe.metrics.peak_memory_mb`: see its [Note: inherited maxrss])."""
     import polytrain.trainer.loop  # noqa: F401  (what a real worker imports)
+    from polytrain.observe.metrics import peak_memory_mb
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(rss if sys.platform == "darwin" else rss * 1024)
+    return peak_memory_mb(torch.device("cpu")) * 2**20
+
+
+def _concurrent_matmul(n: int, budget_s: float) -> float:
+    """fp32 FLOP/s of one process while every rank of the group multiplies at once (cores are
+    shared: on a 2-core host four workers get about half a core each)."""
+    from polytrain.comm.collectives import barrier
+
+    barrier()
+    return _matmul(n, "fp32", torch.device("cpu"), budget_s)
 
 
 def calibrate(
@@ -160,6 +175,7 @@ def calibrate(
     tell("process start-up")
 
     collectives: dict[str, dict[int, Curve]] = {op: {} for op in COLLECTIVES}
+    concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
     for world in plan.world_sizes:
         ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
         results = run_distributed(
@@ -168,9 +184,11 @@ def calibrate(
             ops,
             plan.message_bytes,
             plan.budget_s,
+            max(plan.matmul_sizes),
             timeout_s=1800.0,
             collective_timeout_s=600.0,
         )
+        concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
         for op, points in results[0].items():
             collectives[op][world] = Curve(tuple(points))
         tell(f"collectives, world {world}")
@@ -187,6 +205,7 @@ def calibrate(
         startup_s=startup_s,
         baseline_bytes=baseline,
         threads=threads,
+        matmul_concurrent=concurrent,
     )
 
 

@@ -65,6 +65,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "startup_s": profile.startup_s,
         "baseline_bytes": profile.baseline_bytes,
         "threads": profile.threads,
+        "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
     }
 
 
@@ -89,6 +90,7 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         startup_s=float(data.get("startup_s", 0.0)),
         baseline_bytes=float(data.get("baseline_bytes", 0.0)),
         threads=int(data.get("threads", 1)),
+        matmul_concurrent={int(n): float(v) for n, v in data.get("matmul_concurrent", {}).items()},
     )
 
 

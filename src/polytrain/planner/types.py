@@ -99,6 +99,8 @@ class HostProfile:
     matmul_by_size: dict[str, dict[int, float]] = field(default_factory=dict)
     baseline_bytes: float = 0.0  # resident bytes of a started worker before it builds a model
     threads: int = 1  # intra-op threads per process the numbers were measured with
+    # processes computing at once -> fp32 FLOP/s of each (cores are shared past the core count)
+    matmul_concurrent: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
