@@ -30,7 +30,14 @@ from polytrain.planner.profile_io import (
 )
 from polytrain.planner.types import Curve, HostProfile
 
-__all__ = ["CalibrationPlan", "cached_profile", "calibrate", "host_identity", "steps_of"]
+__all__ = [
+    "CalibrationPlan",
+    "cached_profile",
+    "calibrate",
+    "host_identity",
+    "saved_profile",
+    "steps_of",
+]
 
 _KB = 1024
 
@@ -231,3 +238,10 @@ def cached_profile(
     profile = calibrate(plan, threads=threads, on_progress=on_progress)
     save_profile(profile, path, identity)
     return profile, path, True
+
+
+def saved_profile(threads: int = 1, directory: Path | None = None) -> HostProfile | None:
+    """This host's calibrated profile if `polytrain calibrate` saved one, else None (what
+    `polytrain plan` and ``--strategy auto`` use for a cluster of this host's CPUs)."""
+    path = profile_path(fingerprint(host_identity(threads)), directory or cache_dir())
+    return load_profile(path) if path.exists() else None

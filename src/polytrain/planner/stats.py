@@ -18,11 +18,12 @@ the run will hold; meta is an upper bound for attention models and exact for the
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -84,6 +85,45 @@ def _counting(exclude: set[int]) -> Iterator[tuple[FlopCounterMode, _SavedBytes]
         yield flops, saved
 
 
+class _LinearRows:
+    """(fan_in, fan_out) of a block's Linear layers and the rows each sees per call."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.shapes: list[tuple[int, int]] = []
+        self.rows = 0
+        self.handles = [
+            m.register_forward_hook(self._hook) for m in block.modules() if isinstance(m, nn.Linear)
+        ]
+
+    def _hook(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], _: object) -> None:
+        assert isinstance(module, nn.Linear)
+        self.shapes.append((module.in_features, module.out_features))
+        self.rows = max(self.rows, inputs[0].numel() // module.in_features)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _heads(model: nn.Module) -> int:
+    """The attention head count a tensor-parallel degree must divide (0 = no attention): the
+    gcd over modules with a ``head_dim`` and a ``q`` projection (gpt's attention)."""
+    counts = []
+    for m in model.modules():
+        head_dim, q = getattr(m, "head_dim", None), getattr(m, "q", None)
+        if isinstance(head_dim, int) and isinstance(q, nn.Linear):
+            counts.append(q.out_features // head_dim)
+    return math.gcd(*counts) if counts else 0
+
+
+def _known(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    # [Note: optional fields] `linears`, `rows_per_sample` (BlockStats) and `tp_divisor`
+    # (ModelStats) belong to the cost model's side of planner/types.py; they are filled when the
+    # dataclass has them, so this module works before and after the two halves meet.
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
+
+
 def _params_and_bytes(block: nn.Module) -> tuple[int, int]:
     params = list(block.parameters())
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
@@ -111,11 +151,19 @@ def stats_of(
     for index, block in enumerate(model.blocks):
         if h.is_floating_point():
             h = h.detach().requires_grad_(True)
-        with _counting(exclude) as (flops, saved):
-            y = block(h)
-            if index == last:
-                model.loss(y, targets)
+        linears = _LinearRows(block)
+        try:
+            with _counting(exclude) as (flops, saved):
+                y = block(h)
+                if index == last:
+                    model.loss(y, targets)
+        finally:
+            linears.close()
         params, param_bytes = _params_and_bytes(block)
+        optional = {
+            "linears": tuple(linears.shapes),
+            "rows_per_sample": max(linears.rows // batch, 1),
+        }
         out.append(
             BlockStats(
                 name=f"blocks.{index}",
@@ -124,6 +172,7 @@ def stats_of(
                 fwd_flops=flops.get_total_flops() / batch,
                 saved_bytes=saved.total / batch,
                 output_bytes=y.numel() * y.element_size() / batch,
+                **_known(BlockStats, optional),
             )
         )
         h = y.detach()
@@ -134,6 +183,7 @@ def stats_of(
         dtype_bytes=dtype_bytes,
         tokens_per_sample=tokens_per_sample,
         optimizer_state_per_param=optimizer_state,
+        **_known(ModelStats, {"tp_divisor": _heads(model)}),
     )
 
 

@@ -21,11 +21,11 @@ from polytrain.config.base import to_dict
 from polytrain.config.io import job_from_dict, merge
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
-from polytrain.planner.profile_io import cache_dir, fingerprint, load_profile, profile_path
+from polytrain.planner.calibrate import saved_profile
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout, Prediction
 
-__all__ = ["AutoChoice", "apply_layout", "host_cluster_spec", "resolve_auto", "saved_profile"]
+__all__ = ["AutoChoice", "apply_layout", "host_cluster_spec", "resolve_auto"]
 
 
 @dataclass(frozen=True)
@@ -46,14 +46,6 @@ def _planner_module(name: str) -> ModuleType:
             f"strategy = 'auto' needs the planner's {name} module, which this build lacks "
             f"({exc}): set the parallel fields by hand (strategy = 'manual')"
         ) from None
-
-
-def saved_profile(threads: int = 1) -> HostProfile | None:
-    """This host's calibrated profile if `polytrain calibrate` saved one, else None."""
-    from polytrain.planner.calibrate import host_identity
-
-    path = profile_path(fingerprint(host_identity(threads)), cache_dir())
-    return load_profile(path) if path.exists() else None
 
 
 def host_cluster_spec(job: JobConfig) -> str:
