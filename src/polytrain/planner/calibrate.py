@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from polytrain.errors import PlanError
 from polytrain.planner.profile_io import (
     cache_dir,
     fingerprint,
@@ -232,7 +233,13 @@ def cached_profile(
     """This host's saved profile, measured first when there is none or ``force``; returns the
     profile, its path and whether it was measured now."""
     identity = host_identity(threads)
-    path = profile_path(fingerprint(identity), directory or cache_dir())
+    root = directory or cache_dir()
+    if root.exists() and not root.is_dir():
+        raise PlanError(
+            f"profile cache {str(root)!r} is a file, not a directory: pass --cache-dir DIR or "
+            "set POLYTRAIN_CACHE to a directory"
+        )
+    path = profile_path(fingerprint(identity), root)
     if path.exists() and not force:
         return load_profile(path), path, False
     profile = calibrate(plan, threads=threads, on_progress=on_progress)
