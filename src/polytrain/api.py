@@ -19,6 +19,7 @@ from polytrain.config.io import job_from_dict, load_job, merge, save_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
 from polytrain.launch.local import launch
+from polytrain.trainer.auto import resolve_auto
 from polytrain.trainer.preflight import preflight
 
 __all__ = ["load", "prepare", "run"]
@@ -51,7 +52,12 @@ def _run_dir(job: JobConfig) -> Path:
 
 
 def prepare(job: JobConfig) -> JobConfig:
-    """Validate ``job`` as a whole (no processes started) and fix its run directory."""
+    """Validate ``job`` as a whole (no processes started) and fix its run directory.
+
+    A job with ``strategy = "auto"`` comes back as the planner's first plan
+    (`polytrain.trainer.auto`): use the returned job."""
+    if job.strategy == "auto":
+        job = resolve_auto(job).job
     preflight(job)
     job.observe.out_dir = str(_run_dir(job))
     return job
@@ -63,7 +69,7 @@ def run(job: JobConfig) -> Path:
     Raises a `PolytrainError` for a mistake in the job, `polytrain.launch.WorkerFailure` when a
     worker fails.
     """
-    prepare(job)
+    job = prepare(job)
     run_dir = Path(job.observe.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     name = "job.toml" if not (run_dir / "job.toml").exists() else f"job-{time.time_ns()}.toml"

@@ -16,6 +16,7 @@ try:  # typer >= 0.20 vendors click; older releases use the click package itself
 except ImportError:  # pragma: no cover
     import click.exceptions as cx  # type: ignore[no-redef]
 
+from polytrain.cli.calibrate import calibrate_command
 from polytrain.cli.doctor import doctor
 from polytrain.cli.hogwild import hogwild_command
 from polytrain.cli.plan import plan_command
@@ -38,6 +39,7 @@ app.command("doctor")(doctor)
 app.command("hogwild")(hogwild_command)
 app.command("timeline")(timeline_command)
 app.command("plan")(plan_command)
+app.command("calibrate")(calibrate_command)
 
 
 def _subclasses(cls: type) -> list[type]:

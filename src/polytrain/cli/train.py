@@ -20,11 +20,13 @@ from polytrain.config.base import FieldInfo, describe_field, to_dict
 from polytrain.config.io import job_from_dict, load_job, merge, parse_override
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
+from polytrain.trainer.auto import resolve_auto
 
 __all__ = ["resolve_job", "train_command"]
 
 # flag name -> config path; the flag's value (when given) overrides that field.
 FLAG_FIELDS: dict[str, str] = {
+    "strategy": "strategy",
     "model": "model.name",
     "size": "model.size",
     "data": "data.source",
@@ -140,6 +142,27 @@ def _flag_parameter(name: str, path: str) -> inspect.Parameter:
     return inspect.Parameter(name, _KEYWORD, default=None, annotation=annotation)
 
 
+def _describe(overrides: dict[str, Any]) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items() if k != "launch.nproc")
+
+
+def _plan_first(job: JobConfig) -> JobConfig:
+    """``--strategy auto``: say what the planner chose and why, then run that."""
+    choice = resolve_auto(job)
+    p = choice.prediction
+    source = (
+        "this host's calibrated profile"
+        if choice.profiled
+        else "catalog figures (run `polytrain calibrate` for measured ones)"
+    )
+    typer.echo(
+        f"polytrain: planner chose {_describe(choice.layout.overrides())} on "
+        f"{choice.layout.devices} process(es): predicted {p.step_s * 1e3:.1f} ms/step, "
+        f"{p.memory_per_rank / 2**20:.0f} MiB per rank ({source})"
+    )
+    return choice.job
+
+
 def _train(
     config: Annotated[Path | None, typer.Option(help="TOML job file")] = None,
     set_: Annotated[
@@ -149,7 +172,10 @@ def _train(
     **flags: Any,
 ) -> None:
     """Train a model; with no arguments, the default job (gpt tiny, 2 CPU workers, DP)."""
-    job = prepare(resolve_job(config, flags, set_ or []))
+    job = resolve_job(config, flags, set_ or [])
+    if job.strategy == "auto":
+        job = _plan_first(job)
+    job = prepare(job)
     if dry_run:
         typer.echo(tomli_w.dumps(to_dict(job)))
         return

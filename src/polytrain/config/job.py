@@ -329,6 +329,11 @@ class LaunchConfig:
 
 @dataclass
 class JobConfig:
+    strategy: Literal["manual", "auto"] = option(
+        "manual",
+        "'manual': the parallel, pipeline and ps sections as written; 'auto': the planner picks "
+        "them (and the process count, up to launch.nproc) from a calibrated host profile",
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

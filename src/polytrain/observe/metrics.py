@@ -5,20 +5,76 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["MetricsWriter", "peak_memory_mb"]
+__all__ = ["MetricsWriter", "model_state_bytes", "peak_memory_mb"]
+
+
+def _vm_hwm_kb() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA allocator peak, or the resident-set high-water mark."""
+    """Peak memory of this process: CUDA allocator peak, or the resident-set high-water mark.
+
+    [Note: inherited maxrss] On Linux ``ru_maxrss`` survives ``execve``: a worker started by a
+    launcher that held 800 MB reports at least 800 MB. ``VmHWM`` belongs to this process image
+    only, so it is read first."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    hwm = _vm_hwm_kb()
+    if hwm is not None:
+        return hwm / 2**10
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
+    """Bytes of the storages behind ``tensors`` not in ``seen`` (each storage once: a DDP
+    gradient is a view into its bucket, a stashed weight may share a parameter's storage)."""
+    total = 0
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(
+    modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None
+) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state (local shards only),
+    what the planner's model-state estimate predicts."""
+    params = [p for m in modules for p in m.parameters()]
+    seen: set[tuple[str, int]] = set()
+    states = (
+        [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        if optimizer is not None
+        else []
+    )
+    return {
+        "params": _unique_bytes(params, seen),
+        "grads": _unique_bytes((p.grad for p in params if p.grad is not None), seen),
+        "optimizer": _unique_bytes((v for v in states if v.numel() > 1), seen),
+    }
 
 
 class MetricsWriter:

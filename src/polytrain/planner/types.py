@@ -99,6 +99,12 @@ class HostProfile:
     # op ("all_reduce", "all_gather", "reduce_scatter", "p2p") -> world size -> curve
     collectives: dict[str, dict[int, Curve]] = field(default_factory=dict)
     startup_s: float = 0.0  # seconds to start a worker process group
+    # dtype -> matrix size n (n x n @ n x n) -> achieved FLOP/s; `matmul_flops` is the largest n
+    matmul_by_size: dict[str, dict[int, float]] = field(default_factory=dict)
+    baseline_bytes: float = 0.0  # resident bytes of a started worker before it builds a model
+    threads: int = 1  # intra-op threads per process the numbers were measured with
+    # processes computing at once -> fp32 FLOP/s of each (cores are shared past the core count)
+    matmul_concurrent: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

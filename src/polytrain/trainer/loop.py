@@ -7,6 +7,7 @@ weights.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +22,12 @@ from polytrain.comm.init import DistContext, init_distributed
 from polytrain.comm.watchdog import Watchdog, collective_timeout_s
 from polytrain.config.job import JobConfig
 from polytrain.core.optim import lr_at
-from polytrain.core.strategy import StepOutput
+from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
 from polytrain.models.gpt import generate
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.observe.metrics import MetricsWriter, peak_memory_mb
+from polytrain.observe.metrics import MetricsWriter, model_state_bytes, peak_memory_mb
 from polytrain.observe.mfu import flops_per_sample, peak_flops
 from polytrain.observe.trace import merge_traces
 from polytrain.trainer.build import build_strategy
@@ -60,6 +61,25 @@ def _progress(console: Console, enabled: bool) -> Progress:
         disable=not enabled,
         transient=False,
     )
+
+
+def _write_rank_summary(
+    out_dir: Path, rank: int, strategy: Strategy, history: list[dict[str, Any]], peak_mb: float
+) -> None:
+    """``rank-<r>.json``: what this rank held and how long its steps took, for the planner's
+    validation (`polytrain plan --validate`) to set against its predictions. Written before
+    the final export, which gathers full weights and would raise the peak."""
+    times = sorted(r["step_time_s"] for r in history)
+    summary = {
+        "rank": rank,
+        "strategy": strategy.name,
+        "peak_memory_mb": peak_mb,
+        "state_bytes": model_state_bytes(strategy.modules, strategy.optimizer),
+        "median_step_time_s": times[len(times) // 2] if times else None,
+        "step_times_s": [r["step_time_s"] for r in history],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(summary, sort_keys=True))
 
 
 def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
@@ -164,6 +184,8 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             else:
                 finish_step(step, out, step_time)
 
+    if out_dir is not None:
+        _write_rank_summary(out_dir, ctx.rank, strategy, history, peak_memory_mb(ctx.device))
     if job.observe.trace:
         strategy.tracer.write_part(job.observe.trace)
         barrier()

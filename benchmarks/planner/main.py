@@ -1,0 +1,339 @@
+"""Planner benchmark: predicted against measured step time and memory on this host.
+
+Runs at least 12 layouts of the default job (gpt tiny) and of mlp tiny through the real trainer
+(`planner.validate.run_trials`), predicts each with the planner's cost model from this host's
+calibrated profile, and reports the median absolute % error of step time, Spearman's rank
+correlation, whether the layout the planner ranks first is within 10% of the fastest measured,
+model-state bytes per rank against the bytes actually held, and peak memory against the
+measured high-water mark; beside ours, Accelerate's ``estimate-memory`` and DeepSpeed's
+``estimate_zero2/3_model_states_mem_needs`` on the same models. See README.md.
+
+    python benchmarks/planner/main.py                       # calibrate if needed, run, report
+    python benchmarks/planner/main.py --reuse results.json  # predictions again, same measurements
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from polytrain.config.io import job_from_dict, merge
+from polytrain.config.job import JobConfig
+from polytrain.planner.calibrate import CalibrationPlan, cached_profile
+from polytrain.planner.stats import model_stats
+from polytrain.planner.types import HostProfile, Layout, ModelStats
+from polytrain.planner.validate import Trial, TrialSpec, run_trials, spearman
+
+HERE = Path(__file__).resolve().parent
+
+MODELS: dict[str, dict[str, Any]] = {"gpt": {}, "mlp": {"model.name": "mlp"}}
+
+
+def layouts() -> list[Layout]:
+    """The layouts run for each model: every strategy family, world sizes 1 to 4."""
+    return [
+        Layout(dp=1),
+        Layout(dp=2),
+        Layout(dp=4),
+        Layout(dp=2, zero=2),
+        Layout(dp=2, zero=3),
+        Layout(tp=2),
+        Layout(pp=2, schedule="gpipe", microbatches=4),
+        Layout(pp=2, schedule="1f1b", microbatches=4),
+        Layout(pp=2, schedule="pipedream", microbatches=4),
+        Layout(pp=4, schedule="1f1b", microbatches=8),
+        Layout(dp=2, sync="ps", ps_servers=1, ps_mode="sync"),
+        Layout(dp=2, sync="ps", ps_servers=1, ps_mode="async"),
+        Layout(dp=2, tp=2),
+        Layout(dp=2, pp=2, schedule="1f1b", microbatches=4),
+    ]
+
+
+def _job(base: dict[str, Any]) -> JobConfig:
+    data: dict[str, Any] = {}
+    for key, value in base.items():
+        merge(data, key.split("."), value)
+    return job_from_dict(data)
+
+
+def _name(layout: Layout) -> str:
+    describe = getattr(layout, "describe", None)  # planner's Layout.describe when merged
+    if callable(describe):
+        return str(describe())
+    return ",".join(f"{k.split('.')[-1]}={v}" for k, v in layout.overrides().items())
+
+
+# -- the planner's cost model (pure) ---------------------------------------------------------
+def _planner() -> Any:
+    """The cost-model modules (planner's branch); imported here so a missing one is one line."""
+    import importlib
+
+    names = ("cost", "cluster", "partition", "memory")
+    return {n: importlib.import_module(f"polytrain.planner.{n}") for n in names}
+
+
+def predict_all(
+    stats: ModelStats, profile: HostProfile, job: JobConfig, items: list[Layout]
+) -> list[dict[str, Any]]:
+    """Predicted step time, peak and model-state bytes of each layout (busiest rank)."""
+    p = _planner()
+    cluster = p["cluster"].parse_cluster("1x4xcpu")
+    env = p["cost"].Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
+    out = []
+    for layout in items:
+        pred = p["cost"].predict(layout, stats, env, job.train.global_batch_size)
+        stages = p["partition"].balanced_stages(stats.blocks, layout.pp)
+        micro = (layout.microbatches if layout.pp > 1 else 1) * layout.grad_accum
+        mb = job.train.global_batch_size / layout.dp / micro
+        # Model states exclude PipeDream's stashed weight versions on both sides (the runtime's
+        # stash is not a parameter, so `model_state_bytes` does not see it).
+        plain = replace(layout, schedule="1f1b") if layout.schedule == "pipedream" else layout
+        states = max(
+            p["memory"].memory_per_rank(stats, plain, [stage], mb).model_states for stage in stages
+        )
+        counts = [len(s) for s in stages]
+        out.append(
+            {
+                "step_s": pred.step_s,
+                "memory_per_rank": pred.memory_per_rank,
+                "states": states,
+                "breakdown": pred.breakdown,
+                "partition": counts if layout.pp > 1 else None,
+            }
+        )
+    return out
+
+
+# -- the peers' estimators -------------------------------------------------------------------
+def peer_estimates(stats: ModelStats, layout: Layout) -> dict[str, float | str]:
+    """Accelerate's and DeepSpeed's model-state estimates for this layout, or why not."""
+    out: dict[str, float | str] = {}
+    try:
+        from accelerate.commands.estimate import estimate_training_usage
+
+        # estimate-memory's "Training using Adam" column: the largest of its four terms.
+        usage = estimate_training_usage(stats.param_bytes, "float32")
+        out["accelerate"] = float(max(usage.values()))
+    except ImportError as exc:
+        out["accelerate"] = f"not installed ({exc})"
+    if layout.zero in (2, 3):
+        try:
+            if layout.zero == 2:
+                from deepspeed.runtime.zero.stage_1_and_2 import (
+                    estimate_zero2_model_states_mem_needs,
+                )
+
+                _, per_device = estimate_zero2_model_states_mem_needs(
+                    stats.params, num_gpus_per_node=layout.dp, cpu_offload=False
+                )
+            else:
+                from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+                largest = max(b.params for b in stats.blocks)
+                _, per_device, _ = estimate_zero3_model_states_mem_needs(
+                    stats.params,
+                    largest,
+                    num_gpus_per_node=layout.dp,
+                    cpu_offload=False,
+                    zero_init=False,
+                )
+            out["deepspeed"] = float(per_device)
+        except ImportError as exc:
+            out["deepspeed"] = f"not installed ({exc})"
+    return out
+
+
+# -- measurement -----------------------------------------------------------------------------
+def _trainer_ranks(layout: Layout) -> int:
+    return layout.dp * layout.tp * layout.pp
+
+
+def measured_figures(trial: dict[str, Any], layout: Layout) -> dict[str, float]:
+    """Per-trial measured figures over the trainer ranks (parameter servers reported apart)."""
+    ranks = trial["ranks"]
+    n = _trainer_ranks(layout)
+    workers, servers = ranks[:n], ranks[n:]
+    out = {
+        "step_s": trial["measured_step_s"],
+        "states": max(sum(r["state_bytes"].values()) for r in workers),
+        "peak": max(r["peak_memory_mb"] for r in workers) * 2**20,
+    }
+    if servers:
+        out["server_states"] = max(sum(r["state_bytes"].values()) for r in servers)
+    return out
+
+
+def measure(
+    model: str, items: list[Layout], partitions: list[Any], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    specs = [
+        TrialSpec(
+            layout,
+            predicted_step_s=math.nan,
+            extra={"pipeline.partition": part} if part else {},
+        )
+        for layout, part in zip(items, partitions, strict=True)
+    ]
+
+    def show(trial: Trial) -> None:
+        status = trial.error or f"{trial.measured_step_s * 1e3:.1f} ms/step"
+        print(f"  {model} {_name(trial.spec.layout)}: {status} ({trial.wall_s:.0f} s)", flush=True)
+
+    trials = run_trials(
+        specs,
+        MODELS[model],
+        Path(args.workdir) / model,
+        steps=args.steps,
+        warmup=args.warmup,
+        on_trial=show,
+    )
+    return [
+        {
+            "layout": asdict(t.spec.layout),
+            "extra": t.spec.extra,
+            "measured_step_s": t.measured_step_s,
+            "ranks": t.ranks,
+            "error": t.error,
+            "wall_s": t.wall_s,
+        }
+        for t in trials
+    ]
+
+
+# -- report ----------------------------------------------------------------------------------
+def _pct(pred: float, meas: float) -> float:
+    return 100 * (pred - meas) / meas
+
+
+def report(model: str, rows: list[dict[str, Any]], variant: str) -> dict[str, Any]:
+    ok = [r for r in rows if not r["error"] and math.isfinite(r["measured"]["step_s"])]
+    pred = [r["predicted"][variant]["step_s"] for r in ok]
+    meas = [r["measured"]["step_s"] for r in ok]
+    errors = [abs(_pct(p, m)) for p, m in zip(pred, meas, strict=True)]
+    first = min(range(len(ok)), key=lambda i: pred[i])
+    fastest = min(range(len(ok)), key=lambda i: meas[i])
+    states = [abs(_pct(r["predicted"][variant]["states"], r["measured"]["states"])) for r in ok]
+    peaks = [abs(_pct(r["predicted"][variant]["peak"], r["measured"]["peak"])) for r in ok]
+    return {
+        "model": model,
+        "variant": variant,
+        "layouts": len(ok),
+        "failed": [r["name"] for r in rows if r["error"]],
+        "median_abs_pct_error": statistics.median(errors),
+        "spearman": spearman(pred, meas),
+        "first": ok[first]["name"],
+        "fastest": ok[fastest]["name"],
+        "first_vs_fastest_pct": 100 * (meas[first] / meas[fastest] - 1),
+        "states_median_abs_pct": statistics.median(states),
+        "states_max_abs_pct": max(states),
+        "peak_median_abs_pct": statistics.median(peaks),
+        "peak_max_abs_pct": max(peaks),
+    }
+
+
+def print_rows(model: str, rows: list[dict[str, Any]], variant: str) -> None:
+    print(f"\n{model} ({variant} block times): predicted vs measured")
+    head = (
+        f"{'layout':44} {'pred ms':>8} {'meas ms':>8} {'err%':>6} | {'states pred':>11} "
+        f"{'held':>9} {'err%':>6} | {'peak pred':>9} {'meas':>9} {'err%':>6} | accel  ds"
+    )
+    print(head)
+    mib = 2**20
+    for r in rows:
+        if r["error"]:
+            print(f"{r['name']:44} failed: {r['error']}")
+            continue
+        p, m, peers = r["predicted"][variant], r["measured"], r["peers"]
+        acc = peers.get("accelerate")
+        ds = peers.get("deepspeed")
+        acc_s = f"{_pct(acc, m['states']):+.0f}%" if isinstance(acc, float) else "-"
+        ds_s = f"{_pct(ds, m['states']):+.0f}%" if isinstance(ds, float) else "-"
+        print(
+            f"{r['name']:44} {p['step_s'] * 1e3:8.1f} {m['step_s'] * 1e3:8.1f} "
+            f"{_pct(p['step_s'], m['step_s']):+6.0f} | {p['states'] / mib:9.2f}Mi "
+            f"{m['states'] / mib:7.2f}Mi {_pct(p['states'], m['states']):+6.1f} | "
+            f"{p['peak'] / mib:7.0f}Mi {m['peak'] / mib:7.0f}Mi {_pct(p['peak'], m['peak']):+6.0f} "
+            f"| {acc_s:>6} {ds_s:>4}"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="gpt,mlp")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--workdir", default="/tmp/polytrain-planner-bench")
+    ap.add_argument("--out", default=str(HERE / "results.json"))
+    ap.add_argument("--reuse", default="", help="results.json whose measurements to reuse")
+    ap.add_argument("--cache-dir", default="", help="profile cache (default $POLYTRAIN_CACHE)")
+    ap.add_argument("--recalibrate", action="store_true")
+    ap.add_argument("--quick-calibration", action="store_true")
+    args = ap.parse_args()
+
+    plan = CalibrationPlan.quick() if args.quick_calibration else CalibrationPlan()
+    profile, path, fresh = cached_profile(
+        plan,
+        force=args.recalibrate,
+        directory=Path(args.cache_dir) if args.cache_dir else None,
+        on_progress=lambda what: print(f"  calibrate: {what}", flush=True),
+    )
+    print(f"profile {path} ({'measured now' if fresh else 'saved'})", flush=True)
+    previous: dict[str, Any] = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
+    results: dict[str, Any] = {"profile": str(path), "models": {}, "summary": []}
+    items = layouts()
+    for model in args.models.split(","):
+        job = _job(MODELS[model])
+        t0 = time.perf_counter()
+        counted = model_stats(job, device="cpu")  # real saved bytes (fused attention)
+        timed = model_stats(job, device="cpu", measure=True, batch=8)
+        print(f"{model}: stats in {time.perf_counter() - t0:.1f} s", flush=True)
+        preds = {
+            "flops": predict_all(counted, profile, job, items),
+            "measured": predict_all(timed, profile, job, items),
+        }
+        if previous:
+            trials = previous["models"][model]["trials"]
+        else:
+            trials = measure(model, items, [p["partition"] for p in preds["flops"]], args)
+        rows = []
+        for i, layout in enumerate(items):
+            trial = trials[i]
+            row: dict[str, Any] = {
+                "name": _name(layout),
+                "error": trial["error"],
+                "peers": peer_estimates(counted, layout),
+                "predicted": {},
+            }
+            for variant, plist in preds.items():
+                pv = plist[i]
+                # The cost model's memory is model states + activations + buffers; a CPU
+                # worker also holds the interpreter, torch and the data: the calibrated
+                # baseline (`HostProfile.baseline_bytes`), added here.
+                row["predicted"][variant] = {
+                    "step_s": pv["step_s"],
+                    "states": pv["states"],
+                    "peak": pv["memory_per_rank"] + profile.baseline_bytes,
+                    "breakdown": pv["breakdown"],
+                }
+            if not trial["error"]:
+                row["measured"] = measured_figures(trial, layout)
+            rows.append(row)
+        results["models"][model] = {"trials": trials, "rows": rows}
+        for variant in preds:
+            print_rows(model, rows, variant)
+            summary = report(model, rows, variant)
+            results["summary"].append(summary)
+            print(json.dumps(summary))
+    Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

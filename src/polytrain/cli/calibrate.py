@@ -1,0 +1,68 @@
+"""``polytrain calibrate``: measure this host for the planner and save the profile (JSON)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from polytrain.planner.calibrate import CalibrationPlan, cached_profile, steps_of
+from polytrain.planner.types import HostProfile
+
+__all__ = ["calibrate_command", "profile_table"]
+
+
+def profile_table(profile: HostProfile, path: Path) -> Table:
+    table = Table(title=f"host profile {path}", show_header=False)
+    table.add_row("device", f"{profile.device} ({profile.threads} thread(s) per process)")
+    for dtype, flops in profile.matmul_flops.items():
+        table.add_row(f"matmul {dtype}", f"{flops / 1e9:.1f} GFLOP/s")
+    table.add_row("memory bandwidth", f"{profile.mem_bw / 1e9:.2f} GB/s")
+    table.add_row("process start-up", f"{profile.startup_s:.2f} s")
+    table.add_row("worker baseline memory", f"{profile.baseline_bytes / 2**20:.0f} MiB")
+    for op, by_world in profile.collectives.items():
+        for world, curve in sorted(by_world.items()):
+            small = min(curve.points)
+            table.add_row(
+                f"{op} world {world}",
+                f"latency {small[1] * 1e6:.0f} us at {small[0] / 1024:.0f} KiB, "
+                f"{curve.bandwidth / 1e9:.2f} GB/s at {max(curve.points)[0] / 2**20:.1f} MiB",
+            )
+    return table
+
+
+def calibrate_command(
+    force: Annotated[bool, typer.Option(help="measure again even if a profile is saved")] = False,
+    quick: Annotated[bool, typer.Option(help="small sizes, a few seconds (tests)")] = False,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="where profiles live (default $POLYTRAIN_CACHE)")
+    ] = None,
+    threads: Annotated[int, typer.Option(help="intra-op threads per process", min=1)] = 1,
+) -> None:
+    """Measure matmul FLOP/s, memory bandwidth, collectives and start-up cost of this host."""
+    plan = CalibrationPlan.quick() if quick else CalibrationPlan()
+    console = Console()
+    with Progress(
+        TextColumn("[bold]calibrate"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} {task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("", total=steps_of(plan))
+        profile, path, measured = cached_profile(
+            plan,
+            force=force,
+            directory=cache_dir,
+            threads=threads,
+            on_progress=lambda what: progress.update(task, advance=1, description=what),
+        )
+        if not measured:
+            progress.update(task, completed=steps_of(plan), description="saved profile reused")
+    console.print(profile_table(profile, path))
+    if not measured:
+        console.print("(measured earlier on this hardware and torch; --force measures again)")

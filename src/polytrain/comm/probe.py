@@ -1,0 +1,90 @@
+"""Timed collectives for `polytrain calibrate`: seconds per call by message size.
+
+Every rank of the default group calls the same function with the same sizes; the result is the
+slowest rank's median (a collective finishes when its last rank does), agreed by a MAX
+all-reduce so every rank returns the same numbers. Point-to-point is a ping-pong between ranks 0
+and 1 (half the round trip: latency plus one transfer), the other ranks idle.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from polytrain.comm.collectives import collective_device
+
+__all__ = ["COLLECTIVES", "time_collective"]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older torch has only those.
+_ALL_GATHER: Callable[..., object] = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER: Callable[..., object] = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
+
+
+def _op(name: str, nbytes: int, device: torch.device) -> Callable[[], object]:
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    numel = max(nbytes // 4, world)
+    numel -= numel % world  # reduce-scatter and all-gather split the message evenly
+    if name == "all_reduce":
+        buf = torch.ones(numel, device=device)
+        return lambda: dist.all_reduce(buf)
+    if name == "all_gather":  # each rank contributes 1/world of the message
+        out = torch.empty(numel, device=device)
+        part = torch.ones(numel // world, device=device)
+        return lambda: _ALL_GATHER(out, part)
+    if name == "reduce_scatter":
+        full = torch.ones(numel, device=device)
+        part = torch.empty(numel // world, device=device)
+        return lambda: _REDUCE_SCATTER(part, full)
+    if name == "p2p":
+        buf = torch.ones(numel, device=device)
+
+        def ping_pong() -> None:
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        return ping_pong
+    raise ValueError(f"unknown collective {name!r}: expected one of {', '.join(COLLECTIVES)}")
+
+
+def time_collective(name: str, nbytes: int, *, iters: int = 5, budget_s: float = 1.0) -> float:
+    """Median seconds of one ``name`` over a message of ``nbytes`` (at least ``iters`` calls or
+    until ``budget_s`` is spent, whichever is fewer after the first two), the max over ranks."""
+    device = collective_device()
+    fn = _op(name, nbytes, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up: connection set-up and allocation
+    sync()
+    times: list[float] = []
+    spent = 0.0
+    # Every rank must run the same number of calls, so the count is agreed after each call.
+    flag = torch.zeros(1, device=device)
+    while True:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        elapsed = time.perf_counter() - t0
+        if name == "p2p":
+            elapsed /= 2  # one way of the round trip
+        times.append(elapsed)
+        spent += elapsed
+        flag.fill_(1.0 if len(times) >= iters or (len(times) >= 2 and spent > budget_s) else 0.0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            break
+    result = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(result, op=dist.ReduceOp.MAX)
+    return float(result.item())

@@ -1,0 +1,251 @@
+"""`polytrain calibrate`: measure this host once and keep the numbers (`HostProfile`).
+
+What the cost model needs and cannot read from a data sheet: achieved (not peak) matmul FLOP/s
+per dtype and size, memory bandwidth, the latency and bandwidth of gloo collectives and p2p by
+message size and world size, what starting a process group costs, and how much memory a worker
+holds before it builds a model. Everything runs with the thread count a worker uses (one intra-op
+thread per process: the launcher sets ``OMP_NUM_THREADS=1``).
+
+Collectives run on `polytrain.testing`'s gloo harness (file:// rendezvous, spawned processes),
+timed by `polytrain.comm.probe`, one launch per world size.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import polytrain.parallel
+import polytrain.pipeline
+import polytrain.ps  # noqa: F401  (with the two above: what a worker imports, for its baseline)
+from polytrain.comm.collectives import barrier
+from polytrain.comm.probe import COLLECTIVES, time_collective
+from polytrain.errors import PlanError
+from polytrain.observe.metrics import peak_memory_mb
+from polytrain.planner.profile_io import (
+    cache_dir,
+    fingerprint,
+    load_profile,
+    profile_path,
+    save_profile,
+)
+from polytrain.planner.types import Curve, HostProfile
+from polytrain.testing.harness import run_distributed
+
+__all__ = [
+    "CalibrationPlan",
+    "cached_profile",
+    "calibrate",
+    "host_identity",
+    "saved_profile",
+    "steps_of",
+]
+
+_KB = 1024
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What to measure; `quick` is a few seconds (tests), the default a few minutes."""
+
+    matmul_sizes: tuple[int, ...] = (128, 256, 512, 1024)
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    copy_bytes: int = 256 * 2**20
+    message_bytes: tuple[int, ...] = tuple(4 * _KB * 4**i for i in range(8))  # 4 KB .. 64 MB
+    world_sizes: tuple[int, ...] = (2, 3, 4)
+    budget_s: float = 0.5  # per (operation, size): at most ~this long once two calls are in
+
+    @staticmethod
+    def quick() -> CalibrationPlan:
+        return CalibrationPlan(
+            matmul_sizes=(64, 128, 256),
+            copy_bytes=8 * 2**20,
+            message_bytes=(4 * _KB, 64 * _KB, 1024 * _KB),
+            world_sizes=(2,),
+            budget_s=0.05,
+        )
+
+
+def host_identity(threads: int = 1) -> dict[str, str]:
+    """The facts a profile depends on; its fingerprint changes when any of them does."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "threads": str(threads),
+    }
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _timed(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
+    """Median seconds of ``fn`` over calls filling ``budget_s`` (3 to 50 calls)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times: list[float] = []
+    while len(times) < 3 or (sum(times) < budget_s and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _matmul(n: int, dtype: str, device: torch.device, budget_s: float) -> float:
+    a = torch.randn(n, n, device=device).to(_DTYPES[dtype])
+    b = torch.randn(n, n, device=device).to(_DTYPES[dtype])
+    return 2.0 * n**3 / _timed(lambda: a @ b, device, budget_s)
+
+
+def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> float:
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2.0 * nbytes / _timed(lambda: dst.copy_(src), device, budget_s)  # read + write
+
+
+def _rank_collectives(
+    rank: int,
+    world: int,
+    ops: tuple[str, ...],
+    sizes: tuple[int, ...],
+    budget_s: float,
+    matmul_n: int,
+) -> dict[str, list[tuple[float, float]]]:
+    out: dict[str, list[tuple[float, float]]] = {
+        op: [(float(n), time_collective(op, n, budget_s=budget_s)) for n in sizes] for op in ops
+    }
+    out["matmul"] = [(float(matmul_n), _concurrent_matmul(matmul_n, max(budget_s, 0.2)))]
+    return out
+
+
+def _rank_baseline(rank: int, world: int) -> float:
+    """Peak resident bytes of a worker that imported the strategy packages and joined the group (the
+    trainer's own measure, `observe.metrics.peak_memory_mb`: see its [Note: inherited maxrss])."""
+    return peak_memory_mb(torch.device("cpu")) * 2**20
+
+
+def _concurrent_matmul(n: int, budget_s: float) -> float:
+    """fp32 FLOP/s of one process while every rank of the group multiplies at once (cores are
+    shared: on a 2-core host four workers get about half a core each)."""
+    barrier()
+    return _matmul(n, "fp32", torch.device("cpu"), budget_s)
+
+
+def calibrate(
+    plan: CalibrationPlan | None = None,
+    *,
+    threads: int = 1,
+    on_progress: Callable[[str], None] | None = None,
+) -> HostProfile:
+    """Measure this host (see the module docstring); ``on_progress`` hears each finished part."""
+    plan = plan or CalibrationPlan()
+    tell = on_progress or (lambda _: None)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        by_size: dict[str, dict[int, float]] = {}
+        for dtype in plan.dtypes:
+            by_size[dtype] = {}
+            for n in plan.matmul_sizes:
+                by_size[dtype][n] = _matmul(n, dtype, device, plan.budget_s)
+                tell(f"matmul {dtype} {n}")
+        mem_bw = _mem_bw(plan.copy_bytes, device, plan.budget_s)
+        tell("memory bandwidth")
+    finally:
+        torch.set_num_threads(old_threads)
+
+    t0 = time.perf_counter()
+    baseline = max(run_distributed(_rank_baseline, 2, timeout_s=300.0))
+    startup_s = time.perf_counter() - t0
+    tell("process start-up")
+
+    collectives: dict[str, dict[int, Curve]] = {op: {} for op in COLLECTIVES}
+    concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
+    for world in plan.world_sizes:
+        ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
+        results = run_distributed(
+            _rank_collectives,
+            world,
+            ops,
+            plan.message_bytes,
+            plan.budget_s,
+            max(plan.matmul_sizes),
+            timeout_s=1800.0,
+            collective_timeout_s=600.0,
+        )
+        concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
+        for op, points in results[0].items():
+            collectives[op][world] = Curve(tuple(points))
+        tell(f"collectives, world {world}")
+
+    identity = host_identity(threads)
+    largest = max(plan.matmul_sizes)
+    return HostProfile(
+        fingerprint=fingerprint(identity),
+        device=identity["gpu"] if device.type == "cuda" else "cpu",
+        matmul_flops={dtype: sizes[largest] for dtype, sizes in by_size.items()},
+        matmul_by_size=by_size,
+        mem_bw=mem_bw,
+        collectives=collectives,
+        startup_s=startup_s,
+        baseline_bytes=baseline,
+        threads=threads,
+        matmul_concurrent=concurrent,
+    )
+
+
+def steps_of(plan: CalibrationPlan) -> int:
+    """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 2 + len(plan.world_sizes)
+
+
+def cached_profile(
+    plan: CalibrationPlan | None = None,
+    *,
+    force: bool = False,
+    directory: Path | None = None,
+    threads: int = 1,
+    on_progress: Callable[[str], None] | None = None,
+) -> tuple[HostProfile, Path, bool]:
+    """This host's saved profile, measured first when there is none or ``force``; returns the
+    profile, its path and whether it was measured now."""
+    identity = host_identity(threads)
+    root = directory or cache_dir()
+    if root.exists() and not root.is_dir():
+        raise PlanError(
+            f"profile cache {str(root)!r} is a file, not a directory: pass --cache-dir DIR or "
+            "set POLYTRAIN_CACHE to a directory"
+        )
+    path = profile_path(fingerprint(identity), root)
+    if path.exists() and not force:
+        return load_profile(path), path, False
+    profile = calibrate(plan, threads=threads, on_progress=on_progress)
+    save_profile(profile, path, identity)
+    return profile, path, True
+
+
+def saved_profile(threads: int = 1, directory: Path | None = None) -> HostProfile | None:
+    """This host's calibrated profile if `polytrain calibrate` saved one, else None (what
+    `polytrain plan` and ``--strategy auto`` use for a cluster of this host's CPUs)."""
+    path = profile_path(fingerprint(host_identity(threads)), directory or cache_dir())
+    return load_profile(path) if path.exists() else None

@@ -1,0 +1,121 @@
+"""Saved host profiles: JSON files in a cache directory, keyed by a hardware fingerprint.
+
+A profile is reused until the fingerprint (CPU model, cores, accelerator, torch version) changes;
+nothing is unpickled, a file that does not parse is a `PlanError` naming it and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from polytrain.errors import PlanError
+from polytrain.planner.types import Curve, HostProfile
+
+__all__ = [
+    "cache_dir",
+    "fingerprint",
+    "load_profile",
+    "profile_from_dict",
+    "profile_path",
+    "profile_to_dict",
+    "save_profile",
+]
+
+FORMAT = 1
+
+
+def cache_dir() -> Path:
+    """``$POLYTRAIN_CACHE``, else ``$XDG_CACHE_HOME/polytrain``, else ``~/.cache/polytrain``."""
+    if env := os.environ.get("POLYTRAIN_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "polytrain"
+
+
+def fingerprint(identity: dict[str, str]) -> str:
+    """A short stable hash of what the measurements depend on (hardware and torch)."""
+    text = json.dumps(identity, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def profile_path(fp: str, directory: Path | None = None) -> Path:
+    return (directory or cache_dir()) / f"host-{fp}.json"
+
+
+def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "identity": identity or {},
+        "fingerprint": profile.fingerprint,
+        "device": profile.device,
+        "matmul_flops": profile.matmul_flops,
+        "matmul_by_size": {
+            dtype: {str(n): v for n, v in sizes.items()}
+            for dtype, sizes in profile.matmul_by_size.items()
+        },
+        "mem_bw": profile.mem_bw,
+        "collectives": {
+            op: {str(world): [list(p) for p in curve.points] for world, curve in by_world.items()}
+            for op, by_world in profile.collectives.items()
+        },
+        "startup_s": profile.startup_s,
+        "baseline_bytes": profile.baseline_bytes,
+        "threads": profile.threads,
+        "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
+    }
+
+
+def profile_from_dict(data: dict[str, Any]) -> HostProfile:
+    """The inverse of `profile_to_dict` (a `KeyError`/`TypeError` on a malformed dict)."""
+    return HostProfile(
+        fingerprint=str(data["fingerprint"]),
+        device=str(data["device"]),
+        matmul_flops={k: float(v) for k, v in data["matmul_flops"].items()},
+        matmul_by_size={
+            dtype: {int(n): float(v) for n, v in sizes.items()}
+            for dtype, sizes in data.get("matmul_by_size", {}).items()
+        },
+        mem_bw=float(data["mem_bw"]),
+        collectives={
+            op: {
+                int(world): Curve(tuple((float(b), float(s)) for b, s in points))
+                for world, points in by_world.items()
+            }
+            for op, by_world in data.get("collectives", {}).items()
+        },
+        startup_s=float(data.get("startup_s", 0.0)),
+        baseline_bytes=float(data.get("baseline_bytes", 0.0)),
+        threads=int(data.get("threads", 1)),
+        matmul_concurrent={int(n): float(v) for n, v in data.get("matmul_concurrent", {}).items()},
+    )
+
+
+def save_profile(profile: HostProfile, path: Path, identity: dict[str, str] | None = None) -> Path:
+    """Write ``profile`` as JSON (to a temporary name first, so a crash leaves no half file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(profile_to_dict(profile, identity), indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path
+
+
+def load_profile(path: Path) -> HostProfile:
+    """A saved profile; a missing or malformed file is a `PlanError` that says what to do."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+        return profile_from_dict(data)
+    except FileNotFoundError:
+        raise PlanError(
+            f"host profile {str(path)!r} does not exist: run `polytrain calibrate` first"
+        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise PlanError(
+            f"host profile {str(path)!r} is not a polytrain profile ({exc}): run "
+            "`polytrain calibrate --force` to measure again"
+        ) from None

@@ -1,0 +1,248 @@
+"""Model statistics for the planner: FLOPs and bytes per block, and optionally seconds.
+
+The one torch-facing planner module besides `planner.calibrate`. It builds the job's model with
+the project's own builder (`models.registry.build_model`) and walks its block view
+(`models.base.BlockModel`) one block at a time, so a pipeline stage's cost is a sum over its
+blocks. FLOPs come from torch's `FlopCounterMode`; activation bytes from `saved_tensors_hooks`
+(what autograd keeps for backward), counted once per storage and excluding the parameters.
+
+On the ``meta`` device (the default) nothing is allocated, so a model of any size is measured
+without its memory. `measure=True` also times forward and backward per block on a real device.
+
+[Note: meta and real saved bytes] Some kernels save different things on different devices:
+scaled-dot-product attention on meta takes the math path and saves the (T x T) score matrix,
+while CPU and CUDA run a fused kernel that saves only q, k, v, the output and a log-sum-exp.
+Pass ``device="cpu"`` (or ``"cuda"``) when the model fits and the saved bytes must match what
+the run will hold; meta is an upper bound for attention models and exact for the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from polytrain.config.job import JobConfig
+from polytrain.data.datasets import build_datasets
+from polytrain.models.base import BlockModel
+from polytrain.models.registry import block_size_of, build_model
+from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
+from polytrain.planner.types import BlockStats, ModelStats
+
+__all__ = ["model_stats", "optimizer_state_per_param", "stats_of"]
+
+_PROBE_BATCH = 2  # samples in the counting pass; per-sample figures divide by it
+
+
+def optimizer_state_per_param(job: JobConfig) -> int:
+    """Optimizer-state tensors the size of each parameter: AdamW keeps exp_avg and exp_avg_sq,
+    SGD a momentum buffer only when momentum > 0."""
+    if job.optim.name == "adamw":
+        return 2
+    return 1 if job.optim.momentum > 0 else 0
+
+
+@contextmanager
+def _counting(exclude: set[int]) -> Iterator[tuple[FlopCounterMode, SavedBytes]]:
+    # One saved-bytes counter for the profile, the runtime and the planner (pipeline/saved_tensors).
+    with FlopCounterMode(display=False) as flops, count_saved_bytes(exclude) as saved:
+        yield flops, saved
+
+
+class _LinearRows:
+    """(fan_in, fan_out) of a block's Linear layers and the rows each sees per call."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.shapes: list[tuple[int, int]] = []
+        self.rows = 0
+        self.handles = [
+            m.register_forward_hook(self._hook) for m in block.modules() if isinstance(m, nn.Linear)
+        ]
+
+    def _hook(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], _: object) -> None:
+        assert isinstance(module, nn.Linear)
+        self.shapes.append((module.in_features, module.out_features))
+        self.rows = max(self.rows, inputs[0].numel() // module.in_features)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _heads(model: nn.Module) -> int:
+    """The attention head count a tensor-parallel degree must divide (0 = no attention): the
+    gcd over modules with a ``head_dim`` and a ``q`` projection (gpt's attention)."""
+    counts = []
+    for m in model.modules():
+        head_dim, q = getattr(m, "head_dim", None), getattr(m, "q", None)
+        if isinstance(head_dim, int) and isinstance(q, nn.Linear):
+            counts.append(q.out_features // head_dim)
+    return math.gcd(*counts) if counts else 0
+
+
+def _known(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    # [Note: optional fields] `linears`, `rows_per_sample` (BlockStats) and `tp_divisor`
+    # (ModelStats) belong to the cost model's side of planner/types.py; they are filled when the
+    # dataclass has them, so this module works before and after the two halves meet.
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def _params_and_bytes(block: nn.Module) -> tuple[int, int]:
+    params = list(block.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+
+
+def stats_of(
+    model: BlockModel,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    name: str = "model",
+    tokens_per_sample: int = 1,
+    optimizer_state: int = 2,
+) -> ModelStats:
+    """Per-block statistics from one forward pass over ``inputs`` (B samples, any device).
+
+    The loss is charged to the last block (it runs on the last pipeline stage). Each block gets
+    a fresh input that requires grad, so a block's saved input counts toward that block only.
+    """
+    batch = inputs.shape[0]
+    exclude = storage_keys(model.parameters())
+    out: list[BlockStats] = []
+    h = inputs
+    last = len(model.blocks) - 1
+    for index, block in enumerate(model.blocks):
+        if h.is_floating_point():
+            h = h.detach().requires_grad_(True)
+        linears = _LinearRows(block)
+        try:
+            with _counting(exclude) as (flops, saved):
+                y = block(h)
+                if index == last:
+                    model.loss(y, targets)
+        finally:
+            linears.close()
+        params, param_bytes = _params_and_bytes(block)
+        optional = {
+            "linears": tuple(linears.shapes),
+            "rows_per_sample": max(linears.rows // batch, 1),
+        }
+        out.append(
+            BlockStats(
+                name=f"blocks.{index}",
+                params=params,
+                param_bytes=param_bytes,
+                fwd_flops=flops.get_total_flops() / batch,
+                saved_bytes=saved.bytes / batch,
+                output_bytes=y.numel() * y.element_size() / batch,
+                **_known(BlockStats, optional),
+            )
+        )
+        h = y.detach()
+    dtype_bytes = next(model.parameters()).element_size()
+    return ModelStats(
+        name=name,
+        blocks=tuple(out),
+        dtype_bytes=dtype_bytes,
+        tokens_per_sample=tokens_per_sample,
+        optimizer_state_per_param=optimizer_state,
+        **_known(ModelStats, {"tp_divisor": _heads(model)}),
+    )
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _time_blocks(
+    model: BlockModel, inputs: torch.Tensor, targets: torch.Tensor, repeats: int
+) -> list[tuple[float, float]]:
+    """Median (forward, backward) seconds of each block on ``inputs``' device (whole batch)."""
+    sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
+    out: list[tuple[float, float]] = []
+    h = inputs
+    last = len(model.blocks) - 1
+    for index, block in enumerate(model.blocks):
+        x = h.detach().requires_grad_(True) if h.is_floating_point() else h
+
+        def forward(block: nn.Module = block, x: torch.Tensor = x, index: int = index) -> Any:
+            y = block(x)
+            result = model.loss(y, targets) if index == last else y
+            sync()
+            return result
+
+        forward()  # warm-up (allocator, kernels)
+        fwd = _median_s(forward, repeats)
+        y = block(x)
+        result = model.loss(y, targets) if index == last else y
+        grad = None if index == last else torch.ones_like(result)
+
+        def backward(result: torch.Tensor = result, grad: torch.Tensor | None = grad) -> None:
+            torch.autograd.backward(result, grad, retain_graph=True)
+            sync()
+
+        backward()
+        bwd = _median_s(backward, repeats)
+        block.zero_grad(set_to_none=True)
+        out.append((fwd, bwd))
+        h = y.detach()
+    return out
+
+
+def model_stats(
+    job: JobConfig,
+    *,
+    device: str = "meta",
+    measure: bool = False,
+    measure_device: str = "cpu",
+    batch: int = 8,
+    repeats: int = 5,
+    threads: int | None = 1,
+) -> ModelStats:
+    """`ModelStats` of ``job``'s model: counted on ``device`` (see `[Note: meta and real saved
+    bytes]`); with ``measure``, forward/backward seconds per sample from a batch of ``batch`` on
+    ``measure_device`` with ``threads`` intra-op threads (workers run one each)."""
+    block_size = block_size_of(job.model)
+    train_set, _, spec = build_datasets(job.data, block_size)
+    x, y = train_set.get(torch.arange(_PROBE_BATCH))
+    tokens = block_size if spec.kind == "tokens" else 1
+    with torch.device(device):
+        model = build_model(job.model, spec, job.train.seed)
+    stats = stats_of(
+        model,
+        x.to(device),
+        y.to(device),
+        name=f"{job.model.name}-{job.model.size}",
+        tokens_per_sample=tokens,
+        optimizer_state=optimizer_state_per_param(job),
+    )
+    if not measure:
+        return stats
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        real = build_model(job.model, spec, job.train.seed).to(measure_device)
+        xb, yb = train_set.get(torch.arange(batch))
+        times = _time_blocks(real, xb.to(measure_device), yb.to(measure_device), repeats)
+    finally:
+        torch.set_num_threads(old_threads)
+    blocks = tuple(
+        replace(b, fwd_s=fwd / batch, bwd_s=bwd / batch)
+        for b, (fwd, bwd) in zip(stats.blocks, times, strict=True)
+    )
+    return replace(stats, blocks=blocks)

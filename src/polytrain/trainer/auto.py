@@ -1,0 +1,90 @@
+"""``strategy = "auto"``: the planner picks the layout and the process count, then it runs.
+
+The launching process measures the model (`planner.stats`, meta device: no memory), reads this
+host's saved profile (`polytrain calibrate`; without one the catalog's nominal figures are used),
+asks the planner's search for the fastest layout on 1 to ``launch.nproc`` processes of this host
+and writes the first plan's fields into the job (contract 3: a plan is exactly `JobConfig`
+fields). The job that runs is the resolved one, ``strategy = "manual"``, so its saved
+``job.toml`` records what the planner chose and replays it without planning again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from polytrain.config.base import to_dict
+from polytrain.config.io import job_from_dict, merge
+from polytrain.config.job import JobConfig
+from polytrain.errors import PlanError
+from polytrain.planner.calibrate import saved_profile
+from polytrain.planner.catalog import device_names
+from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.search import PlanRequest, search
+from polytrain.planner.stats import model_stats
+from polytrain.planner.types import HostProfile, Layout, Prediction
+
+__all__ = ["AutoChoice", "apply_layout", "host_cluster_spec", "resolve_auto"]
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    job: JobConfig  # the resolved job (strategy = "manual")
+    layout: Layout
+    prediction: Prediction
+    profiled: bool  # planned with a calibrated profile (else catalog figures)
+
+
+def host_cluster_spec(job: JobConfig) -> str:
+    """This host as a catalog cluster spec with ``launch.nproc`` devices."""
+    if job.train.device == "cuda" or (job.train.device == "auto" and torch.cuda.is_available()):
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+        keys = [k for k in device_names() if k.lower() in name.lower() and k != "cpu"]
+        if not keys:
+            raise PlanError(
+                f"strategy = 'auto': GPU {name!r} is not in the planner's catalog: plan it with "
+                "`polytrain plan --cluster FILE.toml` and set the layout by hand"
+            )
+        return f"1x{job.launch.nproc}x{max(keys, key=len)}"
+    return f"1x{job.launch.nproc}xcpu"
+
+
+def resolve_auto(job: JobConfig, profile: HostProfile | None = None) -> AutoChoice:
+    """The job with the planner's first plan applied (see the module docstring)."""
+    if job.launch.nnodes > 1:
+        raise PlanError(
+            f"strategy = 'auto' plans one host, but launch.nnodes = {job.launch.nnodes}: plan "
+            "the cluster with `polytrain plan --cluster ...` and pass its layout by hand"
+        )
+    cluster = parse_cluster(host_cluster_spec(job))
+    profile = profile if profile is not None else saved_profile()
+    stats = model_stats(job)  # meta device: FLOPs and bytes, no weights
+    request = PlanRequest(
+        stats=stats,
+        cluster=cluster,
+        global_batch=job.train.global_batch_size,
+        steps=job.train.steps,
+        min_devices=1,
+        max_devices=job.launch.nproc,
+        dtype=job.train.dtype,
+        objective="time",
+        profile=profile,
+        bucket_bytes=job.parallel.bucket_mb * 2**20,
+    )
+    result = search(request)
+    if result.best is None:
+        raise PlanError(f"strategy = 'auto' found no layout that runs: {result.note}")
+    prediction: Prediction = result.best.prediction
+    resolved = apply_layout(job, prediction.layout)
+    return AutoChoice(resolved, prediction.layout, prediction, profile is not None)
+
+
+def apply_layout(job: JobConfig, layout: Layout) -> JobConfig:
+    """``job`` with ``layout``'s fields (and ``strategy = "manual"``), validated anew."""
+    data: dict[str, Any] = to_dict(job)
+    data["strategy"] = "manual"
+    for key, value in layout.overrides().items():
+        merge(data, key.split("."), value)
+    return job_from_dict(data)

@@ -1,0 +1,61 @@
+"""``polytrain calibrate --quick``: measures this host into a cache dir, then reuses it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from polytrain.planner.profile_io import load_profile
+
+
+def _calibrate(cache: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "POLYTRAIN_CACHE": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-m", "polytrain.cli.app", "calibrate", "--quick", *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) -> None:
+    first = _calibrate(tmp_path)
+    assert first.returncode == 0, first.stderr
+    (path,) = tmp_path.glob("host-*.json")
+    profile = load_profile(path)
+    assert all(v > 1e8 for v in profile.matmul_flops.values())  # > 0.1 GFLOP/s
+    assert set(profile.matmul_flops) == {"fp32", "bf16"}
+    assert profile.mem_bw > 1e8
+    assert set(profile.matmul_concurrent) == {1, 2} and min(profile.matmul_concurrent.values()) > 0
+    assert profile.startup_s > 0 and profile.baseline_bytes > 50 * 2**20
+    assert set(profile.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    for by_world in profile.collectives.values():
+        curve = by_world[2]
+        assert len(curve.points) == 3 and all(s > 0 for _, s in curve.points)
+        assert curve.bandwidth > 0  # (no ordering by size: a descheduled rank can invert it)
+    assert json.loads(path.read_text())["identity"]["torch"]
+    stamp = path.stat().st_mtime_ns
+
+    second = _calibrate(tmp_path)  # same hardware and torch: the saved profile is reused
+    assert second.returncode == 0, second.stderr
+    assert "reused" in second.stdout or "measured earlier" in second.stdout
+    assert path.stat().st_mtime_ns == stamp
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a directory")
+    proc = _calibrate(blocker)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"polytrain: error: profile cache {str(blocker)!r} is a file, not a directory: pass "
+        "--cache-dir DIR or set POLYTRAIN_CACHE to a directory"
+    ]
+    assert blocker.read_text() == "not a directory"  # nothing overwritten

@@ -1,0 +1,60 @@
+"""Host profiles round-trip through JSON; a broken file is one actionable error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from polytrain.errors import PlanError
+from polytrain.planner.profile_io import (
+    cache_dir,
+    fingerprint,
+    load_profile,
+    profile_path,
+    save_profile,
+)
+from polytrain.planner.types import Curve, HostProfile
+
+
+def _profile() -> HostProfile:
+    return HostProfile(
+        fingerprint="abc",
+        device="cpu",
+        matmul_flops={"fp32": 5e10, "bf16": 1e11},
+        matmul_by_size={"fp32": {128: 3e10, 512: 5e10}},
+        mem_bw=2e10,
+        collectives={"all_reduce": {2: Curve(((4096.0, 1e-4), (2**20, 2e-3)))}},
+        startup_s=3.0,
+        baseline_bytes=3e8,
+        matmul_concurrent={1: 5e10, 4: 2.5e10},
+    )
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = save_profile(_profile(), tmp_path / "p.json", {"cpu": "x"})
+    assert load_profile(path) == _profile()
+
+
+def test_fingerprint_changes_with_any_fact() -> None:
+    base = {"cpu": "EPYC", "cores": "2", "gpu": "none", "torch": "2.13.0"}
+    assert fingerprint(base) == fingerprint(dict(base))
+    assert fingerprint(base) != fingerprint({**base, "torch": "2.14.0"})
+
+
+def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("POLYTRAIN_CACHE", str(tmp_path))
+    assert cache_dir() == tmp_path
+    assert profile_path("f00") == tmp_path / "host-f00.json"
+
+
+def test_missing_and_malformed_files_say_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="run `polytrain calibrate` first"):
+        load_profile(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": 1, "device": "cpu"}')
+    with pytest.raises(PlanError, match="--force"):
+        load_profile(bad)
+    bad.write_text("not json")
+    with pytest.raises(PlanError, match="not a polytrain profile"):
+        load_profile(bad)
