@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from polytrain.config.base import option
+from polytrain.config.bounds import check_bounds
 from polytrain.errors import ConfigError, MeshError
 
 __all__ = [
@@ -341,6 +342,7 @@ class JobConfig:
         return self.world_size
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # infinities and values too large to work, in any section
         self._resolve_mesh()
         self._check_batch()
 

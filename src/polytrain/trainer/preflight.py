@@ -32,8 +32,14 @@ def preflight(job: JobConfig) -> BlockModel:
             "or remove the file"
         )
     train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
-    with torch.device("meta"):
-        model = build_model(job.model, spec, job.train.seed)
+    try:
+        with torch.device("meta"):
+            model = build_model(job.model, spec, job.train.seed)
+    except RuntimeError as exc:  # e.g. "Storage size calculation overflowed"
+        raise ConfigError(
+            f"model {job.model.name!r} cannot be built with these dimensions "
+            f"({str(exc).splitlines()[0][:100]}): lower model.n_embd / n_layer / block_size"
+        ) from None
     if job.parallel.pp > model.num_blocks:
         raise PartitionError(
             f"parallel.pp = {job.parallel.pp} stages but the model has only {model.num_blocks} "
