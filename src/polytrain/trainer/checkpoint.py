@@ -169,7 +169,11 @@ class _Parts:
             _init_optimizer_state(self.optimizer)
         model_sd, optim_sd = self._live()
         model_sd = {k: fetch("model." + self._strip(k), v) for k, v in model_sd.items()}
-        if self.optimizer is None:
+        if self.optimizer is None or not _has_tensor_state(optim_sd):
+            # [Note: stateless optimizers] SGD without momentum keeps no tensor state; torch's
+            # set_state_dict then finds no tensor to take a device from and fails ("Expected
+            # device to be set"). There is nothing of the optimizer's to restore (its
+            # hyperparameters are the current job's), so only the model is loaded.
             set_model_state_dict(self.module, model_sd, options=_OPTIONS)
             return
         optim_sd["state"] = {
@@ -212,6 +216,16 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
     for p, g in zip(params, grads, strict=True):
         p.grad = g
+
+
+def _has_tensor_state(optim_sd: dict[str, Any]) -> bool:
+    """Whether an optimizer state dict holds any non-scalar tensor (see [Note: stateless
+    optimizers])."""
+    return any(
+        isinstance(value, torch.Tensor) and value.dim() > 0
+        for entries in optim_sd.get("state", {}).values()
+        for value in entries.values()
+    )
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
