@@ -269,6 +269,11 @@ class CheckpointConfig:
     resume: bool = option(False, "resume from the newest valid checkpoint in dir")
     async_save: bool = option(False, "write checkpoints in the background")
     save_final: str = option("", "write the final full weights to this .safetensors path")
+    adopt: bool = option(
+        False,
+        "resume from checkpoints in dir that another job wrote (other model, data, optimizer, "
+        "batch or seed); they are never pruned",
+    )
 
     def __post_init__(self) -> None:
         _positive("checkpoint", "every", self.every, allow_zero=True)

@@ -56,11 +56,12 @@ from polytrain.errors import CheckpointError, ConfigError
 from polytrain.trainer.manifest import (
     MANIFEST,
     Manifest,
-    committed,
     latest_valid,
+    read_manifest,
     step_dir,
 )
 from polytrain.trainer.optim import lr_at
+from polytrain.trainer.ownership import job_identity, owned, owned_by, prune
 from polytrain.trainer.strategy import NonFiniteLossError, Strategy
 
 __all__ = ["Checkpointer", "check_same_job", "job_fingerprint", "module_of", "restart_count"]
@@ -253,6 +254,7 @@ class Checkpointer:
         self.group = getattr(strategy, "checkpoint_group", None)
         self.refused: list[str] = []  # messages about checkpoints refused at restore (rank 0)
         self.last_saved = -1
+        self.identity = job_identity(job)
         self._owners: dict[str, int] | None = None
         self._saves = 0
         self._pending: Future[None] | None = None
@@ -401,6 +403,7 @@ class Checkpointer:
             versions={"torch": torch.__version__, "polytrain": polytrain.__version__},
             job_fingerprint=job_fingerprint(job, self.world_size),
             job=to_dict(job),
+            job_identity=self.identity,
         )
         for post in posts:
             manifest.files[post["file"]] = {"sha256": post["sha256"], "bytes": post["bytes"]}
@@ -411,12 +414,22 @@ class Checkpointer:
                 stray.unlink()
         _write_durably(tmp / MANIFEST, manifest.to_json().encode())
         final = step_dir(self.root, step)
-        if final.exists():  # a refused (corrupt) checkpoint of the same step
+        if final.exists():  # a refused (corrupt) checkpoint of the same step, or our own
+            if final not in {path for _, path in owned(self.root, self.identity)}:
+                try:
+                    read_manifest(final)
+                    foreign = True
+                except CheckpointError:
+                    foreign = False
+                if foreign:
+                    raise CheckpointError(
+                        f"{final} holds a valid checkpoint of another job: not replaced; use "
+                        "another --checkpoint-dir ([Note: checkpoint ownership])"
+                    )
             shutil.rmtree(final)
         tmp.rename(final)
         _fsync_dir(self.root)
-        for _, old in committed(self.root)[self.job.checkpoint.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(self.root, self.identity, self.job.checkpoint.keep)  # [Note: checkpoint ownership]
         for stale in self.root.glob("step_*.tmp"):  # left by saves that crashed
             if stale.name[5:-4].isdigit() and int(stale.name[5:-4]) <= step:
                 shutil.rmtree(stale, ignore_errors=True)
@@ -426,7 +439,8 @@ class Checkpointer:
         """Collective: load the newest valid checkpoint; return its step (0 if none)."""
         chosen = -1
         if self.rank == 0:
-            found, self.refused = latest_valid(self.root)
+            owner = None if self.job.checkpoint.adopt else owned_by(self.identity)
+            found, self.refused = latest_valid(self.root, owner)
             for message in self.refused:
                 _warn(f"refusing checkpoint: {message}; falling back to an older one")
             if found is None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,12 +227,20 @@ def verify(path: Path) -> Manifest:
     return manifest
 
 
-def latest_valid(root: str | Path) -> tuple[tuple[Path, Manifest] | None, list[str]]:
-    """The newest checkpoint that verifies, and one message per newer one that was refused."""
+def latest_valid(
+    root: str | Path, owner: Callable[[Manifest], bool] | None = None
+) -> tuple[tuple[Path, Manifest] | None, list[str]]:
+    """The newest checkpoint that verifies, and one message per newer one that was refused.
+
+    With ``owner``, checkpoints it rejects (another job's, trainer/ownership.py) are skipped
+    silently: they are not this job's to load, nor damaged."""
     refused: list[str] = []
     for _, path in committed(root):
         try:
-            return (path, verify(path)), refused
+            manifest = verify(path)
         except CheckpointError as exc:
             refused.append(str(exc))
+            continue
+        if owner is None or owner(manifest):
+            return (path, manifest), refused
     return None, refused

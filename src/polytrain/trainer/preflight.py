@@ -20,6 +20,7 @@ from polytrain.parallel.tensor_parallel import resolve_tp_plan
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import check_partition
 from polytrain.ps.checks import check_ps_job
+from polytrain.trainer.ownership import check_checkpoint_dir
 
 __all__ = ["preflight"]
 
@@ -59,4 +60,5 @@ def preflight(job: JobConfig) -> BlockModel:
         choose_layers([], "on")  # raises: nothing to exchange factors for
     if job.parallel.sync == "ps":
         check_ps_job(job, model)
+    check_checkpoint_dir(job)  # [Note: checkpoint ownership]
     return model
