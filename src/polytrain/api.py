@@ -18,6 +18,7 @@ from typing import Any
 from polytrain.config.io import job_from_dict, load_job, merge
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
+from polytrain.trainer.outputs import RunLock, check_output_paths
 from polytrain.trainer.preflight import preflight
 
 __all__ = ["load", "prepare", "run"]
@@ -53,6 +54,7 @@ def prepare(job: JobConfig) -> JobConfig:
     """Validate ``job`` as a whole (no processes started) and fix its run directory."""
     preflight(job)
     job.observe.out_dir = str(_run_dir(job))
+    check_output_paths(job)  # again: the default run directory is known only now
     return job
 
 
@@ -67,9 +69,9 @@ def run(job: JobConfig) -> Path:
 
     prepare(job)
     run_dir = Path(job.observe.out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    name = "job.toml" if not (run_dir / "job.toml").exists() else f"job-{time.time_ns()}.toml"
-    job_path = run_dir / name
-    save_job(job, job_path)
-    launch(job, job_path, run_dir)
+    with RunLock(run_dir):  # [Note: output paths]: one run per run directory at a time
+        name = "job.toml" if not (run_dir / "job.toml").exists() else f"job-{time.time_ns()}.toml"
+        job_path = run_dir / name
+        save_job(job, job_path)
+        launch(job, job_path, run_dir)
     return run_dir

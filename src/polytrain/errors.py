@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "MeshError",
+    "OutputError",
     "PartitionError",
     "PlanError",
     "PolytrainError",
@@ -49,3 +50,7 @@ class CheckpointError(PolytrainError):
 
 class ProtocolError(PolytrainError):
     """A parameter-server or gossip message is malformed or does not match the job."""
+
+
+class OutputError(PolytrainError):
+    """An output path cannot be written, or was taken by someone else during the run."""

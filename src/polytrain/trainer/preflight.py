@@ -6,8 +6,6 @@ here, so a mistake costs a one-line error instead of N crashed workers.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from polytrain.config.job import JobConfig
@@ -20,6 +18,7 @@ from polytrain.parallel.tensor_parallel import resolve_tp_plan
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import check_partition
 from polytrain.ps.checks import check_ps_job
+from polytrain.trainer.outputs import check_output_paths
 from polytrain.trainer.ownership import check_checkpoint_dir
 
 __all__ = ["preflight"]
@@ -27,11 +26,7 @@ __all__ = ["preflight"]
 
 def preflight(job: JobConfig) -> BlockModel:
     """Validate data, model and layout together; return the model built on the meta device."""
-    if job.checkpoint.save_final and Path(job.checkpoint.save_final).exists():
-        raise ConfigError(
-            f"--save-final {job.checkpoint.save_final!r} already exists: choose another path "
-            "or remove the file"
-        )
+    check_output_paths(job)  # [Note: output paths]
     train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
     try:
         with torch.device("meta"):
