@@ -19,6 +19,7 @@ from polytrain.config.io import job_from_dict, load_job, merge
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
 from polytrain.trainer.outputs import RunLock, check_output_paths
+from polytrain.trainer.ownership import newest_checkpoint_note
 from polytrain.trainer.preflight import preflight
 
 __all__ = ["load", "prepare", "run"]
@@ -65,7 +66,7 @@ def run(job: JobConfig) -> Path:
     worker fails.
     """
     from polytrain.config.io import save_job
-    from polytrain.launch.local import launch
+    from polytrain.launch.local import Interrupted, launch
 
     prepare(job)
     run_dir = Path(job.observe.out_dir)
@@ -73,5 +74,8 @@ def run(job: JobConfig) -> Path:
         name = "job.toml" if not (run_dir / "job.toml").exists() else f"job-{time.time_ns()}.toml"
         job_path = run_dir / name
         save_job(job, job_path)
-        launch(job, job_path, run_dir)
+        try:
+            launch(job, job_path, run_dir)
+        except Interrupted as exc:
+            raise Interrupted(exc.signal, newest_checkpoint_note(job)) from None
     return run_dir

@@ -21,7 +21,7 @@ from polytrain.cli.hogwild import hogwild_command
 from polytrain.cli.timeline import timeline_command
 from polytrain.cli.train import train_command
 from polytrain.errors import PolytrainError
-from polytrain.launch.local import WorkerFailure
+from polytrain.launch.local import Interrupted, WorkerFailure
 
 __all__ = ["app", "main"]
 
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(exc.format_message().replace("\n", " "), 2)
     except (typer.Abort, KeyboardInterrupt):
         _fail("interrupted", 130)
+    except Interrupted as exc:  # a signal during the run: which checkpoint is left
+        _fail(str(exc), 130)
     except PolytrainError as exc:
         _fail(str(exc).splitlines()[0], 2)
     except WorkerFailure as exc:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
 from torch.distributed.launcher.api import elastic_launch
@@ -30,7 +31,32 @@ from polytrain.config.job import JobConfig
 from polytrain.launch import loopback
 from polytrain.launch.tolerant import launch_tolerant
 
-__all__ = ["WorkerFailure", "launch", "tolerated_ranks"]
+__all__ = ["Interrupted", "WorkerFailure", "launch", "shutdown_grace_s", "tolerated_ranks"]
+
+# Signals that stop a run on purpose (Ctrl-C, kill, a closed terminal): exit 130, no traceback.
+_STOP_SIGNALS = {"SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"}
+
+
+class Interrupted(Exception):
+    """The launcher was told to stop (SIGINT / SIGTERM); ``signal`` names the signal."""
+
+    def __init__(self, signal: str, note: str = "") -> None:
+        super().__init__(signal, note)
+        self.signal, self.note = signal, note
+
+    def __str__(self) -> str:
+        return f"interrupted ({self.signal}){'; ' + self.note if self.note else ''}"
+
+
+def shutdown_grace_s(timeout_s: float) -> int:
+    """Seconds the agent waits after SIGTERM before it SIGKILLs the workers.
+
+    [Note: stopped ranks] torch's default is 30 s. A SIGSTOPped (or otherwise frozen) worker
+    never acts on SIGTERM, so after a healthy rank has named it (within ``launch.timeout_s``,
+    [Note: hang diagnosis]) the run sat 30 s more before the report. Our workers need no
+    graceful shutdown (a checkpoint counts only once committed), so the grace is short.
+    """
+    return max(1, min(3, int(timeout_s)))
 
 
 @dataclass
@@ -94,6 +120,7 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
         rdzv_configs={"rank": lc.node_rank, "timeout": 900} if not local else {"timeout": 900},
         max_restarts=lc.max_restarts,
         monitor_interval=0.1,
+        shutdown_timeout=shutdown_grace_s(lc.timeout_s),  # [Note: stopped ranks]
         start_method="spawn",
         local_addr="127.0.0.1" if local else None,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=redirects),
@@ -104,9 +131,12 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if local:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        # The agent logs each failure with its own format; we report it once, below.
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher")
+    # The agent logs each failure (and each signal) with its own format; we report it once,
+    # below. Its modules' loggers carry their own levels, so each is set, not only the parents.
+    for name in [*prefixes, *logging.root.manager.loggerDict]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     args = ["-u", "-m", "polytrain.trainer.worker", str(job_path)]
     tolerated = tolerated_ranks(job)
     try:
@@ -114,8 +144,19 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
             launch_tolerant(config, sys.executable, args, tolerated)
         else:
             elastic_launch(config, sys.executable)(*args)
+    except SignalException as exc:  # torch elastic turns SIGINT/SIGTERM into this
+        raise Interrupted(exc.sigval.name) from None
     except ChildFailedError as err:
-        raise _failure_of(err, log_dir) from None
+        failure = _failure_of(err, log_dir)
+        if failure.exc_type == "KeyboardInterrupt" or failure.message in {
+            f"killed by {name}" for name in _STOP_SIGNALS
+        }:  # Ctrl-C reached the workers first (the whole process group gets it)
+            raise Interrupted(
+                "SIGINT"
+                if failure.exc_type == "KeyboardInterrupt"
+                else failure.message.rsplit(" ", 1)[1]
+            ) from None
+        raise failure from None
     finally:
         os.environ.clear()
         os.environ.update(env_before)

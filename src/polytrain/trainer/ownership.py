@@ -39,6 +39,7 @@ __all__ = [
     "identity_of",
     "job_identity",
     "manifest_identity",
+    "newest_checkpoint_note",
     "owned",
     "owned_by",
     "prune",
@@ -156,3 +157,15 @@ def check_checkpoint_dir(job: JobConfig) -> None:
             f"train.steps = {job.train.steps}: nothing to do; raise --steps above {step} to "
             "train further"
         )
+
+
+def newest_checkpoint_note(job: JobConfig) -> str:
+    """Where a stopped run can resume from: its newest valid checkpoint, or that it has none."""
+    if not job.checkpoint.dir:
+        return "no checkpoints (no --checkpoint-dir)"
+    owner = None if job.checkpoint.adopt else owned_by(job_identity(job))
+    found, _ = latest_valid(job.checkpoint.dir, owner)
+    if found is None:
+        return f"no valid checkpoint in {job.checkpoint.dir} yet"
+    path, manifest = found
+    return f"newest valid checkpoint: {path} (step {manifest.step}); continue with --resume"
