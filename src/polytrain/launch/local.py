@@ -1,7 +1,8 @@
 """Run a job's workers under the torch elastic agent, locally or as one node of many.
 
-[Note: rendezvous address] With one node and no ``--rdzv-endpoint`` the rendezvous store and the
-workers' master address are ``127.0.0.1`` on a free port, and gloo is pinned to the loopback
+[Note: rendezvous address] With one node and no ``--rdzv-endpoint`` (or one on a loopback
+address, see `loopback_port`) the rendezvous store and the workers' master address are
+``127.0.0.1`` on a free port (the named one), and gloo is pinned to the loopback
 interface, so a local run accepts no connection from another host (torch's stores would listen
 on every interface; see [Note: loopback rendezvous] in launch/loopback.py). Naming an endpoint (multi-node)
 makes the store listen where the user said; see docs/reliability.md for what that exposes.
@@ -13,9 +14,11 @@ failing rank and its exception, taken from the error file torch elastic's ``reco
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import socket
 import sys
 import uuid
 from dataclasses import dataclass
@@ -31,7 +34,14 @@ from polytrain.config.job import JobConfig
 from polytrain.launch import loopback
 from polytrain.launch.tolerant import launch_tolerant
 
-__all__ = ["Interrupted", "WorkerFailure", "launch", "shutdown_grace_s", "tolerated_ranks"]
+__all__ = [
+    "Interrupted",
+    "WorkerFailure",
+    "launch",
+    "loopback_port",
+    "shutdown_grace_s",
+    "tolerated_ranks",
+]
 
 # Signals that stop a run on purpose (Ctrl-C, kill, a closed terminal): exit 130, no traceback.
 _STOP_SIGNALS = {"SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"}
@@ -102,11 +112,32 @@ def tolerated_ranks(job: JobConfig) -> list[int]:
     return list(range(1, world - ps.servers))
 
 
+def loopback_port(endpoint: str) -> int | None:
+    """The port of a ``HOST:PORT`` endpoint whose host is a loopback address, else None.
+
+    [Note: rendezvous address] ``--rdzv-endpoint 127.0.0.1:P`` (or ``localhost:P``, ``[::1]:P``)
+    names this host only, so a one-node run with it uses the loopback rendezvous on port P
+    instead of torch's stores, which would listen on every interface (``*:P`` and a second
+    port) although the user named loopback."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):
+        return None
+    if addresses and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addresses):
+        return int(port)
+    return None
+
+
 def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
     """Start ``job.launch.nproc`` workers on this node running ``job_path``; wait for them."""
     lc = job.launch
-    local = lc.nnodes == 1 and not lc.rdzv_endpoint
-    endpoint = "127.0.0.1:0" if local else lc.rdzv_endpoint
+    port = 0 if not lc.rdzv_endpoint else loopback_port(lc.rdzv_endpoint)
+    local = lc.nnodes == 1 and port is not None
+    endpoint = f"127.0.0.1:{port}" if local else lc.rdzv_endpoint
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     redirects = {r: (Std.ERR if r == 0 else Std.ALL) for r in range(lc.nproc)}
