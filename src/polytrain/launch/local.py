@@ -28,7 +28,6 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
-from torch.distributed.launcher.api import elastic_launch
 
 from polytrain.config.job import JobConfig
 from polytrain.launch import loopback
@@ -63,8 +62,10 @@ def shutdown_grace_s(timeout_s: float) -> int:
 
     [Note: stopped ranks] torch's default is 30 s. A SIGSTOPped (or otherwise frozen) worker
     never acts on SIGTERM, so after a healthy rank has named it (within ``launch.timeout_s``,
-    [Note: hang diagnosis]) the run sat 30 s more before the report. Our workers need no
-    graceful shutdown (a checkpoint counts only once committed), so the grace is short.
+    [Note: hang diagnosis]) the run sat 30 s more before the report (more than once: torch's
+    process context also closes the group with a fixed 30 s grace; launch/tolerant.py polls
+    the workers itself to avoid that). Our workers need no graceful shutdown (a checkpoint
+    counts only once committed), so the grace is short.
     """
     return max(1, min(3, int(timeout_s)))
 
@@ -169,12 +170,8 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
         if name.startswith(prefixes):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     args = ["-u", "-m", "polytrain.trainer.worker", str(job_path)]
-    tolerated = tolerated_ranks(job)
-    try:
-        if tolerated:
-            launch_tolerant(config, sys.executable, args, tolerated)
-        else:
-            elastic_launch(config, sys.executable)(*args)
+    try:  # our agent for every job: [Note: stopped ranks], [Note: tolerated worker deaths]
+        launch_tolerant(config, sys.executable, args, tolerated_ranks(job))
     except SignalException as exc:  # torch elastic turns SIGINT/SIGTERM into this
         raise Interrupted(exc.sigval.name) from None
     except ChildFailedError as err:

@@ -7,8 +7,11 @@ elastic agent would not let it: ``LocalElasticAgent._monitor_workers`` polls the
 exits non-zero; ``SimpleElasticAgent._invoke_run`` then restarts or fails the whole group
 (torch/distributed/elastic/agent/server/local_elastic_agent.py and api.py, torch 2.13).
 
-``TolerantAgent`` overrides only ``_monitor_workers``. It polls the worker processes itself
-(``proc.poll()`` on the context's ``subprocess_handlers``) instead of calling ``wait(0)``:
+``TolerantAgent`` overrides ``_monitor_workers`` and ``_shutdown``, and polytrain runs every job
+under it (with no tolerated ranks outside PS async/ssp). It polls the worker processes itself
+(``proc.poll()`` on the context's ``subprocess_handlers``) instead of calling ``wait(0)``, whose
+close of the group waits torch's fixed 30 s before it SIGKILLs a process that ignores SIGTERM
+(a stopped one); ``_shutdown`` uses the launcher's short grace ([Note: stopped ranks]):
 
 - a rank in ``tolerated`` that exits non-zero is reported once, as one line on stderr, and
   ignored from then on;
@@ -33,6 +36,7 @@ torch's opt-in check for workers stuck in uninterruptible sleep
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Collection
@@ -87,7 +91,7 @@ class TolerantAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         pc = self._pcontext
-        if not self.tolerated or not isinstance(pc, SubprocessContext):
+        if not isinstance(pc, SubprocessContext):
             return super()._monitor_workers(worker_group)
         if pc is not self._round:  # a new round (first start or restart)
             self._round, self._dead, self._done_at = pc, {}, None
@@ -127,6 +131,14 @@ class TolerantAgent(LocalElasticAgent):
         # Every rank needs an entry: torch's event recording looks each worker up here.
         done = {w.global_rank: None for w in worker_group.workers}
         return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
+
+    def _shutdown(
+        self, death_sig: signal.Signals = signal.SIGTERM, timeout: int | None = None
+    ) -> None:
+        # [Note: stopped ranks] in launch/local.py: torch's _stop_workers calls this without a
+        # timeout (30 s), and its process context's own poll closes with 30 s too; we poll
+        # ourselves and use the configured grace everywhere.
+        super()._shutdown(death_sig, self._shutdown_timeout if timeout is None else timeout)
 
     def _end_dropped(self, lingering: dict[int, tuple[int, Any]]) -> None:
         now = time.monotonic()
