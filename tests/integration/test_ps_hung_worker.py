@@ -53,7 +53,9 @@ def test_a_stopped_async_worker_is_ended_and_the_run_exits(tmp_path: Path) -> No
         victim = worker_of_rank(launcher.pid, 2)
         assert victim is not None
         os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
         stdout, stderr = launcher.communicate(timeout=300)  # before: never returned
+        print(f"figure: launcher exited {time.monotonic() - stopped:.1f} s after the SIGSTOP")
         assert "final loss" in stdout
     finally:
         if launcher.poll() is None:

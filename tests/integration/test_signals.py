@@ -34,8 +34,12 @@ def test_a_signal_to_the_launcher_is_one_line_naming_the_checkpoint(
     )
     try:
         wait_for(lambda: (ckpt / "step_000000002" / "manifest.json").exists(), 300, "step 2")
+        signalled = time.monotonic()
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
+        print(
+            f"figure: {sig.name}: exit {proc.returncode} {time.monotonic() - signalled:.1f} s later"
+        )
     finally:
         proc.kill()
     assert proc.returncode == 130, err
@@ -69,4 +73,5 @@ def test_a_stopped_rank_is_named_about_the_timeout_after_the_stop(tmp_path: Path
         proc.kill()
     assert proc.returncode in (1, 2), err
     assert "did not arrive: rank 1" in err or "rank(s) [1]" in err, err
+    print(f"figure: stopped rank reported {elapsed:.1f} s after the stop (--timeout {timeout})")
     assert elapsed < timeout + 20, f"reported {elapsed:.1f} s after the stop"
