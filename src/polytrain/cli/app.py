@@ -7,6 +7,7 @@ worker's error was itself a user mistake).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -49,8 +50,15 @@ def _subclasses(cls: type) -> list[type]:
 _USER_ERRORS = {cls.__name__ for cls in _subclasses(PolytrainError)}
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, *, now: bool = False) -> None:
     print(f"polytrain: error: {message}", file=sys.stderr)
+    if now:
+        # After a failed or interrupted run the workers are already ended and the run-directory
+        # lock released; the interpreter's own teardown (torch's stores and agent threads) took
+        # 7-28 s more on a loaded machine, during which the command did not return.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -66,11 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     except (typer.Abort, KeyboardInterrupt):
         _fail("interrupted", 130)
     except Interrupted as exc:  # a signal during the run: which checkpoint is left
-        _fail(str(exc), 130)
+        _fail(str(exc), 130, now=True)
     except PolytrainError as exc:
         _fail(str(exc).splitlines()[0], 2)
     except WorkerFailure as exc:
-        _fail(f"{exc} (all worker logs: {exc.log_dir})", 2 if exc.exc_type in _USER_ERRORS else 1)
+        code = 2 if exc.exc_type in _USER_ERRORS else 1
+        _fail(f"{exc} (all worker logs: {exc.log_dir})", code, now=True)
     sys.exit(code if isinstance(code, int) else 0)
 
 
