@@ -15,13 +15,15 @@ here has none in torch 2.13:
 - ``default_store``: the default process group's key-value store (c10d keeps it private).
 - ``storage_key``: the identity of a tensor's storage, shared by its views and valid on the meta
   device, where every ``data_ptr`` is 0.
-- ``MonitoredAgent``: the elastic agent's per-poll worker check and its process context.
+- ``MonitoredAgent``: the elastic agent's per-poll worker check and its process context, and its
+  shutdown grace (torch stops workers with a fixed 30 s grace otherwise).
 - ``forget_shared_store`` / ``set_store_server_factory``: the rendezvous handler's store cache
   and the one extension point that makes its shared store.
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterable
 
 import torch
@@ -81,6 +83,13 @@ class MonitoredAgent(LocalElasticAgent):
     def monitor(self, worker_group: WorkerGroup, pcontext: PContext | None) -> RunResult:
         """torch's check: override to decide otherwise, call this to fall back on it."""
         return LocalElasticAgent._monitor_workers(self, worker_group)
+
+    def _shutdown(
+        self, death_sig: signal.Signals = signal.SIGTERM, timeout: int | None = None
+    ) -> None:
+        # [Note: stopped ranks] in launch/local.py: torch's _stop_workers calls this without a
+        # timeout (a fixed 30 s grace before SIGKILL); use the agent's configured grace.
+        super()._shutdown(death_sig, self._shutdown_timeout if timeout is None else timeout)
 
 
 def forget_shared_store(handler: DynamicRendezvousHandler) -> None:

@@ -18,8 +18,10 @@ from typing import Any
 from polytrain.config.io import job_from_dict, load_job, merge, save_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
-from polytrain.launch.local import launch
+from polytrain.launch.local import Interrupted, launch
 from polytrain.trainer.auto import resolve_auto
+from polytrain.trainer.outputs import RunLock, check_output_paths
+from polytrain.trainer.ownership import newest_checkpoint_note
 from polytrain.trainer.preflight import preflight
 
 __all__ = ["load", "prepare", "run"]
@@ -60,6 +62,7 @@ def prepare(job: JobConfig) -> JobConfig:
         job = resolve_auto(job).job
     preflight(job)
     job.observe.out_dir = str(_run_dir(job))
+    check_output_paths(job)  # again: the default run directory is known only now
     return job
 
 
@@ -71,9 +74,12 @@ def run(job: JobConfig) -> Path:
     """
     job = prepare(job)
     run_dir = Path(job.observe.out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    name = "job.toml" if not (run_dir / "job.toml").exists() else f"job-{time.time_ns()}.toml"
-    job_path = run_dir / name
-    save_job(job, job_path)
-    launch(job, job_path, run_dir)
+    with RunLock(run_dir):  # [Note: output paths]: one run per run directory at a time
+        name = "job.toml" if not (run_dir / "job.toml").exists() else f"job-{time.time_ns()}.toml"
+        job_path = run_dir / name
+        save_job(job, job_path)
+        try:
+            launch(job, job_path, run_dir)
+        except Interrupted as exc:
+            raise Interrupted(exc.signal, newest_checkpoint_note(job)) from None
     return run_dir

@@ -12,6 +12,7 @@ __all__ = [
     "ClusterError",
     "ConfigError",
     "MeshError",
+    "OutputError",
     "PartitionError",
     "PlanError",
     "PolytrainError",
@@ -54,3 +55,7 @@ class ProtocolError(PolytrainError):
 
 class ClusterError(PolytrainError):
     """The nodes of a multi-node job cannot meet or disagree (endpoint, --nnodes, --node-rank)."""
+
+
+class OutputError(PolytrainError):
+    """An output path cannot be written, or was taken by someone else during the run."""

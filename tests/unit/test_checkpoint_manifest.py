@@ -6,6 +6,8 @@ import hashlib
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save as safetensors_bytes
 
 from polytrain.comm.watchdog import is_comm_failure
 from polytrain.config import job_from_dict
@@ -13,8 +15,11 @@ from polytrain.errors import CheckpointError
 from polytrain.trainer.checkpoint import _job_differences, job_fingerprint
 from polytrain.trainer.manifest import MANIFEST, Manifest, committed, latest_valid, step_dir, verify
 
+# A real safetensors file: verify reads its header to check the manifest's tensor map.
+PAYLOAD = safetensors_bytes({"model.w": torch.ones(1)})
 
-def fake_checkpoint(root: Path, step: int, payload: bytes = b"tensor bytes") -> Path:
+
+def fake_checkpoint(root: Path, step: int, payload: bytes = PAYLOAD) -> Path:
     path = step_dir(root, step)
     path.mkdir(parents=True)
     (path / "rank_00000.safetensors").write_bytes(payload)
@@ -46,15 +51,17 @@ def test_a_complete_checkpoint_verifies(tmp_path: Path) -> None:
 
 def test_an_altered_byte_is_named(tmp_path: Path) -> None:
     path = fake_checkpoint(tmp_path, 5)
-    (path / "rank_00000.safetensors").write_bytes(b"tensor bytez")  # same size
+    (path / "rank_00000.safetensors").write_bytes(PAYLOAD[:-1] + b"\x01")  # same size
     with pytest.raises(CheckpointError, match=r"rank_00000.safetensors: sha256 differs"):
         verify(path)
 
 
 def test_a_truncated_file_is_named(tmp_path: Path) -> None:
     path = fake_checkpoint(tmp_path, 5)
-    (path / "rank_00000.safetensors").write_bytes(b"tensor")
-    with pytest.raises(CheckpointError, match=r"6 bytes, the manifest says 12 \(truncated"):
+    (path / "rank_00000.safetensors").write_bytes(PAYLOAD[:6])
+    with pytest.raises(
+        CheckpointError, match=rf"6 bytes, the manifest says {len(PAYLOAD)} \(trunc"
+    ):
         verify(path)
 
 

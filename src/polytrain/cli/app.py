@@ -7,6 +7,7 @@ worker's error was itself a user mistake).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -23,7 +24,7 @@ from polytrain.cli.plan import plan_command
 from polytrain.cli.timeline import timeline_command
 from polytrain.cli.train import train_command
 from polytrain.errors import PolytrainError
-from polytrain.launch.local import WorkerFailure
+from polytrain.launch.local import Interrupted, WorkerFailure
 
 __all__ = ["app", "main"]
 
@@ -53,8 +54,15 @@ def _subclasses(cls: type) -> list[type]:
 _USER_ERRORS = {cls.__name__ for cls in _subclasses(PolytrainError)}
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int, *, now: bool = False) -> None:
     print(f"polytrain: error: {message}", file=sys.stderr)
+    if now:
+        # After a failed or interrupted run the workers are already ended and the run-directory
+        # lock released; the interpreter's own teardown (torch's stores and agent threads) took
+        # 7-28 s more on a loaded machine, during which the command did not return.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -69,10 +77,13 @@ def main(argv: list[str] | None = None) -> None:
         _fail(exc.format_message().replace("\n", " "), 2)
     except (typer.Abort, KeyboardInterrupt):
         _fail("interrupted", 130)
+    except Interrupted as exc:  # a signal during the run: which checkpoint is left
+        _fail(str(exc), 130, now=True)
     except PolytrainError as exc:
         _fail(str(exc).splitlines()[0], 2)
     except WorkerFailure as exc:
-        _fail(f"{exc} (all worker logs: {exc.log_dir})", 2 if exc.exc_type in _USER_ERRORS else 1)
+        code = 2 if exc.exc_type in _USER_ERRORS else 1
+        _fail(f"{exc} (all worker logs: {exc.log_dir})", code, now=True)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from polytrain.config.base import option
+from polytrain.config.bounds import check_bounds
 from polytrain.errors import ConfigError, MeshError
 
 __all__ = [
@@ -277,6 +278,11 @@ class CheckpointConfig:
     resume: bool = option(False, "resume from the newest valid checkpoint in dir")
     async_save: bool = option(False, "write checkpoints in the background")
     save_final: str = option("", "write the final full weights to this .safetensors path")
+    adopt: bool = option(
+        False,
+        "resume from checkpoints in dir that another job wrote (other model, data, optimizer, "
+        "batch or seed); they are never pruned",
+    )
 
     def __post_init__(self) -> None:
         _positive("checkpoint", "every", self.every, allow_zero=True)
@@ -357,6 +363,7 @@ class JobConfig:
         return self.world_size
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # infinities and values too large to work, in any section
         self._resolve_mesh()
         self._check_batch()
 

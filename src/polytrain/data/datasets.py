@@ -16,7 +16,10 @@ from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
 from polytrain.errors import ConfigError
 
-__all__ = ["DataSpec", "PairDataset", "TokenDataset", "build_datasets"]
+__all__ = ["MAX_VOCAB", "DataSpec", "PairDataset", "TokenDataset", "build_datasets"]
+
+# Token ids and class labels index an embedding / output table of this many rows at most.
+MAX_VOCAB = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,83 @@ def _text_datasets(
     return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
 
 
+def _load_tokens(path: Path, source: str) -> torch.Tensor:
+    """A 1-D integer token array from ``.npy`` with ids in ``[0, MAX_VOCAB)`` (else `ConfigError`)."""
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        # Object arrays (and anything else numpy would need pickle for) land here too: we
+        # never unpickle data.
+        raise ConfigError(
+            f"data.source = {source!r} is not a readable numeric .npy array "
+            f"({str(exc).split('. ')[0][:80]}): save a 1-D integer array with numpy.save"
+        ) from None
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise ConfigError(
+            f"data.source = {source!r} holds a {array.dtype} array of shape "
+            f"{array.shape}: a .npy data set must be a 1-D integer token array"
+        )
+    if len(array) < 2:
+        raise ConfigError(
+            f"data.source = {source!r} holds {len(array)} token(s): need enough tokens for "
+            "a training and a validation split"
+        )
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= MAX_VOCAB:
+        bad = low if low < 0 else high
+        raise ConfigError(
+            f"data.source = {source!r} holds token id {bad}: ids must lie in [0, {MAX_VOCAB}) "
+            "(they index the embedding table); re-encode the tokens"
+        )
+    return torch.from_numpy(array.astype(np.int64))
+
+
+def _load_pairs(path: Path, source: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` from a ``.safetensors`` file, checked row by row (else `ConfigError`)."""
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # SafetensorError is not exported under a stable name
+        raise ConfigError(
+            f"data.source = {source!r} is not a valid .safetensors file "
+            f"({str(exc).split('. ')[0][:80]}): write it with safetensors.torch.save_file"
+        ) from None
+    if set(tensors) != {"inputs", "targets"}:
+        raise ConfigError(
+            f"data.source = {source!r} has tensors {sorted(tensors)}: expected exactly "
+            "'inputs' and 'targets' with the same number of rows"
+        )
+    inputs, targets = tensors["inputs"], tensors["targets"]
+    if inputs.ndim == 0 or targets.ndim == 0:
+        raise ConfigError(
+            f"data.source = {source!r} has shapes inputs {tuple(inputs.shape)}, targets "
+            f"{tuple(targets.shape)}: both need a first dimension of rows (scalars are not data)"
+        )
+    if len(inputs) != len(targets):
+        raise ConfigError(
+            f"data.source = {source!r} has {len(inputs)} input rows but {len(targets)} target "
+            "rows: expected the same number of rows"
+        )
+    if len(inputs) < 2:
+        raise ConfigError(
+            f"data.source = {source!r} holds {len(inputs)} row(s): need at least 2 (one for "
+            "training, one for validation)"
+        )
+    if not targets.is_floating_point() and targets.numel():
+        low, high = int(targets.min()), int(targets.max())
+        if low < 0 or high >= MAX_VOCAB:
+            bad = low if low < 0 else high
+            raise ConfigError(
+                f"data.source = {source!r} holds class label {bad}: integer targets are class "
+                f"indices in [0, {MAX_VOCAB}); use float targets for regression"
+            )
+    for name, tensor in (("inputs", inputs), ("targets", targets)):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ConfigError(
+                f"data.source = {source!r}: {name} hold NaN or Inf values: clean the data"
+            )
+    return inputs.float(), targets
+
+
 def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, DataSpec]:
     """Train and validation datasets (a fixed split: the last ``val_fraction`` is validation)."""
     if cfg.source == "pydoc":
@@ -99,27 +179,13 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
             ".npy or .safetensors file"
         )
     if path.suffix == ".npy":
-        array = np.load(path, allow_pickle=False)
-        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
-            raise ConfigError(
-                f"data.source = {cfg.source!r} holds a {array.dtype} array of shape "
-                f"{array.shape}: a .npy data set must be a 1-D integer token array"
-            )
-        tokens = torch.from_numpy(array.astype(np.int64))
+        tokens = _load_tokens(path, cfg.source)
         cut = _split(len(tokens), cfg.val_fraction)
         vocab = int(tokens.max()) + 1
         spec = DataSpec(kind="tokens", vocab_size=vocab, input_shape=(block_size,))
         return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
     if path.suffix == ".safetensors":
-        tensors = load_file(str(path))
-        if set(tensors) != {"inputs", "targets"} or len(tensors["inputs"]) != len(
-            tensors["targets"]
-        ):
-            raise ConfigError(
-                f"data.source = {cfg.source!r} has tensors {sorted(tensors)}: expected exactly "
-                "'inputs' and 'targets' with the same number of rows"
-            )
-        inputs, targets = tensors["inputs"].float(), tensors["targets"]
+        inputs, targets = _load_pairs(path, cfg.source)
         classification = not targets.is_floating_point()
         num_outputs = (
             int(targets.max()) + 1

@@ -1,7 +1,8 @@
 """Run a job's workers under the torch elastic agent, locally or as one node of many.
 
-[Note: rendezvous address] With one node and no ``--rdzv-endpoint`` the rendezvous store and the
-workers' master address are ``127.0.0.1`` on a free port, and gloo is pinned to the loopback
+[Note: rendezvous address] With one node and no ``--rdzv-endpoint`` (or one on a loopback
+address, see `loopback_port`) the rendezvous store and the workers' master address are
+``127.0.0.1`` on a free port (the named one), and gloo is pinned to the loopback
 interface, so a local run accepts no connection from another host (torch's stores would listen
 on every interface; see [Note: loopback rendezvous] in launch/loopback.py). Naming an endpoint (multi-node)
 makes the store listen where the user said (launch/multinode.py); see docs/multihost.md for what
@@ -14,24 +15,60 @@ failing rank and its exception, taken from the error file torch elastic's ``reco
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import socket
 import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig as ElasticConfig
-from torch.distributed.launcher.api import elastic_launch
 
 from polytrain.config.job import JobConfig
 from polytrain.launch import loopback, multinode, node_guard
 from polytrain.launch.tolerant import launch_tolerant
 
-__all__ = ["WorkerFailure", "launch", "tolerated_ranks"]
+__all__ = [
+    "Interrupted",
+    "WorkerFailure",
+    "launch",
+    "loopback_port",
+    "shutdown_grace_s",
+    "tolerated_ranks",
+]
+
+# Signals that stop a run on purpose (Ctrl-C, kill, a closed terminal): exit 130, no traceback.
+_STOP_SIGNALS = {"SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"}
+
+
+class Interrupted(Exception):
+    """The launcher was told to stop (SIGINT / SIGTERM); ``signal`` names the signal."""
+
+    def __init__(self, signal: str, note: str = "") -> None:
+        super().__init__(signal, note)
+        self.signal, self.note = signal, note
+
+    def __str__(self) -> str:
+        return f"interrupted ({self.signal}){'; ' + self.note if self.note else ''}"
+
+
+def shutdown_grace_s(timeout_s: float) -> int:
+    """Seconds the agent waits after SIGTERM before it SIGKILLs the workers.
+
+    [Note: stopped ranks] torch's default is 30 s. A SIGSTOPped (or otherwise frozen) worker
+    never acts on SIGTERM, so after a healthy rank has named it (within ``launch.timeout_s``,
+    [Note: hang diagnosis]) the run sat 30 s more before the report (more than once: torch's
+    process context also closes the group with a fixed 30 s grace; launch/tolerant.py polls
+    the workers itself to avoid that). Our workers need no graceful shutdown (a checkpoint
+    counts only once committed), so the grace is short.
+    """
+    return max(1, min(3, int(timeout_s)))
 
 
 @dataclass
@@ -77,11 +114,32 @@ def tolerated_ranks(job: JobConfig) -> list[int]:
     return list(range(1, world - ps.servers))
 
 
+def loopback_port(endpoint: str) -> int | None:
+    """The port of a ``HOST:PORT`` endpoint whose host is a loopback address, else None.
+
+    [Note: rendezvous address] ``--rdzv-endpoint 127.0.0.1:P`` (or ``localhost:P``, ``[::1]:P``)
+    names this host only, so a one-node run with it uses the loopback rendezvous on port P
+    instead of torch's stores, which would listen on every interface (``*:P`` and a second
+    port) although the user named loopback."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):
+        return None
+    if addresses and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addresses):
+        return int(port)
+    return None
+
+
 def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
     """Start ``job.launch.nproc`` workers on this node running ``job_path``; wait for them."""
     lc = job.launch
-    local = lc.nnodes == 1 and not lc.rdzv_endpoint
-    endpoint = "127.0.0.1:0" if local else lc.rdzv_endpoint
+    port = 0 if not lc.rdzv_endpoint else loopback_port(lc.rdzv_endpoint)
+    local = lc.nnodes == 1 and port is not None
+    endpoint = f"127.0.0.1:{port}" if local else lc.rdzv_endpoint
     node_addr = "127.0.0.1" if local else multinode.node_address(endpoint)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +154,7 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
         rdzv_configs={"timeout": 900} if local else multinode.rdzv_configs(lc),
         max_restarts=lc.max_restarts,
         monitor_interval=0.1,
+        shutdown_timeout=shutdown_grace_s(lc.timeout_s),  # [Note: stopped ranks]
         start_method="spawn",
         local_addr=node_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=redirects),
@@ -108,18 +167,27 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
     iface = "lo" if local else multinode.interface_of(node_addr)
     if iface:  # [Note: listening only where the user said]
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        # The agent logs each failure with its own format; we report it once, below.
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher")
+    # The agent logs each failure (and each signal) with its own format; we report it once,
+    # below. Its modules' loggers carry their own levels, so each is set, not only the parents.
+    for name in [*prefixes, *logging.root.manager.loggerDict]:
+        if name.startswith(prefixes):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     args = ["-u", "-m", "polytrain.trainer.worker", str(job_path)]
-    tolerated = tolerated_ranks(job)
-    try:
-        if tolerated:
-            launch_tolerant(config, sys.executable, args, tolerated)
-        else:
-            elastic_launch(config, sys.executable)(*args)
+    try:  # our agent for every job: [Note: stopped ranks], [Note: tolerated worker deaths]
+        launch_tolerant(config, sys.executable, args, tolerated_ranks(job))
+    except SignalException as exc:  # torch elastic turns SIGINT/SIGTERM into this
+        raise Interrupted(exc.sigval.name) from None
     except ChildFailedError as err:
         failure = _failure_of(err, log_dir)
+        if failure.exc_type == "KeyboardInterrupt" or failure.message in {
+            f"killed by {name}" for name in _STOP_SIGNALS
+        }:  # Ctrl-C reached the workers first (the whole process group gets it)
+            raise Interrupted(
+                "SIGINT"
+                if failure.exc_type == "KeyboardInterrupt"
+                else failure.message.rsplit(" ", 1)[1]
+            ) from None
         if not local:
             failure.message += multinode.hosts_note(lc.nproc)
         raise failure from None

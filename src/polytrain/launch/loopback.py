@@ -36,11 +36,11 @@ BACKEND = "polytrain-loopback"
 HOST = "127.0.0.1"
 
 
-def loopback_store(timeout_s: float = 900.0) -> dist.TCPStore:
-    """A ``TCPStore`` server listening on 127.0.0.1 only, on a free port."""
+def loopback_store(timeout_s: float = 900.0, port: int = 0) -> dist.TCPStore:
+    """A ``TCPStore`` server listening on 127.0.0.1 only, on ``port`` (0: a free one)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, 0))
+    sock.bind((HOST, port))
     sock.listen(1024)
     port = sock.getsockname()[1]
     return dist.TCPStore(
@@ -64,7 +64,8 @@ class _Backend(C10dRendezvousBackend):
 
 
 def _create(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    store = loopback_store()
+    _, _, port = (params.endpoint or "").rpartition(":")
+    store = loopback_store(port=int(port) if port.isdigit() else 0)  # the port the user named
     handler = create_handler(store, _Backend(store, params.run_id), params)
 
     def shared_server(master_addr: str, master_port: int) -> dist.TCPStore:

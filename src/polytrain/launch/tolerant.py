@@ -7,9 +7,12 @@ elastic agent would not let it: ``LocalElasticAgent._monitor_workers`` polls the
 exits non-zero; ``SimpleElasticAgent._invoke_run`` then restarts or fails the whole group
 (torch/distributed/elastic/agent/server/local_elastic_agent.py and api.py, torch 2.13).
 
-``TolerantAgent`` replaces only that check (`polytrain._torch_private.MonitoredAgent.monitor`,
-our door to ``_monitor_workers``). It polls the worker processes itself
-(``proc.poll()`` on the context's ``subprocess_handlers``) instead of calling ``wait(0)``:
+``TolerantAgent`` replaces torch's worker check (`polytrain._torch_private.MonitoredAgent.monitor`,
+our door to ``_monitor_workers``, which also shortens the shutdown grace), and polytrain runs every job
+under it (with no tolerated ranks outside PS async/ssp). It polls the worker processes itself
+(``proc.poll()`` on the context's ``subprocess_handlers``) instead of calling ``wait(0)``, whose
+close of the group waits torch's fixed 30 s before it SIGKILLs a process that ignores SIGTERM
+(a stopped one); shutdown uses the launcher's short grace ([Note: stopped ranks]):
 
 - a rank in ``tolerated`` that exits non-zero is reported once, as one line on stderr, and
   ignored from then on;
@@ -17,7 +20,12 @@ our door to ``_monitor_workers``). It polls the worker processes itself
   torch would report it, so the agent stops the others and fails (or restarts, with
   ``max_restarts``) as before; a restart starts a new process context, which forgets the
   tolerated deaths of the previous round;
-- when every process has exited and no intolerable one failed, the group ``SUCCEEDED``.
+- when every process has exited and no intolerable one failed, the group ``SUCCEEDED``;
+- when every intolerable rank (rank 0 and the servers) has exited with success, the job is
+  done; a tolerated rank still running ``DROPPED_GRACE_S`` later is a worker the servers dropped
+  (hung, SIGSTOPped, sleeping: silent past ``ps.worker_timeout_s``). It can never finish, so it
+  is SIGKILLed with one line naming it. Before, the agent reported the group healthy while any
+  process lived, and ``polytrain train`` waited forever.
 
 ``launch_tolerant`` is the part of torch's ``torch.distributed.launcher.api.launch_agent`` that
 builds the agent, with ``TolerantAgent`` in place of ``LocalElasticAgent`` (no health-check
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Collection
 from typing import Any
 
@@ -51,13 +60,24 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from polytrain._torch_private import MonitoredAgent
 
-__all__ = ["TolerantAgent", "launch_tolerant"]
+__all__ = ["DROPPED_GRACE_S", "TolerantAgent", "launch_tolerant"]
+
+DROPPED_GRACE_S = 10.0  # a healthy worker exits well within this once the servers are done
 
 
 def _how(failure: ProcessFailure) -> str:
     if failure.exitcode < 0 and failure.signal_name() != "<N/A>":
         return failure.signal_name()
     return f"exit code {failure.exitcode}"
+
+
+def _sees_every_rank(worker_group: WorkerGroup) -> bool:
+    """Whether this node runs the whole job, so it sees rank 0 and the servers exit.
+
+    Another node's agent of a multi-node job cannot tell that the job is done; it leaves its
+    lingering workers alone."""
+    workers = worker_group.workers
+    return bool(workers) and all(w.world_size == len(workers) for w in workers)
 
 
 class TolerantAgent(MonitoredAgent):
@@ -68,19 +88,23 @@ class TolerantAgent(MonitoredAgent):
         self.tolerated = frozenset(tolerated)
         self._round: PContext | None = None
         self._dead: dict[int, ProcessFailure] = {}  # global rank -> its failure, this round
+        self._done_at: float | None = None  # when every intolerable rank had exited with 0
 
     def monitor(self, worker_group: WorkerGroup, pc: PContext | None) -> RunResult:
-        if not self.tolerated or not isinstance(pc, SubprocessContext):
+        if not isinstance(pc, SubprocessContext):
             return super().monitor(worker_group, pc)
         if pc is not self._round:  # a new round (first start or restart)
-            self._round, self._dead = pc, {}
+            self._round, self._dead, self._done_at = pc, {}, None
         failures: dict[int, ProcessFailure] = {}
         running = 0
+        lingering: dict[int, tuple[int, Any]] = {}  # tolerated, running: rank -> local, handler
         for local_rank, handler in pc.subprocess_handlers.items():
             rank = worker_group.workers[local_rank].global_rank
             code = handler.proc.poll()
             if code is None:
                 running += 1
+                if rank in self.tolerated:
+                    lingering[rank] = (local_rank, handler)
             elif code != 0 and rank not in self._dead:
                 failure = ProcessFailure(
                     local_rank=local_rank,
@@ -100,11 +124,34 @@ class TolerantAgent(MonitoredAgent):
                     failures[rank] = failure
         if failures:
             return RunResult(state=WorkerState.FAILED, failures=failures)
+        if running and running == len(lingering) and _sees_every_rank(worker_group):
+            self._end_dropped(lingering)  # rank 0 and the servers succeeded: the job is done
         if running:
             return RunResult(state=WorkerState.HEALTHY)
         # Every rank needs an entry: torch's event recording looks each worker up here.
         done = {w.global_rank: None for w in worker_group.workers}
         return RunResult(state=WorkerState.SUCCEEDED, return_values=done)
+
+    def _end_dropped(self, lingering: dict[int, tuple[int, Any]]) -> None:
+        now = time.monotonic()
+        if self._done_at is None:
+            self._done_at = now
+            return
+        if now - self._done_at < DROPPED_GRACE_S:
+            return
+        for rank, (local_rank, handler) in sorted(lingering.items()):
+            handler.proc.kill()
+            handler.proc.wait()
+            self._dead[rank] = ProcessFailure(
+                local_rank=local_rank, pid=handler.proc.pid, exitcode=-9, error_file=""
+            )
+            print(
+                f"polytrain: worker rank {rank} was still running {DROPPED_GRACE_S:.0f} s "
+                "after rank 0 and the servers finished (dropped by the servers: hung or "
+                "stopped); ended it with SIGKILL",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def launch_tolerant(

@@ -58,10 +58,11 @@ from polytrain.errors import CheckpointError, ConfigError
 from polytrain.trainer.manifest import (
     MANIFEST,
     Manifest,
-    committed,
     latest_valid,
+    read_manifest,
     step_dir,
 )
+from polytrain.trainer.ownership import job_identity, owned, owned_by, prune
 
 __all__ = ["Checkpointer", "check_same_job", "job_fingerprint", "restart_count"]
 
@@ -148,7 +149,11 @@ class _Parts:
             _init_optimizer_state(self.optimizer)
         model_sd, optim_sd = self._live()
         model_sd = {k: fetch("model." + self._strip(k), v) for k, v in model_sd.items()}
-        if self.optimizer is None:
+        if self.optimizer is None or not _has_tensor_state(optim_sd):
+            # [Note: stateless optimizers] SGD without momentum keeps no tensor state; torch's
+            # set_state_dict then finds no tensor to take a device from and fails ("Expected
+            # device to be set"). There is nothing of the optimizer's to restore (its
+            # hyperparameters are the current job's), so only the model is loaded.
             set_model_state_dict(self.module, model_sd, options=_OPTIONS)
             return
         optim_sd["state"] = {
@@ -193,6 +198,16 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = g
 
 
+def _has_tensor_state(optim_sd: dict[str, Any]) -> bool:
+    """Whether an optimizer state dict holds any non-scalar tensor (see [Note: stateless
+    optimizers])."""
+    return any(
+        isinstance(value, torch.Tensor) and value.dim() > 0
+        for entries in optim_sd.get("state", {}).values()
+        for value in entries.values()
+    )
+
+
 def _as_tensor(value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone().contiguous()
@@ -214,6 +229,7 @@ class Checkpointer:
         self.group = strategy.checkpoint_group
         self.refused: list[str] = []  # messages about checkpoints refused at restore (rank 0)
         self.last_saved = -1
+        self.identity = job_identity(job)
         self._owners: dict[str, int] | None = None
         self._saves = 0
         self._pending: Future[None] | None = None
@@ -362,6 +378,7 @@ class Checkpointer:
             versions={"torch": torch.__version__, "polytrain": polytrain.__version__},
             job_fingerprint=job_fingerprint(job, self.world_size),
             job=to_dict(job),
+            job_identity=self.identity,
         )
         for post in posts:
             manifest.files[post["file"]] = {"sha256": post["sha256"], "bytes": post["bytes"]}
@@ -372,12 +389,22 @@ class Checkpointer:
                 stray.unlink()
         _write_durably(tmp / MANIFEST, manifest.to_json().encode())
         final = step_dir(self.root, step)
-        if final.exists():  # a refused (corrupt) checkpoint of the same step
+        if final.exists():  # a refused (corrupt) checkpoint of the same step, or our own
+            if final not in {path for _, path in owned(self.root, self.identity)}:
+                try:
+                    read_manifest(final)
+                    foreign = True
+                except CheckpointError:
+                    foreign = False
+                if foreign:
+                    raise CheckpointError(
+                        f"{final} holds a valid checkpoint of another job: not replaced; use "
+                        "another --checkpoint-dir ([Note: checkpoint ownership])"
+                    )
             shutil.rmtree(final)
         tmp.rename(final)
         _fsync_dir(self.root)
-        for _, old in committed(self.root)[self.job.checkpoint.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(self.root, self.identity, self.job.checkpoint.keep)  # [Note: checkpoint ownership]
         for stale in self.root.glob("step_*.tmp"):  # left by saves that crashed
             if stale.name[5:-4].isdigit() and int(stale.name[5:-4]) <= step:
                 shutil.rmtree(stale, ignore_errors=True)
@@ -387,7 +414,8 @@ class Checkpointer:
         """Collective: load the newest valid checkpoint; return its step (0 if none)."""
         chosen = -1
         if self.rank == 0:
-            found, self.refused = latest_valid(self.root)
+            owner = None if self.job.checkpoint.adopt else owned_by(self.identity)
+            found, self.refused = latest_valid(self.root, owner)
             for message in self.refused:
                 _warn(f"refusing checkpoint: {message}; falling back to an older one")
             if found is None:

@@ -6,8 +6,6 @@ here, so a mistake costs a one-line error instead of N crashed workers.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from polytrain.config.job import JobConfig
@@ -16,6 +14,8 @@ from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.trainer.build import strategy_family
+from polytrain.trainer.outputs import check_output_paths
+from polytrain.trainer.ownership import check_checkpoint_dir
 
 __all__ = ["preflight"]
 
@@ -26,15 +26,17 @@ def preflight(job: JobConfig) -> BlockModel:
     The checks common to every strategy are here; each strategy family's own come from the
     family table (`trainer.build.strategy_family`).
     """
-    if job.checkpoint.save_final and Path(job.checkpoint.save_final).exists():
-        raise ConfigError(
-            f"--save-final {job.checkpoint.save_final!r} already exists: choose another path "
-            "or remove the file"
-        )
+    check_output_paths(job)  # [Note: output paths]
     family = strategy_family(job)
     train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
-    with torch.device("meta"):
-        model = build_model(job.model, spec, job.train.seed)
+    try:
+        with torch.device("meta"):
+            model = build_model(job.model, spec, job.train.seed)
+    except RuntimeError as exc:  # e.g. "Storage size calculation overflowed"
+        raise ConfigError(
+            f"model {job.model.name!r} cannot be built with these dimensions "
+            f"({str(exc).splitlines()[0][:100]}): lower model.n_embd / n_layer / block_size"
+        ) from None
     if job.launch.nnodes > 1 and job.launch.nproc % job.parallel.tp:
         raise MeshError(  # consecutive ranks share a host; tp groups are consecutive ranks
             f"parallel.tp = {job.parallel.tp} does not divide --nproc {job.launch.nproc}: "
@@ -42,4 +44,5 @@ def preflight(job: JobConfig) -> BlockModel:
             "processes per node"
         )
     family.checks(job, model, train_data)
+    check_checkpoint_dir(job)  # [Note: checkpoint ownership]
     return model

@@ -8,6 +8,7 @@ by torch elastic's ``record`` so the launcher can name the failing rank and its 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -23,12 +24,16 @@ def main() -> None:
     job = job_from_dict(load_job(sys.argv[1]))
     try:
         result = train(job)
-        if result.state_dict is not None:  # rank 0
+        if result.state_dict is not None and result.start_step >= result.steps:
+            # Resumed (e.g. an elastic restart) after the last step: no loss to report.
+            print(f"polytrain: resumed at step {result.start_step} = train.steps: nothing to do")
+        elif result.state_dict is not None:  # rank 0
             print(f"final loss {result.final_loss:.4f}, validation loss {result.val_loss:.4f}")
             if result.sample:
                 print("sample:\n" + result.sample)
-            if job.observe.out_dir:
-                print(f"metrics: {job.observe.out_dir}/metrics.jsonl")
+            metrics = Path(job.observe.out_dir or ".") / "metrics.jsonl"
+            if job.observe.out_dir and metrics.exists():
+                print(f"metrics: {metrics}")
             if job.checkpoint.save_final:
                 print(f"weights: {job.checkpoint.save_final}")
     finally:
