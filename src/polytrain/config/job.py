@@ -8,7 +8,7 @@ size, batch against replicas and micro-batches).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from polytrain.config.base import option
 from polytrain.errors import ConfigError, MeshError
@@ -44,6 +44,20 @@ class ModelConfig:
     n_head: int | None = option(None, "attention heads (gpt)")
     block_size: int | None = option(None, "context length in tokens")
     dropout: float = option(0.0, "dropout probability")
+    loss: str = option(
+        "auto",
+        "cross_entropy, mse, or a function 'package.module:function' (predictions, targets) -> "
+        "scalar; auto: cross_entropy for integer targets, mse for float targets",
+    )
+    batchnorm: Literal["global", "local"] = option(
+        "global",
+        "BatchNorm statistics: global (over the whole batch of a step, synchronised across "
+        "data-parallel replicas: matches one process) or local (each replica / pipeline "
+        "micro-batch its own)",
+    )
+    args: dict[str, Any] = option(
+        {}, "keyword arguments of a factory model (a TOML table, e.g. [model.args] n_layer = 2)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "block_size"):

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
+from polytrain.data.tensors import load_tensor_pairs
 from polytrain.errors import ConfigError
 
-__all__ = ["DataSpec", "PairDataset", "TokenDataset", "build_datasets"]
+__all__ = ["DataSpec", "Inputs", "PairDataset", "TokenDataset", "build_datasets"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class DataSpec:
     num_outputs: int = 0
     classification: bool = True
     itos: list[str] = field(default_factory=list)
+    input_names: tuple[str, ...] = ()  # named inputs (keyword arguments); () = one tensor
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.itos[i] for i in ids) if self.itos else " ".join(map(str, ids))
@@ -56,18 +57,29 @@ class TokenDataset:
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-class PairDataset:
-    """Rows of an (inputs, targets) pair of tensors."""
+Inputs = torch.Tensor | dict[str, torch.Tensor]  # one tensor, or named ones (keyword arguments)
 
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+
+def _rows(inputs: Inputs, start: int, stop: int) -> Inputs:
+    if isinstance(inputs, torch.Tensor):
+        return inputs[start:stop]
+    return {k: v[start:stop] for k, v in inputs.items()}
+
+
+class PairDataset:
+    """Rows of an (inputs, targets) pair: inputs one tensor or several named ones."""
+
+    def __init__(self, inputs: Inputs, targets: torch.Tensor) -> None:
         self.inputs, self.targets = inputs, targets
-        self.num_samples = len(inputs)
+        self.num_samples = len(targets)
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def get(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs[indices], self.targets[indices]
+    def get(self, indices: torch.Tensor) -> tuple[Inputs, torch.Tensor]:
+        if isinstance(self.inputs, torch.Tensor):
+            return self.inputs[indices], self.targets[indices]
+        return {k: v[indices] for k, v in self.inputs.items()}, self.targets[indices]
 
 
 Dataset = TokenDataset | PairDataset
@@ -111,31 +123,25 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
         spec = DataSpec(kind="tokens", vocab_size=vocab, input_shape=(block_size,))
         return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
     if path.suffix == ".safetensors":
-        tensors = load_file(str(path))
-        if set(tensors) != {"inputs", "targets"} or len(tensors["inputs"]) != len(
-            tensors["targets"]
-        ):
-            raise ConfigError(
-                f"data.source = {cfg.source!r} has tensors {sorted(tensors)}: expected exactly "
-                "'inputs' and 'targets' with the same number of rows"
-            )
-        inputs, targets = tensors["inputs"].float(), tensors["targets"]
+        inputs, targets, rows = load_tensor_pairs(path)
         classification = not targets.is_floating_point()
         num_outputs = (
             int(targets.max()) + 1
             if classification
             else (1 if targets.ndim == 1 else int(targets.shape[-1]))
         )
-        cut = _split(len(inputs), cfg.val_fraction)
+        cut = _split(rows, cfg.val_fraction)
+        first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs.values()))
         spec = DataSpec(
             kind="pairs",
-            input_shape=tuple(inputs.shape[1:]),
+            input_shape=tuple(first.shape[1:]),
             num_outputs=num_outputs,
             classification=classification,
+            input_names=() if isinstance(inputs, torch.Tensor) else tuple(inputs),
         )
         return (
-            PairDataset(inputs[:cut], targets[:cut]),
-            PairDataset(inputs[cut:], targets[cut:]),
+            PairDataset(_rows(inputs, 0, cut), targets[:cut]),
+            PairDataset(_rows(inputs, cut, rows), targets[cut:]),
             spec,
         )
     try:

@@ -15,10 +15,19 @@ __all__ = ["apply_recompute"]
 
 
 def apply_recompute(model: BlockModel) -> BlockModel:
-    """Wrap every block with parameters in a non-reentrant checkpoint, in place."""
-    for i, block in enumerate(model.blocks):
+    """Wrap every block with parameters in a non-reentrant checkpoint, in place.
+
+    A user model's blocks are its repeated layers ([Note: block view] in `models.blocks`).
+    """
+    root = model.blocks[0] if model.layers else model.blocks
+    names = model.layers if model.layers else [str(i) for i in range(len(model.blocks))]
+    for name in names:
+        block = root.get_submodule(name)
         if any(True for _ in block.parameters()):
-            model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=True)
+            parent, _, leaf = name.rpartition(".")
+            root.get_submodule(parent).register_module(
+                leaf, checkpoint_wrapper(block, preserve_rng_state=True)
+            )
     return model
 
 

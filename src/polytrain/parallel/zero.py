@@ -19,10 +19,10 @@ __all__ = ["apply_zero"]
 
 
 def apply_zero(module: BlockModel, mesh: Mesh, cfg: ParallelConfig) -> FSDPModule:
-    """Shard every block, then the root, over the ``dp`` axis."""
+    """Shard every block (a user model's repeated layers, [Note: block view]), then the root."""
     reshard = cfg.zero == 3
     dp_mesh = mesh.sub("dp")
-    for block in module.blocks:
+    for block in module.units():
         if any(p.requires_grad for p in block.parameters()):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
     return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)

@@ -55,7 +55,7 @@ from polytrain.comm.mesh import Mesh
 from polytrain.comm.p2p import P2P, PendingSends, new_group_of, recv_into, send_all
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel
+from polytrain.models.base import BlockModel, one_input
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.tensor_parallel import (
     apply_tensor_parallel_to_stage,
@@ -142,7 +142,7 @@ class PipelineStrategy:
         self.tp = mesh.dims.tp
         self._dtype = torch.bfloat16 if job.train.dtype == "bf16" else None
         x, y = batches.train(0, self.dp_rank, self.dp, 0, self.per_step)
-        sample = (x.to(device), y.to(device))
+        sample = (one_input(x).to(device), y.to(device))
         # The model is already on `device` (trainer/build.py), so `auto` profiles it there.
         counts = choose_partition(
             job,
@@ -289,9 +289,8 @@ class PipelineStrategy:
         if step != self._data_step:
             self._data_step, self._data = step, {}
         if index not in self._data:
-            self._data[index] = self.batches.train(
-                step, self.dp_rank, self.dp, index, self.per_step
-            )
+            x, y = self.batches.train(step, self.dp_rank, self.dp, index, self.per_step)
+            self._data[index] = (one_input(x), y)
         return self._data[index]
 
     def train_step(self, step: int) -> StepOutput:
@@ -437,7 +436,7 @@ class PipelineStrategy:
         pending = PendingSends()
         for i in range(num_batches):
             if self.prev_rank is None:
-                x = self.batches.val(i, self.dp_rank, self.dp)[0]
+                x = one_input(self.batches.val(i, self.dp_rank, self.dp)[0])
             else:
                 x = self.eval_p2p.recv(self.prev_rank, EVAL)
             with self._tracer.span("eval_F", cat="eval", microbatch=i, stage=self.stage_index):

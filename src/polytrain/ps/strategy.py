@@ -48,6 +48,7 @@ from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
+from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
@@ -139,6 +140,8 @@ class PSStrategy:
             self.modules = [module_of(self.server.params)]
             self.name = f"ps-{ps.mode}-server{index}"
         else:
+            if self.sync and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
+                convert_batchnorm(model, self.worker_group)
             self.client = WorkerClient(rank, self.layout, self.servers, self.num_workers)
             self.modules = [model]
             self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w" + (

@@ -12,7 +12,8 @@ from polytrain.comm.init import DistContext
 from polytrain.comm.mesh import build_mesh
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel
+from polytrain.models.base import BlockModel, one_input
+from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.data_parallel import apply_data_parallel
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.replicate import apply_replicate
@@ -41,6 +42,8 @@ def build_strategy(
 
         return PipelineStrategy(job, model, mesh, batches, ctx.device)
     name = f"dp{p.dp}"
+    if p.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
+        convert_batchnorm(model, mesh.group("dp"))
     wrapped: torch.nn.Module = model
     if p.tp > 1:
         apply_tensor_parallel(model, mesh.sub("tp"), job.model.name, p.tp_plan)
@@ -60,7 +63,7 @@ def build_strategy(
             sample, _ = batches.train(0, mesh.coord("dp"), p.dp)
             local_batch = job.train.global_batch_size // (p.dp * job.train.grad_accum)
             sf = apply_sufficient_factor(
-                model, mesh, p.sufficient_factor, sample.to(ctx.device), local_batch
+                model, mesh, p.sufficient_factor, one_input(sample).to(ctx.device), local_batch
             )
             name += f"-sf{len(sf.chosen)}"
             rest = bool(sf.allreduce_params)

@@ -14,6 +14,7 @@ from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, MeshError, PartitionError
 from polytrain.models.base import BlockModel
+from polytrain.models.checks import check_model
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.parallel.sufficient_factor import choose_layers, plain_linears
 from polytrain.parallel.tensor_parallel import resolve_tp_plan
@@ -39,6 +40,7 @@ def preflight(job: JobConfig) -> BlockModel:
             f"parallel.pp = {job.parallel.pp} stages but the model has only {model.num_blocks} "
             f"blocks: use at most {model.num_blocks} stages or a deeper model"
         )
+    check_model(job, model, train_data.get(torch.arange(min(2, len(train_data)))))
     check_partition(job, model, train_data)
     check_pipeline_job(job)
     if job.parallel.tp > 1:  # heads, widths and vocabulary divisible; every plan row matches
