@@ -37,14 +37,17 @@ def _warn(message: str) -> None:
 def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None:
     p = job.parallel
     ties = tied_parameters(model)
-    if ties and (p.pp > 1 or p.tp > 1):
+    layer_pipeline = p.pp > 1 and bool(model.layers)  # [Note: layer pipeline] in models.split
+    if ties and (p.tp > 1 or (p.pp > 1 and not layer_pipeline)):
         axis = "parallel.pp" if p.pp > 1 else "parallel.tp"
         raise ConfigError(
             f"the model ties {' and '.join(ties[0])} (one shared tensor), and {axis} = "
             f"{getattr(p, axis.split('.')[1])} would keep separate copies that drift apart: "
             "train it with dp / zero / ps, or untie the weights in the model"
         )
-    if named_inputs and p.pp > 1:
+    if layer_pipeline:
+        _check_layer_pipeline(job, model)
+    if named_inputs and p.pp > 1 and not layer_pipeline:
         raise ConfigError(
             f"named inputs (a .safetensors data set with several input tensors) with "
             f"parallel.pp = {p.pp}: pipeline stages pass one tensor; use dp / zero / ps"
@@ -61,6 +64,29 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
                 "microbatches = 1 and dp = 1"
             )
         _warn(message)
+
+
+def _check_layer_pipeline(job: JobConfig, model: BlockModel) -> None:
+    """What a pipeline over a user model's layers does not offer yet (one line each)."""
+    p, pl = job.parallel, job.pipeline
+    refused = {
+        "pipeline.schedule = 'pipedream'": pl.schedule == "pipedream",
+        "pipeline.partition = 'auto'": pl.partition == "auto",
+        f"parallel.tp = {p.tp}": p.tp > 1,
+        "parallel.recompute = true": p.recompute,
+    }
+    bad = [k for k, v in refused.items() if v]
+    if bad:
+        raise ConfigError(
+            f"{bad[0]} with a pipeline over the layers of model.name = {job.model.name!r}: "
+            "not supported for a user's model yet; use gpipe or 1f1b, a uniform or explicit "
+            "partition, tp = 1, recompute = false"
+        )
+    if p.pp > len(model.layers):
+        raise ConfigError(
+            f"parallel.pp = {p.pp} stages but the model has {len(model.layers)} repeated layers "
+            f"({model.layers[0].rpartition('.')[0]!r}): use at most {len(model.layers)} stages"
+        )
 
 
 def _check_output(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Tensor]) -> None:

@@ -35,13 +35,14 @@ def preflight(job: JobConfig) -> BlockModel:
     train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
     with torch.device("meta"):
         model = build_model(job.model, spec, job.train.seed)
-    if job.parallel.pp > model.num_blocks:
+    check_model(job, model, train_data.get(torch.arange(min(2, len(train_data)))))
+    if job.parallel.pp > model.num_blocks and not model.layers:
         raise PartitionError(
             f"parallel.pp = {job.parallel.pp} stages but the model has only {model.num_blocks} "
             f"blocks: use at most {model.num_blocks} stages or a deeper model"
         )
-    check_model(job, model, train_data.get(torch.arange(min(2, len(train_data)))))
-    check_partition(job, model, train_data)
+    if not model.layers:  # a user model's layers are partitioned in models.checks
+        check_partition(job, model, train_data)
     check_pipeline_job(job)
     if job.parallel.tp > 1:  # heads, widths and vocabulary divisible; every plan row matches
         resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)

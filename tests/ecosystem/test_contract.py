@@ -1,0 +1,213 @@
+"""The model contract (docs/models.md): outputs, losses, factory arguments, named inputs, and the
+one-line errors for what does not fit. No processes: pre-flight and in-process models only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from polytrain.cli.app import main
+from polytrain.config.job import DataConfig, ModelConfig
+from polytrain.data.datasets import build_datasets
+from polytrain.errors import ConfigError
+from polytrain.models.contract import ContractLoss, predictions, resolve_loss
+from polytrain.models.registry import build_model
+from polytrain.trainer.export import load_weights, save_weights
+
+HELPERS = "tests.helpers.contract_models"
+
+
+@pytest.fixture
+def pairs(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "pairs.safetensors"
+    save_file(
+        {
+            "inputs": torch.randn(32, 6, generator=g),
+            "targets": torch.randint(0, 3, (32,), generator=g),
+        },
+        str(path),
+    )
+    return path
+
+
+@pytest.fixture
+def regression(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "regression.safetensors"
+    save_file(
+        {"inputs": torch.randn(32, 6, generator=g), "targets": torch.randn(32, generator=g)},
+        str(path),
+    )
+    return path
+
+
+@pytest.fixture
+def named(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    path = tmp_path / "named.safetensors"
+    save_file(
+        {
+            "input_ids": torch.randint(0, 50, (32, 8), generator=g),
+            "attention_mask": torch.ones(32, 8, dtype=torch.int64),
+            "targets": torch.randint(0, 3, (32,), generator=g),
+        },
+        str(path),
+    )
+    return path
+
+
+def dry_run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--dry-run", *args])
+    captured = capsys.readouterr()
+    return int(exc.value.code or 0), captured.out, captured.err
+
+
+def test_outputs_tensor_dict_and_model_output() -> None:
+    from collections import OrderedDict
+
+    logits = torch.randn(4, 3)
+    assert predictions(logits)[0] is logits
+    assert predictions({"logits": logits, "hidden_states": None})[0] is logits
+    own = torch.tensor(0.5)
+    assert predictions(OrderedDict(loss=own, logits=logits)) == (None, own)  # the model's loss
+    assert predictions((logits, None))[0] is logits  # return_dict=False
+    with pytest.raises(ConfigError, match=r"keys \['hidden'\]: it needs 'logits'"):
+        predictions({"hidden": logits})
+
+
+def test_loss_follows_the_target_dtype() -> None:
+    preds = torch.randn(5, 1)
+    assert resolve_loss("auto", classification=False).name == "mse"
+    assert resolve_loss("auto", classification=True).name == "cross_entropy"
+    mse = resolve_loss("auto", classification=False)(preds, torch.zeros(5))
+    torch.testing.assert_close(mse, preds.squeeze(-1).square().mean())
+    ce = resolve_loss("auto", classification=True)(
+        torch.zeros(5, 4), torch.zeros(5, dtype=torch.long)
+    )
+    torch.testing.assert_close(ce, torch.log(torch.tensor(4.0)))
+    custom = resolve_loss(f"{HELPERS}:per_row_loss", classification=True)
+    with pytest.raises(ConfigError, match=r"returned \(5,\), not a scalar"):
+        custom(preds.expand(5, 2), torch.zeros(5))
+    with pytest.raises(ConfigError, match="model.loss = 'hinge'"):
+        resolve_loss("hinge", classification=True)
+
+
+def test_factory_arguments_and_built_in_fields(pairs: Path) -> None:
+    _, _, spec = build_datasets(DataConfig(source=str(pairs)), 8)
+    model = build_model(ModelConfig(name=f"{HELPERS}:linear", args={"bias": False}), spec, 0)
+    inner = model.blocks[0]
+    assert inner.factory_args == {"bias": False} and inner.bias is None
+    with pytest.raises(ConfigError, match="model.n_layer = 3 applies to the built-in models only"):
+        build_model(ModelConfig(name=f"{HELPERS}:linear", n_layer=3), spec, 0)
+    with pytest.raises(ConfigError, match="model.args = .* is for factories"):
+        build_model(ModelConfig(name="mlp", args={"n_layer": 3}), spec, 0)
+    with pytest.raises(ConfigError, match="raised TypeError"):
+        build_model(ModelConfig(name=f"{HELPERS}:dict_logits", args={"depth": 3}), spec, 0)
+
+
+def test_named_inputs_keep_their_dtypes(named: Path) -> None:
+    train, _, spec = build_datasets(DataConfig(source=str(named)), 8)
+    x, y = train.get(torch.arange(4))
+    assert isinstance(x, dict) and spec.input_names == ("attention_mask", "input_ids")
+    assert x["input_ids"].dtype == torch.int64 and x["input_ids"].shape == (4, 8)
+    assert y.dtype == torch.int64
+
+
+def test_single_integer_input_stays_integer(tmp_path: Path) -> None:
+    path = tmp_path / "ids.safetensors"
+    save_file({"inputs": torch.arange(40).view(5, 8), "targets": torch.arange(5)}, str(path))
+    train, _, _ = build_datasets(DataConfig(source=str(path), val_fraction=0.2), 8)
+    assert train.get(torch.arange(2))[0].dtype == torch.int64
+
+
+def test_export_keeps_user_names_and_ties(tmp_path: Path) -> None:
+    from polytrain.data.datasets import DataSpec
+
+    spec = DataSpec(kind="tokens", vocab_size=11, input_shape=(4,))
+    model = build_model(ModelConfig(name=f"{HELPERS}:tied_sequential"), spec, 0)
+    state = model.state_dict()
+    assert state["blocks.0.weight"].data_ptr() == state["blocks.2.weight"].data_ptr()
+    path = save_weights(model.export_state(state), tmp_path / "w.safetensors")
+    loaded = load_weights(path)
+    assert set(loaded) == {"0.weight", "1.weight", "1.bias", "2.weight"}
+    from tests.helpers.contract_models import tied_sequential
+
+    fresh = tied_sequential(spec)
+    fresh.load_state_dict(loaded)  # the original class, no key changes
+    torch.testing.assert_close(fresh[2].weight, state["blocks.0.weight"])
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["tied"] == "2.weight=0.weight"
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "message"),
+    [
+        ("dict_hidden", [], "with keys ['hidden']: it needs 'logits'"),
+        ("reads_values", [], "raised RuntimeError"),
+        ("linear", ["--set", f"model.loss='{HELPERS}:per_row_loss'"], "not a scalar"),
+        ("linear", ["--set", "model.n_layer=2"], "applies to the built-in models only"),
+    ],
+    ids=["no logits no loss", "meta factory", "non-scalar loss", "n_layer for factory"],
+)
+def test_bad_models_fail_in_one_line(
+    model: str, extra: list[str], message: str, pairs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = dry_run(["--model", f"{HELPERS}:{model}", "--data", str(pairs), *extra], capsys)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_meta_device_error_says_why(pairs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, _, err = dry_run(["--model", f"{HELPERS}:reads_values", "--data", str(pairs)], capsys)
+    assert "meta device" in err and ".item()" in err
+
+
+def test_batchnorm_with_micro_batched_pipeline(
+    pairs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "--model",
+        f"{HELPERS}:batchnorm_mlp",
+        "--data",
+        str(pairs),
+        "--nproc",
+        "2",
+        "--pp",
+        "2",
+    ]
+    args += ["--microbatches", "2", "--batch-size", "8"]
+    code, _, err = dry_run(args, capsys)
+    assert (
+        code == 2 and "BatchNorm with parallel.pp = 2" in err and "model.batchnorm = 'local'" in err
+    )
+    code, out, err = dry_run([*args, "--set", "model.batchnorm='local'"], capsys)
+    assert code == 0
+    warnings = [
+        line for line in out.splitlines() if line.startswith("polytrain: warning: BatchNorm")
+    ]
+    assert len(warnings) == 1
+
+
+def test_named_inputs_pass_as_keyword_arguments(named: Path) -> None:
+    """A dict of inputs reaches the model as keyword arguments."""
+    from polytrain.models.base import BlockModel
+
+    seen: dict[str, torch.Tensor] = {}
+
+    class Probe(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            seen.update(input_ids=input_ids, attention_mask=attention_mask)
+            return torch.zeros(len(input_ids), 3)
+
+    train, _, _ = build_datasets(DataConfig(source=str(named)), 8)
+    x, y = train.get(torch.arange(4))
+    model = BlockModel([Probe()], ContractLoss(lambda p, t: p.sum(), "sum"))
+    model.loss(model(x), y)
+    assert set(seen) == {"input_ids", "attention_mask"}
