@@ -211,3 +211,30 @@ def test_named_inputs_pass_as_keyword_arguments(named: Path) -> None:
     model = BlockModel([Probe()], ContractLoss(lambda p, t: p.sum(), "sum"))
     model.loss(model(x), y)
     assert set(seen) == {"input_ids", "attention_mask"}
+
+
+def test_byte_and_tokenizer_file_tokenization(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    text = "naïve café " * 40
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text, encoding="utf-8")
+    train, _, spec = build_datasets(DataConfig(source=str(corpus), tokenizer="byte"), 8)
+    assert spec.vocab_size == 256
+    x, _ = train.get(torch.tensor([0]))
+    assert isinstance(x, torch.Tensor) and x.dtype == torch.int64
+    assert spec.decode(x[0].tolist()) == "naïve c"  # 8 bytes: ï is two of them
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([str(corpus)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    train, _, spec = build_datasets(
+        DataConfig(source=str(corpus), tokenizer=str(path), val_fraction=0.25), 4
+    )
+    assert spec.vocab_size == tok.get_vocab_size() == 3  # [UNK], naïve, café
+    x, _ = train.get(torch.tensor([0]))
+    assert spec.decode(x[0].tolist()) == "naïve café naïve café"
+    with pytest.raises(ConfigError, match="data.tokenizer = 'nope.json'"):
+        build_datasets(DataConfig(source=str(corpus), tokenizer="nope.json"), 4)

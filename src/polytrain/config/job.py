@@ -76,6 +76,11 @@ class DataConfig:
         "array, or a .safetensors file with 'inputs' and 'targets'",
     )
     val_fraction: float = option(0.1, "fraction of the data held out for validation")
+    tokenizer: str = option(
+        "char",
+        "text to token ids: char (distinct characters), byte (UTF-8 bytes, 256 ids), or the "
+        "path of a local tokenizer.json (Hugging Face tokenizers)",
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:

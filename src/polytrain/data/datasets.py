@@ -14,6 +14,7 @@ import torch
 from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
 from polytrain.data.tensors import load_tensor_pairs
+from polytrain.data.tokenize import decode, tokenize
 from polytrain.errors import ConfigError
 
 __all__ = ["DataSpec", "Inputs", "PairDataset", "TokenDataset", "build_datasets"]
@@ -29,10 +30,11 @@ class DataSpec:
     num_outputs: int = 0
     classification: bool = True
     itos: list[str] = field(default_factory=list)
-    input_names: tuple[str, ...] = ()  # named inputs (keyword arguments); () = one tensor
+    input_names: tuple[str, ...] = ()
+    tokenizer: str = ""  # how text became ids (data.tokenizer); "" for non-text data  # named inputs (keyword arguments); () = one tensor
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.itos[i] for i in ids) if self.itos else " ".join(map(str, ids))
+        return decode(ids, self.tokenizer, self.itos)
 
 
 class TokenDataset:
@@ -92,11 +94,15 @@ def _split(n: int, val_fraction: float) -> int:
 def _text_datasets(
     text: str, cfg: DataConfig, block_size: int
 ) -> tuple[Dataset, Dataset, DataSpec]:
-    itos = sorted(set(text))
-    stoi = {ch: i for i, ch in enumerate(itos)}
-    tokens = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)
+    tokens, vocab_size, itos = tokenize(text, cfg.tokenizer)
     cut = _split(len(tokens), cfg.val_fraction)
-    spec = DataSpec(kind="tokens", vocab_size=len(itos), input_shape=(block_size,), itos=itos)
+    spec = DataSpec(
+        kind="tokens",
+        vocab_size=vocab_size,
+        input_shape=(block_size,),
+        itos=itos,
+        tokenizer=cfg.tokenizer,
+    )
     return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
 
 

@@ -16,7 +16,25 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["find_repeated_layers", "layer_paths"]
+__all__ = ["disable_inplace", "find_repeated_layers", "layer_paths"]
+
+
+def disable_inplace(module: nn.Module) -> list[str]:
+    """Set ``inplace = False`` on every module that has it (``ReLU(inplace=True)``...).
+
+    [Note: in-place ops at boundaries] A pipeline stage's input is a received tensor that
+    requires grad, and a block profiled alone gets one too: an in-place op on it fails at run
+    time ("a leaf Variable that requires grad is being used in an in-place operation"), and
+    DTensor shards reject some in-place ops. The out-of-place version computes the same values
+    (it only keeps one more activation), so pipelines and tensor parallel turn them off.
+    Returns the paths changed.
+    """
+    changed = []
+    for name, child in module.named_modules():
+        if getattr(child, "inplace", False) is True:
+            child.inplace = False
+            changed.append(name)
+    return changed
 
 
 def _numel(module: nn.Module) -> int:

@@ -13,6 +13,7 @@ from polytrain.comm.mesh import build_mesh
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel, one_input
+from polytrain.models.blocks import disable_inplace
 from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.data_parallel import apply_data_parallel
 from polytrain.parallel.recompute import apply_recompute
@@ -37,6 +38,8 @@ def build_strategy(
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, world_size=ctx.world_size)
     mesh = build_mesh(dims, ctx.device.type)
     model = model.to(ctx.device)
+    if p.pp > 1 or p.tp > 1:  # [Note: in-place ops at boundaries] in models.blocks
+        disable_inplace(model)
     if p.pp > 1:  # the pipeline runtime owns its stages, recomputation and dp all-reduce
         from polytrain.pipeline.strategy import PipelineStrategy
 

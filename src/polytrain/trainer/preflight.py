@@ -14,6 +14,7 @@ from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, MeshError, PartitionError
 from polytrain.models.base import BlockModel
+from polytrain.models.blocks import disable_inplace
 from polytrain.models.checks import check_model
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.parallel.sufficient_factor import choose_layers, plain_linears
@@ -35,6 +36,8 @@ def preflight(job: JobConfig) -> BlockModel:
     train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
     with torch.device("meta"):
         model = build_model(job.model, spec, job.train.seed)
+    if job.parallel.pp > 1 or job.parallel.tp > 1:  # as the workers do (trainer/build.py)
+        disable_inplace(model)
     check_model(job, model, train_data.get(torch.arange(min(2, len(train_data)))))
     if job.parallel.pp > model.num_blocks and not model.layers:
         raise PartitionError(
