@@ -238,3 +238,87 @@ def test_byte_and_tokenizer_file_tokenization(tmp_path: Path) -> None:
     assert spec.decode(x[0].tolist()) == "naïve café naïve café"
     with pytest.raises(ConfigError, match="data.tokenizer = 'nope.json'"):
         build_datasets(DataConfig(source=str(corpus), tokenizer="nope.json"), 4)
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens.safetensors"
+    stream = torch.randint(0, 48, (32, 9), generator=torch.Generator().manual_seed(0))
+    save_file(
+        {"input_ids": stream[:, :-1].contiguous(), "targets": stream[:, 1:].contiguous()}, str(path)
+    )
+    return path
+
+
+GPT2 = "tests.helpers.hf_models:make_gpt2"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--set", "pipeline.split_points=['transformer.h.9']"],
+            "'transformer.h.9' names no module of the model: use layer paths such as "
+            "'transformer.h.1'",
+        ),
+        (
+            ["--set", "pipeline.split_points=['transformer.ln_f']"],
+            "'transformer.ln_f' is not one of the repeated layers",
+        ),
+        (["--schedule", "pipedream"], "pipeline.schedule = 'pipedream' with a pipeline over"),
+        (["--tp", "2", "--pp", "1"], "ties transformer.wte.weight and lm_head.weight"),
+    ],
+    ids=["split point names no module", "split point not a layer", "pipedream", "tied under tp"],
+)
+def test_layer_pipeline_bad_input(
+    extra: list[str], message: str, tokens: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "--model",
+        GPT2,
+        "--data",
+        str(tokens),
+        "--nproc",
+        "2",
+        "--pp",
+        "2",
+        "--batch-size",
+        "8",
+    ]
+    code, _, err = dry_run([*args, *extra], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_layer_pipeline_split_points_accepted(
+    tokens: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "--model",
+        GPT2,
+        "--data",
+        str(tokens),
+        "--nproc",
+        "2",
+        "--pp",
+        "2",
+        "--batch-size",
+        "8",
+    ]
+    code, _, err = dry_run([*args, "--set", "pipeline.split_points=['transformer.h.1']"], capsys)
+    assert code == 0, err
+
+
+def test_tied_sequential_pipeline_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """A tie across the blocks of an nn.Sequential would drift apart between stages: refused."""
+    args = [
+        "--model",
+        f"{HELPERS}:tied_sequential",
+        "--nproc",
+        "2",
+        "--pp",
+        "2",
+        "--batch-size",
+        "8",
+    ]
+    code, _, err = dry_run(args, capsys)
+    assert code == 2 and "ties 0.weight and 2.weight" in err

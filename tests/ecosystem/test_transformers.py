@@ -2,9 +2,11 @@
 built from tiny configs with random weights, match the single-process run under each strategy,
 and their exported weights load back into the original class with no key changes (issue 12).
 
-Tolerance: every parameter within 2e-5 (absolute) of the single-process run after 3 AdamW
-steps (float32 reassociation of the all-reduced means and of the synchronised BatchNorm
-statistics; a per-replica BatchNorm misses by ~1e-3).
+Strategies: dp, ZeRO-3, sync parameter server, GPipe and 1F1B pipelines over the models'
+repeated layers (GPT-2's tied ``wte``/``lm_head`` on the first and last stage), and dp x pp
+(world 4). Tolerance: every parameter within 2e-5 (absolute) of the single-process run after 3
+AdamW steps (float32 reassociation of the all-reduced means, micro-batch sums and synchronised
+BatchNorm statistics; measured differences are 0 to 2.3e-6; per-replica BatchNorm misses).
 """
 
 from __future__ import annotations
@@ -25,13 +27,35 @@ pytestmark = pytest.mark.slow
 
 MODELS = ["gpt2", "llama", "bert", "resnet", "vit"]
 ATOL = 2e-5
-# name -> (world size, sections). tp, pp (gpipe, 1f1b) and dp x pp are not offered for these
-# models yet: pre-flight refuses them in one line (see test_bad_input in this folder).
+PIPE = {"pp": 2}
+# name -> (world size, sections).
 STRATEGIES: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2": (2, {"parallel": {"dp": 2}}),
     "zero3-dp2": (2, {"parallel": {"dp": 2, "zero": 3}}),
     "ps-sync": (3, {"parallel": {"sync": "ps"}, "ps": {"servers": 1, "mode": "sync"}}),
+    "gpipe-pp2": (2, {"parallel": PIPE, "pipeline": {"schedule": "gpipe", "microbatches": 2}}),
+    "1f1b-pp2": (2, {"parallel": PIPE, "pipeline": {"schedule": "1f1b", "microbatches": 2}}),
+    "dp2-pp2": (
+        4,
+        {"parallel": {"dp": 2, "pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
+    ),
 }
+# BatchNorm in a pipeline matches one process only with one micro-batch and dp = 1
+# (docs/models.md): ResNet's pipelines run one micro-batch, and dp x pp is left out for it.
+# Tensor parallel of these models is not offered yet (pre-flight refuses it in one line).
+CASES = [
+    (model, strategy)
+    for model in MODELS
+    for strategy in STRATEGIES
+    if not (model == "resnet" and strategy == "dp2-pp2")
+]
+
+
+def sections_of(model: str, strategy: str) -> tuple[int, dict[str, Any]]:
+    world, sections = STRATEGIES[strategy]
+    if model == "resnet" and "pipeline" in sections:
+        sections = {**sections, "pipeline": {**sections["pipeline"], "microbatches": 1}}
+    return world, sections
 
 
 def hf_job(model: str, data: Path, world: int = 1, **sections: dict[str, Any]) -> Any:
@@ -60,10 +84,9 @@ def reference(model: str) -> dict[str, Any]:
     return run_job(hf_job(model, data_file(model)), timeout_s=300)
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(("model", "strategy"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
 def test_matches_single_process(model: str, strategy: str) -> None:
-    world, sections = STRATEGIES[strategy]
+    world, sections = sections_of(model, strategy)
     ref = reference(model)
     out = run_job(hf_job(model, data_file(model), world, **sections), timeout_s=300)
     assert out["losses"] == pytest.approx(ref["losses"], abs=ATOL)
@@ -72,10 +95,10 @@ def test_matches_single_process(model: str, strategy: str) -> None:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_export_loads_into_the_original_class(model: str, tmp_path: Path) -> None:
+    """Exported through a 1F1B pipeline: stages gather their shares, GPT-2's tie survives."""
     path = tmp_path / "final.safetensors"
-    job = hf_job(
-        model, data_file(model), 2, parallel={"dp": 2}, checkpoint={"save_final": str(path)}
-    )
+    world, sections = sections_of(model, "1f1b-pp2")
+    job = hf_job(model, data_file(model), world, **sections, checkpoint={"save_final": str(path)})
     out = run_job(job, timeout_s=300)
     fresh = getattr(hf_models, f"make_{model}")(None)
     weights = load_file(str(path))

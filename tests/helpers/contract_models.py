@@ -59,3 +59,17 @@ def batchnorm_mlp(spec: Any) -> nn.Module:
     return nn.Sequential(
         nn.Linear(width, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, spec.num_outputs)
     )
+
+
+def inplace_relus(spec: Any) -> nn.Module:
+    """ReLU(inplace=True) first in a stage under partition [2, 4]: it would modify the received
+    activation, a leaf that requires grad (issue 12)."""
+    width = spec.input_shape[0]
+    return nn.Sequential(
+        nn.Linear(width, 16),
+        nn.Linear(16, 16),
+        nn.ReLU(inplace=True),
+        nn.Linear(16, 16),
+        nn.ReLU(inplace=True),
+        nn.Linear(16, spec.num_outputs),
+    )

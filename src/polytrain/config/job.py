@@ -205,6 +205,11 @@ class PipelineConfig:
         "uniform", "'auto' (profiled), 'uniform', or blocks per stage, e.g. [3, 5]"
     )
     memory_limit_mb: float = option(0.0, "per-stage memory limit for 'auto' (0 = none)")
+    split_points: list[str] = option(
+        [],
+        "a user model's layers where stages 2, 3, ... begin, as module paths (e.g. "
+        "'transformer.h.2'); overrides partition (pp - 1 paths)",
+    )
     partition_trials: int = option(
         4,
         "'auto': time the profile's best partition and up to N - 1 neighbours (one boundary "

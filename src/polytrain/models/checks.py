@@ -14,6 +14,7 @@ from torch import nn
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError, PolytrainError
 from polytrain.models.base import BlockModel
+from polytrain.models.split import counts_from_split_points
 
 __all__ = ["check_model", "has_batchnorm", "tied_parameters"]
 
@@ -40,13 +41,21 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
     layer_pipeline = p.pp > 1 and bool(model.layers)  # [Note: layer pipeline] in models.split
     if ties and (p.tp > 1 or (p.pp > 1 and not layer_pipeline)):
         axis = "parallel.pp" if p.pp > 1 else "parallel.tp"
+        n = len(model.user_prefix)
+        names = [k[n:] if k.startswith(model.user_prefix) else k for k in ties[0]]
         raise ConfigError(
-            f"the model ties {' and '.join(ties[0])} (one shared tensor), and {axis} = "
+            f"the model ties {' and '.join(names)} (one shared tensor), and {axis} = "
             f"{getattr(p, axis.split('.')[1])} would keep separate copies that drift apart: "
             "train it with dp / zero / ps, or untie the weights in the model"
         )
     if layer_pipeline:
         _check_layer_pipeline(job, model)
+    if job.pipeline.split_points and not layer_pipeline:
+        raise ConfigError(
+            f"pipeline.split_points = {job.pipeline.split_points} applies to a pipeline over a "
+            "user model's repeated layers; for this model use pipeline.partition (blocks per "
+            "stage)"
+        )
     if named_inputs and p.pp > 1 and not layer_pipeline:
         raise ConfigError(
             f"named inputs (a .safetensors data set with several input tensors) with "
@@ -87,6 +96,8 @@ def _check_layer_pipeline(job: JobConfig, model: BlockModel) -> None:
             f"parallel.pp = {p.pp} stages but the model has {len(model.layers)} repeated layers "
             f"({model.layers[0].rpartition('.')[0]!r}): use at most {len(model.layers)} stages"
         )
+    if pl.split_points:
+        counts_from_split_points(model.blocks[0], model.layers, pl.split_points, p.pp)
 
 
 def _check_output(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Tensor]) -> None:

@@ -25,7 +25,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LayerSplit", "keep_owned", "stage_keys", "tied_stages", "trace_sides"]
+from polytrain.errors import ConfigError
+
+__all__ = [
+    "LayerSplit",
+    "counts_from_split_points",
+    "keep_owned",
+    "stage_keys",
+    "tied_stages",
+    "trace_sides",
+]
 
 PRE, POST = "pre", "post"
 
@@ -131,6 +140,33 @@ def keep_owned(
             del module._buffers[name]
             module._non_persistent_buffers_set.discard(name)
             object.__setattr__(module, name, buf)
+
+
+def counts_from_split_points(
+    user: nn.Module, layers: list[str], points: list[str], num_stages: int
+) -> list[int]:
+    """Layers per stage from ``pipeline.split_points`` (the layers where stages 2.. begin)."""
+    if len(points) != num_stages - 1:
+        raise ConfigError(
+            f"pipeline.split_points = {points} has {len(points)} paths for parallel.pp = "
+            f"{num_stages} stages: give {num_stages - 1} (where stages 2.. begin)"
+        )
+    starts = [0]
+    for point in points:
+        if point not in layers:
+            names = {n for n, _ in user.named_modules()}
+            what = "is not one of the repeated layers" if point in names else "names no module"
+            raise ConfigError(
+                f"pipeline.split_points: {point!r} {what} of the model: use layer paths such "
+                f"as {layers[1]!r} ... {layers[-1]!r}"
+            )
+        starts.append(layers.index(point))
+    if starts != sorted(set(starts)) or starts[1] == 0:
+        raise ConfigError(
+            f"pipeline.split_points = {points}: the layers must be in increasing order and "
+            f"after the first one ({layers[0]!r})"
+        )
+    return [b - a for a, b in zip(starts, [*starts[1:], len(layers)], strict=True)]
 
 
 def tied_stages(

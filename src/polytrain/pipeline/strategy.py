@@ -65,7 +65,13 @@ from polytrain.config.job import JobConfig
 from polytrain.data.datasets import Inputs
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel, inputs_to, one_input
-from polytrain.models.split import LayerSplit, stage_keys, tied_stages, trace_sides
+from polytrain.models.split import (
+    LayerSplit,
+    counts_from_split_points,
+    stage_keys,
+    tied_stages,
+    trace_sides,
+)
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.tensor_parallel import (
     apply_tensor_parallel_to_stage,
@@ -199,11 +205,14 @@ class PipelineStrategy:
         list_path = model.layers[0].rpartition(".")[0]
         num_layers = len(model.layers)
         setting = job.pipeline.partition
-        counts = (
-            check_counts(setting, num_layers, self.num_stages)
-            if isinstance(setting, list)
-            else uniform_counts(num_layers, self.num_stages)
-        )
+        if job.pipeline.split_points:
+            counts = counts_from_split_points(
+                user, model.layers, job.pipeline.split_points, self.num_stages
+            )
+        elif isinstance(setting, list):
+            counts = check_counts(setting, num_layers, self.num_stages)
+        else:
+            counts = uniform_counts(num_layers, self.num_stages)
         self.ranges = block_ranges(counts, num_layers)
         x, _ = self.batches.train(0, self.dp_rank, self.dp, 0, self.per_step)
         sample = inputs_to(x, self.device)
