@@ -322,3 +322,32 @@ def test_tied_sequential_pipeline_refused(capsys: pytest.CaptureFixture[str]) ->
     ]
     code, _, err = dry_run(args, capsys)
     assert code == 2 and "ties 0.weight and 2.weight" in err
+
+
+def test_console_script_sees_the_current_directory(tmp_path: Path, pairs: Path) -> None:
+    """``polytrain train --model my_model:make`` finds my_model.py beside the job, as
+    ``python -m polytrain`` does ([Note: the current directory])."""
+    import os
+    import shutil
+    import subprocess
+
+    script = shutil.which("polytrain")
+    if script is None:
+        pytest.skip("the polytrain console script is not installed")
+    (tmp_path / "my_model.py").write_text(
+        "from torch import nn\n\ndef make(spec):\n"
+        "    return nn.Linear(spec.input_shape[0], spec.num_outputs)\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + "/src",
+    }
+    done = subprocess.run(
+        [script, "train", "--dry-run", "--model", "my_model:make", "--data", str(pairs)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
