@@ -351,3 +351,20 @@ def test_console_script_sees_the_current_directory(tmp_path: Path, pairs: Path) 
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_python_api_takes_a_factory_and_tensors(tmp_path: Path) -> None:
+    """``polytrain.run(job, model=fn, data=...)``: the factory travels as its import path, the
+    tensors as a safetensors file in the run directory ([Note: objects to workers])."""
+    from polytrain.api import _write_data, factory_name
+    from tests.helpers.contract_models import linear
+
+    assert factory_name(linear) == f"{HELPERS}:linear"
+    with pytest.raises(ConfigError, match="not a lambda or nested function"):
+        factory_name(lambda spec: torch.nn.Linear(2, 2))
+    ids = torch.randint(0, 9, (8, 4))
+    source = _write_data({"input_ids": ids, "targets": torch.arange(8)}, tmp_path)
+    train, _, spec = build_datasets(DataConfig(source=source, val_fraction=0.25), 4)
+    x, _ = train.get(torch.arange(6))
+    assert spec.input_names == ("input_ids",) and isinstance(x, dict)
+    assert torch.equal(x["input_ids"], ids[:6])
