@@ -40,19 +40,21 @@ STRATEGIES: dict[str, tuple[int, dict[str, Any]]] = {
         {"parallel": {"dp": 2, "pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
     ),
 }
+# Tensor parallel: a transformers model's own base_model_tp_plan (Llama publishes one). GPT-2
+# (Conv1D, fused qkv, tied), BERT, ViT (no plan) and ResNet (convolutions) are not split yet.
+TENSOR_PARALLEL = {"tp2": (2, {"parallel": {"tp": 2}})}
 # BatchNorm in a pipeline matches one process only with one micro-batch and dp = 1
 # (docs/models.md): ResNet's pipelines run one micro-batch, and dp x pp is left out for it.
-# Tensor parallel of these models is not offered yet (pre-flight refuses it in one line).
 CASES = [
     (model, strategy)
     for model in MODELS
     for strategy in STRATEGIES
     if not (model == "resnet" and strategy == "dp2-pp2")
-]
+] + [("llama", "tp2")]
 
 
 def sections_of(model: str, strategy: str) -> tuple[int, dict[str, Any]]:
-    world, sections = STRATEGIES[strategy]
+    world, sections = {**STRATEGIES, **TENSOR_PARALLEL}[strategy]
     if model == "resnet" and "pipeline" in sections:
         sections = {**sections, "pipeline": {**sections["pipeline"], "microbatches": 1}}
     return world, sections
