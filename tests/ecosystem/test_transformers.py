@@ -23,7 +23,9 @@ from polytrain.testing import assert_state_close, run_job
 from tests.conftest import small_job
 from tests.helpers import hf_models
 
-pytestmark = pytest.mark.slow
+# A reference run and a layout run of a real model: more than the suite-wide 300 s when the
+# machine is shared (each process imports transformers).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODELS = ["gpt2", "llama", "bert", "resnet", "vit"]
 ATOL = 2e-5
