@@ -62,9 +62,9 @@ def sections_of(model: str, strategy: str) -> tuple[int, dict[str, Any]]:
     return world, sections
 
 
-def hf_job(model: str, data: Path, world: int = 1, **sections: dict[str, Any]) -> Any:
+def hf_job(name: str, data: Path, world: int = 1, **sections: dict[str, Any]) -> Any:
     base: dict[str, Any] = {
-        "model": {"name": f"tests.helpers.hf_models:make_{model}"},
+        "model": {"name": f"tests.helpers.hf_models:make_{name}"},
         "data": {"source": str(data)},
         "train": {"steps": 3, "global_batch_size": 8},
         "optim": {"name": "adamw", "lr": 1e-3},
