@@ -49,6 +49,7 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert path.stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
     blocker = tmp_path / "cache"
     blocker.write_text("not a directory")

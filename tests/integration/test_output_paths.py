@@ -114,6 +114,7 @@ def hold_lock(run_dir: Path) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_two_runs_cannot_share_an_out_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

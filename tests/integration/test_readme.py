@@ -83,7 +83,7 @@ def polytrain(argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.Co
 def test_the_readme_block_has_the_examples() -> None:
     assert len(COMMANDS) >= 5
     assert ["doctor"] in COMMANDS
-    assert all(argv[0] in ("train", "doctor") for argv in COMMANDS)
+    assert all(argv[0] in ("train", "doctor", "plan") for argv in COMMANDS)
 
 
 @pytest.mark.slow  # a subprocess per example: seconds each
@@ -95,6 +95,8 @@ def test_readme_example_validates(argv: list[str], user_dir: Path) -> None:
     assert proc.returncode == 0, f"polytrain {_id(argv)}\n{proc.stderr}"
     if argv[0] == "train":
         assert "[parallel]" in proc.stdout  # the resolved job, printed as TOML
+    elif argv[0] == "plan":
+        assert "plan:" in proc.stdout  # the chosen layout, then the table
     else:
         assert "torch" in proc.stdout
     if "--save-final" in argv:

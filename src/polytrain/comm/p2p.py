@@ -34,7 +34,16 @@ import torch.distributed as dist
 
 from polytrain.errors import ProtocolError
 
-__all__ = ["MAX_NDIM", "P2P", "PendingSends", "Work", "new_group_of", "recv_into", "send_all"]
+__all__ = [
+    "MAX_NDIM",
+    "P2P",
+    "PendingSends",
+    "Work",
+    "new_group_of",
+    "new_group_or_none",
+    "recv_into",
+    "send_all",
+]
 
 MAX_NDIM = 6
 _DTYPES: tuple[torch.dtype, ...] = (
@@ -196,10 +205,16 @@ def new_group_of(groups: Sequence[Sequence[int]], rank: int) -> dist.ProcessGrou
     fresh group is a private channel: messages left in flight on another group (a PipeDream
     stream between steps) can never be matched by a receive posted on this one.
     """
+    mine = new_group_or_none(groups, rank)
+    assert mine is not None, f"rank {rank} is in none of the groups {groups}"
+    return mine
+
+
+def new_group_or_none(groups: Sequence[Sequence[int]], rank: int) -> dist.ProcessGroup | None:
+    """`new_group_of` for groups that leave some ranks out: those get None."""
     mine: dist.ProcessGroup | None = None
     for ranks in groups:
         group = dist.new_group(list(ranks))
         if rank in ranks:
             mine = group
-    assert mine is not None, f"rank {rank} is in none of the groups {groups}"
     return mine

@@ -70,6 +70,8 @@ def _type_name(tp: Any) -> str:
     if origin is list:
         (inner,) = get_args(tp) or (Any,)
         return f"list of {_type_name(inner)}"
+    if origin is dict:
+        return "table"
     if tp is type(None):
         return "none"
     return getattr(tp, "__name__", str(tp))
@@ -105,6 +107,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key} = {value!r} has the wrong type: expected {_type_name(tp)}")
         (inner,) = get_args(tp) or (Any,)
         return [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # a free table (a factory's keyword arguments): string keys only
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key} = {value!r} has the wrong type: expected a table of keys")
+        return dict(value)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} = {value!r} has the wrong type: expected a table of keys")

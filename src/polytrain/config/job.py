@@ -8,7 +8,7 @@ size, batch against replicas and micro-batches).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from polytrain.config.base import option
 from polytrain.config.bounds import check_bounds
@@ -45,6 +45,20 @@ class ModelConfig:
     n_head: int | None = option(None, "attention heads (gpt)")
     block_size: int | None = option(None, "context length in tokens")
     dropout: float = option(0.0, "dropout probability")
+    loss: str = option(
+        "auto",
+        "cross_entropy, mse, or a function 'package.module:function' (predictions, targets) -> "
+        "scalar; auto: cross_entropy for integer targets, mse for float targets",
+    )
+    batchnorm: Literal["global", "local"] = option(
+        "global",
+        "BatchNorm statistics: global (over the whole batch of a step, synchronised across "
+        "data-parallel replicas: matches one process) or local (each replica / pipeline "
+        "micro-batch its own)",
+    )
+    args: dict[str, Any] = option(
+        {}, "keyword arguments of a factory model (a TOML table, e.g. [model.args] n_layer = 2)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "block_size"):
@@ -63,6 +77,11 @@ class DataConfig:
         "array, or a .safetensors file with 'inputs' and 'targets'",
     )
     val_fraction: float = option(0.1, "fraction of the data held out for validation")
+    tokenizer: str = option(
+        "char",
+        "text to token ids: char (distinct characters), byte (UTF-8 bytes, 256 ids), or the "
+        "path of a local tokenizer.json (Hugging Face tokenizers)",
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
@@ -198,6 +217,11 @@ class PipelineConfig:
         "uniform", "'auto' (profiled), 'uniform', or blocks per stage, e.g. [3, 5]"
     )
     memory_limit_mb: float = option(0.0, "per-stage memory limit in MiB for 'auto' (0 = none)")
+    split_points: list[str] = option(
+        [],
+        "a user model's layers where stages 2, 3, ... begin, as module paths (e.g. "
+        "'transformer.h.2'); overrides partition (pp - 1 paths)",
+    )
     partition_trials: int = option(
         4,
         "'auto': time the profile's best partition and up to N - 1 neighbours (one boundary "

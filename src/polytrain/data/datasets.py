@@ -10,16 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
+from polytrain.data.tensors import MAX_VOCAB, load_tensor_pairs
+from polytrain.data.tokenize import decode, tokenize
 from polytrain.errors import ConfigError
 
-__all__ = ["MAX_VOCAB", "DataSpec", "PairDataset", "TokenDataset", "build_datasets"]
-
-# Token ids and class labels index an embedding / output table of this many rows at most.
-MAX_VOCAB = 1 << 24
+__all__ = ["MAX_VOCAB", "DataSpec", "Inputs", "PairDataset", "TokenDataset", "build_datasets"]
 
 
 @dataclass(frozen=True)
@@ -32,9 +30,11 @@ class DataSpec:
     num_outputs: int = 0
     classification: bool = True
     itos: list[str] = field(default_factory=list)
+    input_names: tuple[str, ...] = ()
+    tokenizer: str = ""  # how text became ids (data.tokenizer); "" for non-text data  # named inputs (keyword arguments); () = one tensor
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.itos[i] for i in ids) if self.itos else " ".join(map(str, ids))
+        return decode(ids, self.tokenizer, self.itos)
 
 
 class TokenDataset:
@@ -59,18 +59,29 @@ class TokenDataset:
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-class PairDataset:
-    """Rows of an (inputs, targets) pair of tensors."""
+Inputs = torch.Tensor | dict[str, torch.Tensor]  # one tensor, or named ones (keyword arguments)
 
-    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+
+def _rows(inputs: Inputs, start: int, stop: int) -> Inputs:
+    if isinstance(inputs, torch.Tensor):
+        return inputs[start:stop]
+    return {k: v[start:stop] for k, v in inputs.items()}
+
+
+class PairDataset:
+    """Rows of an (inputs, targets) pair: inputs one tensor or several named ones."""
+
+    def __init__(self, inputs: Inputs, targets: torch.Tensor) -> None:
         self.inputs, self.targets = inputs, targets
-        self.num_samples = len(inputs)
+        self.num_samples = len(targets)
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def get(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs[indices], self.targets[indices]
+    def get(self, indices: torch.Tensor) -> tuple[Inputs, torch.Tensor]:
+        if isinstance(self.inputs, torch.Tensor):
+            return self.inputs[indices], self.targets[indices]
+        return {k: v[indices] for k, v in self.inputs.items()}, self.targets[indices]
 
 
 Dataset = TokenDataset | PairDataset
@@ -83,11 +94,15 @@ def _split(n: int, val_fraction: float) -> int:
 def _text_datasets(
     text: str, cfg: DataConfig, block_size: int
 ) -> tuple[Dataset, Dataset, DataSpec]:
-    itos = sorted(set(text))
-    stoi = {ch: i for i, ch in enumerate(itos)}
-    tokens = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)
+    tokens, vocab_size, itos = tokenize(text, cfg.tokenizer)
     cut = _split(len(tokens), cfg.val_fraction)
-    spec = DataSpec(kind="tokens", vocab_size=len(itos), input_shape=(block_size,), itos=itos)
+    spec = DataSpec(
+        kind="tokens",
+        vocab_size=vocab_size,
+        input_shape=(block_size,),
+        itos=itos,
+        tokenizer=cfg.tokenizer,
+    )
     return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
 
 
@@ -122,52 +137,6 @@ def _load_tokens(path: Path, source: str) -> torch.Tensor:
     return torch.from_numpy(array.astype(np.int64))
 
 
-def _load_pairs(path: Path, source: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, targets)`` from a ``.safetensors`` file, checked row by row (else `ConfigError`)."""
-    try:
-        tensors = load_file(str(path))
-    except Exception as exc:  # SafetensorError is not exported under a stable name
-        raise ConfigError(
-            f"data.source = {source!r} is not a valid .safetensors file "
-            f"({str(exc).split('. ')[0][:80]}): write it with safetensors.torch.save_file"
-        ) from None
-    if set(tensors) != {"inputs", "targets"}:
-        raise ConfigError(
-            f"data.source = {source!r} has tensors {sorted(tensors)}: expected exactly "
-            "'inputs' and 'targets' with the same number of rows"
-        )
-    inputs, targets = tensors["inputs"], tensors["targets"]
-    if inputs.ndim == 0 or targets.ndim == 0:
-        raise ConfigError(
-            f"data.source = {source!r} has shapes inputs {tuple(inputs.shape)}, targets "
-            f"{tuple(targets.shape)}: both need a first dimension of rows (scalars are not data)"
-        )
-    if len(inputs) != len(targets):
-        raise ConfigError(
-            f"data.source = {source!r} has {len(inputs)} input rows but {len(targets)} target "
-            "rows: expected the same number of rows"
-        )
-    if len(inputs) < 2:
-        raise ConfigError(
-            f"data.source = {source!r} holds {len(inputs)} row(s): need at least 2 (one for "
-            "training, one for validation)"
-        )
-    if not targets.is_floating_point() and targets.numel():
-        low, high = int(targets.min()), int(targets.max())
-        if low < 0 or high >= MAX_VOCAB:
-            bad = low if low < 0 else high
-            raise ConfigError(
-                f"data.source = {source!r} holds class label {bad}: integer targets are class "
-                f"indices in [0, {MAX_VOCAB}); use float targets for regression"
-            )
-    for name, tensor in (("inputs", inputs), ("targets", targets)):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ConfigError(
-                f"data.source = {source!r}: {name} hold NaN or Inf values: clean the data"
-            )
-    return inputs.float(), targets
-
-
 def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, DataSpec]:
     """Train and validation datasets (a fixed split: the last ``val_fraction`` is validation)."""
     if cfg.source == "pydoc":
@@ -185,23 +154,25 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
         spec = DataSpec(kind="tokens", vocab_size=vocab, input_shape=(block_size,))
         return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
     if path.suffix == ".safetensors":
-        inputs, targets = _load_pairs(path, cfg.source)
+        inputs, targets, rows = load_tensor_pairs(path, cfg.source)
         classification = not targets.is_floating_point()
         num_outputs = (
             int(targets.max()) + 1
             if classification
             else (1 if targets.ndim == 1 else int(targets.shape[-1]))
         )
-        cut = _split(len(inputs), cfg.val_fraction)
+        cut = _split(rows, cfg.val_fraction)
+        first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs.values()))
         spec = DataSpec(
             kind="pairs",
-            input_shape=tuple(inputs.shape[1:]),
+            input_shape=tuple(first.shape[1:]),
             num_outputs=num_outputs,
             classification=classification,
+            input_names=() if isinstance(inputs, torch.Tensor) else tuple(inputs),
         )
         return (
-            PairDataset(inputs[:cut], targets[:cut]),
-            PairDataset(inputs[cut:], targets[cut:]),
+            PairDataset(_rows(inputs, 0, cut), targets[:cut]),
+            PairDataset(_rows(inputs, cut, rows), targets[cut:]),
             spec,
         )
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from polytrain.data.datasets import Dataset
+from polytrain.data.datasets import Dataset, Inputs
 
 __all__ = ["Batches", "GlobalBatchSampler"]
 
@@ -59,11 +59,11 @@ class Batches:
         num_replicas: int = 1,
         microbatch: int = 0,
         num_microbatches: int = 1,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Inputs, torch.Tensor]:
         idx = self.train_sampler.shard(step, replica, num_replicas, microbatch, num_microbatches)
         return self.train_set.get(idx)
 
     def val(
         self, index: int, replica: int = 0, num_replicas: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[Inputs, torch.Tensor]:
         return self.val_set.get(self.val_sampler.shard(index, replica, num_replicas))

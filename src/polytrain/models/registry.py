@@ -1,14 +1,14 @@
 """Build the model a job names: a built-in (``gpt``, ``mlp``) or a user factory.
 
-A user factory is ``package.module:function``; it is called with the `DataSpec` and returns an
-``nn.Module``. A `BlockModel` is used as it is; an ``nn.Sequential`` becomes one block per child;
-any other module is a single block. The loss is the module's ``loss(output, target)`` method if it
-has one, else cross-entropy.
+A user factory is ``package.module:function``; it is called as ``factory(spec, **model.args)``
+with the `DataSpec` and returns an ``nn.Module`` (docs/models.md). A `BlockModel` is used as it
+is; an ``nn.Sequential`` becomes one block per child; any other module is a single block whose
+repeated layers are found (`models.blocks`). The loss is the module's ``loss(output, target)``
+method if it has one, else ``model.loss`` (`models.contract`).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,34 +17,65 @@ from torch import nn
 
 from polytrain.config.job import ModelConfig
 from polytrain.data.datasets import DataSpec
-from polytrain.errors import ConfigError
+from polytrain.errors import ConfigError, PolytrainError
 from polytrain.models import gpt, mlp
-from polytrain.models.base import BlockModel, cross_entropy_loss
+from polytrain.models.base import BlockModel
+from polytrain.models.blocks import layer_paths
+from polytrain.models.contract import import_callable, resolve_loss
 
 __all__ = ["BUILTINS", "build_model", "model_dims", "resolve_factory"]
 
 BUILTINS = ("gpt", "mlp")
 
 
-def resolve_factory(name: str) -> Callable[[DataSpec], nn.Module]:
+def resolve_factory(name: str) -> Callable[..., nn.Module]:
     """Import ``package.module:function`` (a `ConfigError` that says why if it cannot)."""
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in name:
         raise ConfigError(
             f"model.name = {name!r} is not a built-in model ({', '.join(BUILTINS)}) nor a "
             "factory of the form 'package.module:function'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
+    return import_callable(name, "model.name")
+
+
+def _check_factory_fields(cfg: ModelConfig) -> None:
+    """Size fields belong to the built-ins; a factory takes its own in ``model.args``."""
+    given = [k for k in ("n_layer", "n_embd", "n_head") if getattr(cfg, k) is not None]
+    given += ["size"] if cfg.size != "tiny" else []
+    given += ["dropout"] if cfg.dropout else []
+    if given:
+        key = given[0]
         raise ConfigError(
-            f"model.name = {name!r}: cannot import module {module_name!r} ({exc}); check "
-            "the spelling and that it is on PYTHONPATH"
+            f"model.{key} = {getattr(cfg, key)!r} applies to the built-in models only, and "
+            f"model.name = {cfg.name!r} is a factory: pass it as model.args.{key} (keyword "
+            "arguments of the factory) or leave it out"
+        )
+
+
+def _call_factory(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
+    factory = resolve_factory(cfg.name)
+    try:
+        module = factory(spec, **cfg.args)
+    except PolytrainError:
+        raise
+    except Exception as exc:  # the user's code: any failure becomes one line
+        where = ""
+        if torch.get_default_device().type == "meta":
+            where = (
+                " while pre-flight built it on the meta device (no memory, no values): avoid "
+                "reading tensor values (.item(), .tolist(), data-dependent control flow) in "
+                "the model's constructor"
+            )
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(
+            f"model.name = {cfg.name!r} raised {type(exc).__name__}({detail!r}){where}; "
+            f"model.args = {cfg.args!r}"
         ) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"model.name = {name!r}: module {module_name!r} has no callable {attr!r}")
-    return factory
+    if not isinstance(module, nn.Module):
+        raise ConfigError(
+            f"model.name = {cfg.name!r} returned {type(module).__name__}, not an nn.Module"
+        )
+    return module
 
 
 def model_dims(cfg: ModelConfig) -> dict[str, Any]:
@@ -71,26 +102,35 @@ def build_model(cfg: ModelConfig, spec: DataSpec, seed: int) -> BlockModel:
     """Build the model with weights that depend on ``seed`` only (never on the layout)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if cfg.name == "gpt":
-            if spec.kind != "tokens":
+        if cfg.name in BUILTINS:
+            if cfg.args:
                 raise ConfigError(
-                    "model.name = 'gpt' needs token data (text or a .npy token array), "
-                    f"but data.source gives {spec.kind}"
+                    f"model.args = {cfg.args!r} is for factories, and model.name = "
+                    f"{cfg.name!r} is a built-in: use model.n_layer, model.n_embd, ... instead"
                 )
-            dims = model_dims(cfg)
-            return gpt.build_gpt(
-                gpt.GPTConfig(vocab_size=spec.vocab_size, dropout=cfg.dropout, **dims)
-            )
-        if cfg.name == "mlp":
-            dims = model_dims(cfg)
-            return mlp.build_mlp(spec, dims["n_layer"], dims["n_embd"], dims["block_size"])
-        module = resolve_factory(cfg.name)(spec)
+            model = _build_builtin(cfg, spec)
+            if cfg.loss != "auto":
+                model.loss_fn = resolve_loss(cfg.loss, spec.classification)
+            return model
+        _check_factory_fields(cfg)
+        module = _call_factory(cfg, spec)
     if isinstance(module, BlockModel):
         return module
-    if not isinstance(module, nn.Module):
-        raise ConfigError(
-            f"model.name = {cfg.name!r} returned {type(module).__name__}, not an nn.Module"
-        )
-    blocks = list(module.children()) if isinstance(module, nn.Sequential) else [module]
     loss = getattr(module, "loss", None)
-    return BlockModel(blocks, loss if callable(loss) else cross_entropy_loss)
+    loss_fn = loss if callable(loss) else resolve_loss(cfg.loss, spec.classification)
+    if isinstance(module, nn.Sequential):
+        return BlockModel(list(module.children()), loss_fn, user_prefix="blocks.")
+    return BlockModel([module], loss_fn, user_prefix="blocks.0.", layers=layer_paths(module))
+
+
+def _build_builtin(cfg: ModelConfig, spec: DataSpec) -> BlockModel:
+    if cfg.name == "gpt":
+        if spec.kind != "tokens":
+            raise ConfigError(
+                "model.name = 'gpt' needs token data (text or a .npy token array), "
+                f"but data.source gives {spec.kind}"
+            )
+        dims = model_dims(cfg)
+        return gpt.build_gpt(gpt.GPTConfig(vocab_size=spec.vocab_size, dropout=cfg.dropout, **dims))
+    dims = model_dims(cfg)
+    return mlp.build_mlp(spec, dims["n_layer"], dims["n_embd"], dims["block_size"])

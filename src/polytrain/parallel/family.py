@@ -14,7 +14,9 @@ from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
 from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel
+from polytrain.models.base import BlockModel, one_input
+from polytrain.models.blocks import disable_inplace
+from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.data_parallel import apply_data_parallel
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.replicate import apply_replicate
@@ -48,7 +50,11 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, world_size=ctx.world_size)
     mesh = build_mesh(dims, ctx.device.type)
     model = model.to(ctx.device)
+    if p.tp > 1:  # [Note: in-place ops at boundaries] in models.blocks
+        disable_inplace(model)
     name = f"dp{p.dp}"
+    if p.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
+        convert_batchnorm(model, mesh.group("dp"))
     wrapped: torch.nn.Module = model
     if p.tp > 1:
         apply_tensor_parallel(model, mesh.sub("tp"), job.model.name, p.tp_plan)
@@ -68,7 +74,7 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
             sample, _ = batches.train(0, mesh.coord("dp"), p.dp)
             local_batch = job.train.global_batch_size // (p.dp * job.train.grad_accum)
             sf = apply_sufficient_factor(
-                model, mesh, p.sufficient_factor, sample.to(ctx.device), local_batch
+                model, mesh, p.sufficient_factor, one_input(sample).to(ctx.device), local_batch
             )
             name += f"-sf{len(sf.chosen)}"
             rest = bool(sf.allreduce_params)

@@ -30,8 +30,11 @@ def _checkpointed(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def apply_recompute(model: BlockModel) -> BlockModel:
-    """Recompute every block with parameters in backward, in place (names unchanged)."""
-    for block in model.blocks:
+    """Recompute every block with parameters in backward, in place (names unchanged).
+
+    A user model's blocks are its repeated layers ([Note: block view] in `models.blocks`).
+    """
+    for block in model.units():
         if any(True for _ in block.parameters()) and not is_recomputed(block):
             # A partial over the module (not a closure): deep copies re-bind to the copy.
             block.forward = partial(_checkpointed, block)

@@ -25,7 +25,7 @@ from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel
+from polytrain.models.base import BlockModel, inputs_to
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.grad_norm import grad_norm
 
@@ -72,7 +72,7 @@ class SPMDStrategy(Strategy):
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
             x, y = self.batches.train(step, self.dp_rank, self.dp, micro, accum)
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = inputs_to(x, self.device), y.to(self.device)
             with self._sync_context(micro == accum - 1):
                 with self.tracer.span("forward", microbatch=micro, step=step):
                     with autocast(self.device, self.job.train.dtype):
@@ -97,7 +97,7 @@ class SPMDStrategy(Strategy):
         for i in range(num_batches):
             x, y = self.batches.val(i, self.dp_rank, self.dp)
             with autocast(self.device, self.job.train.dtype):
-                total += self.base.loss(self.model(x.to(self.device)), y.to(self.device))
+                total += self.base.loss(self.model(inputs_to(x, self.device)), y.to(self.device))
         return float(all_reduce_mean(total, self.mesh.group("dp"))) / num_batches
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

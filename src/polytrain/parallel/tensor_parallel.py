@@ -88,10 +88,44 @@ def _builtin_plan(model_name: str, model: nn.Module, tp: int) -> list[PlanEntry]
     if model_name == "mlp":
         linears = [n for n, i in infos.items() if i.kind == "linear"]
         return mlp_plan(linears, {n: infos[n].out_dim for n in linears}, tp)
+    own = _own_plan(model)
+    if own:
+        return own
     raise MeshError(
         f"parallel.tp = {tp} for model {model_name!r}, which has no built-in tensor-parallel "
         "plan: give one as parallel.tp_plan = ['path.pattern=colwise', ...]"
     )
+
+
+# transformers' plan styles that are ours (others, e.g. packed or sequence-parallel, are not)
+_HF_STYLES: dict[str, Style] = {"colwise": "colwise", "rowwise": "rowwise"}
+
+
+def _own_plan(model: nn.Module) -> list[PlanEntry]:
+    """A transformers model's own ``base_model_tp_plan``, as plan rows over our module paths.
+
+    transformers publishes the plan on the config, relative to the base model
+    (``model.layers.*.self_attn.q_proj`` is ``layers.*.self_attn.q_proj`` under
+    ``base_model_prefix = "model"``). A user model is ``blocks.0`` of the `BlockModel`.
+    """
+    blocks = getattr(model, "blocks", None)
+    user = blocks[0] if isinstance(blocks, nn.Sequential) else model
+    config = getattr(user, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not plan:
+        return []
+    base = getattr(user, "base_model_prefix", "")
+    prefix = "blocks.0." + (f"{base}." if base and hasattr(user, base) else "")
+    rows = []
+    for pattern, style in plan.items():
+        if style not in _HF_STYLES:
+            raise MeshError(
+                f"the model's own tensor-parallel plan has {pattern!r} = {style!r}, a style "
+                f"polytrain does not offer ({', '.join(_HF_STYLES)}): give "
+                "parallel.tp_plan rows instead"
+            )
+        rows.append(PlanEntry(prefix + pattern, _HF_STYLES[style]))
+    return rows
 
 
 def resolve_tp_plan(

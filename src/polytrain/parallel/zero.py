@@ -26,11 +26,11 @@ _REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_zero(module: BlockModel, mesh: Mesh, cfg: ParallelConfig) -> FSDPModule:
-    """Shard every block, then the root, over the ``dp`` axis."""
+    """Shard every block (a user model's repeated layers, [Note: block view]), then the root."""
     reshard = cfg.zero == 3
     dp_mesh = mesh.sub("dp")
     policy = MixedPrecisionPolicy(reduce_dtype=_REDUCE_DTYPES.get(cfg.grad_compression))
-    for block in module.blocks:
+    for block in module.units():
         if any(p.requires_grad for p in block.parameters()):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)

@@ -11,6 +11,7 @@ from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
 from polytrain.errors import PartitionError
 from polytrain.models.base import BlockModel
+from polytrain.models.blocks import disable_inplace
 from polytrain.parallel.family import check_tp_plan
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.profile import check_partition
@@ -22,13 +23,14 @@ __all__ = ["PIPELINE", "build_pipeline", "check_pipeline"]
 
 def check_pipeline(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
     """Stages, partition, schedule options and the stages' tensor-parallel plan."""
-    if job.parallel.pp > model.num_blocks:
+    if job.parallel.pp > model.num_blocks and not model.layers:
         raise PartitionError(
             f"parallel.pp = {job.parallel.pp} stages but the model has only {model.num_blocks} "
             f"blocks: use at most {model.num_blocks} stages or a deeper model"
         )
     check_pipeline_job(job)
-    check_partition(job, model, dataset)
+    if not model.layers:  # a user model's layers are partitioned in models.checks
+        check_partition(job, model, dataset)
     check_tp_plan(job, model)
 
 
@@ -39,7 +41,9 @@ def build_pipeline(
     p = job.parallel
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, world_size=ctx.world_size)
     mesh = build_mesh(dims, ctx.device.type)
-    return PipelineStrategy(job, model.to(ctx.device), mesh, batches, ctx.device)
+    model = model.to(ctx.device)
+    disable_inplace(model)  # [Note: in-place ops at boundaries] in models.blocks
+    return PipelineStrategy(job, model, mesh, batches, ctx.device)
 
 
 PIPELINE = StrategyFamily(

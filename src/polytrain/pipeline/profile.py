@@ -27,7 +27,7 @@ from polytrain.config.job import JobConfig
 from polytrain.core.optim import build_optimizer
 from polytrain.data.datasets import Dataset
 from polytrain.errors import PartitionError
-from polytrain.models.base import BlockModel
+from polytrain.models.base import BlockModel, one_input
 from polytrain.pipeline.partition import (
     BlockProfile,
     PartitionResult,
@@ -364,7 +364,7 @@ def check_partition(job: JobConfig, model: BlockModel, dataset: Dataset) -> None
     rows = t.global_batch_size // (p.dp * t.grad_accum * job.pipeline.microbatches)
     device = next(model.parameters()).device
     inputs, targets = dataset.get(torch.arange(min(rows, len(dataset))))
-    sample = (inputs.to(device), targets.to(device))
+    sample = (one_input(inputs).to(device), targets.to(device))
     try:
         profiles = profile_blocks(
             model,

@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from polytrain.comm.p2p import P2P, PendingSends, Work
 from polytrain.models.base import LossFn
 from polytrain.observe.trace import Tracer
+from polytrain.pipeline.layer_stage import LayerStage
 from polytrain.pipeline.saved_tensors import count_saved_bytes, storage_keys
 from polytrain.pipeline.schedule import Action, ActionKind
 from polytrain.pipeline.stage import StageModule
@@ -55,6 +57,8 @@ class Feed:
     """Factor of every micro-batch loss; see [Note: loss scale]."""
     step: int = 0
     """Step number recorded in trace spans."""
+    context: Callable[[int], Any] | None = None
+    """Micro-batch ``i``'s model inputs for every stage of a layer pipeline (`LayerStage`)."""
 
 
 def crossing_updates(actions: Sequence[Action], update_every: int) -> set[int]:
@@ -222,7 +226,7 @@ class StageRuntime:
 
     def __init__(
         self,
-        stage: StageModule,
+        stage: StageModule | LayerStage,
         stage_index: int,
         num_stages: int,
         p2p: P2P,
@@ -315,6 +319,8 @@ class StageRuntime:
         x = state.input
         assert x is not None
         weights = self.stash.forward(i) if self.stash is not None else None
+        if feed.context is not None and isinstance(self.stage, LayerStage):
+            self.stage.set_context(feed.context(i))  # it runs the model's own forward
         with self._count_saved(state), self._autocast():
             out = self.stage(x, weights)
             if self.is_last:
@@ -383,7 +389,7 @@ class StageRuntime:
         self.pending.wait()
         assert not self._flight, f"micro-batches still in flight: {sorted(self._flight)}"
 
-    def forward_only(self, x: torch.Tensor) -> torch.Tensor:
-        """Evaluation forward on the live weights (no graph)."""
+    def forward_only(self, x: torch.Tensor) -> Any:
+        """Evaluation forward on the live weights (no graph); the last stage may return a dict."""
         with torch.no_grad(), self._autocast():
             return self.stage(x.to(self.device))

@@ -41,8 +41,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
+from torch import nn
 
 from polytrain.comm.collectives import (
     all_reduce_max_,
@@ -52,7 +54,14 @@ from polytrain.comm.collectives import (
     barrier,
 )
 from polytrain.comm.mesh import Mesh
-from polytrain.comm.p2p import P2P, PendingSends, new_group_of, recv_into, send_all
+from polytrain.comm.p2p import (
+    P2P,
+    PendingSends,
+    new_group_of,
+    new_group_or_none,
+    recv_into,
+    send_all,
+)
 from polytrain.config.job import JobConfig
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import (
@@ -64,8 +73,16 @@ from polytrain.core.step import (
     sum_over,
 )
 from polytrain.core.strategy import StepOutput, Strategy
+from polytrain.data.datasets import Inputs
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel
+from polytrain.models.base import BlockModel, inputs_to, one_input
+from polytrain.models.split import (
+    LayerSplit,
+    counts_from_split_points,
+    stage_keys,
+    tied_stages,
+    trace_sides,
+)
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.tensor_parallel import (
     apply_tensor_parallel_to_stage,
@@ -74,7 +91,8 @@ from polytrain.parallel.tensor_parallel import (
     local_tensor,
 )
 from polytrain.pipeline.checks import check_pipeline_job
-from polytrain.pipeline.partition import block_ranges
+from polytrain.pipeline.layer_stage import LayerStage
+from polytrain.pipeline.partition import block_ranges, check_counts, uniform_counts
 from polytrain.pipeline.profile import choose_partition, leaves_no_trace
 from polytrain.pipeline.runtime import (
     GRAD,
@@ -90,6 +108,7 @@ __all__ = ["PipelineStrategy"]
 
 EVAL = "eval"
 _SYNC_ONLY = " (synchronous schedules only)"
+_PLACEHOLDER = torch.empty(0)  # a layer pipeline's first-stage "input": the inputs are context
 PARTITION_TRIAL_ROUNDS = 3  # timed steps per candidate ([Note: partition trials])
 
 
@@ -149,8 +168,27 @@ class PipelineStrategy(Strategy):
         self._grad_group = new_group_of(pp_groups, mesh.rank)
         self.tp = mesh.dims.tp
         self._dtype = torch.bfloat16 if job.train.dtype == "bf16" else None
+        self.stage: StageModule | LayerStage
+        self.layer_split: LayerSplit | None = None
+        self._tie_group: Any = None
+        self._tied: list[
+            nn.Parameter
+        ] = []  # tied tensors this stage holds ([Note: layer pipeline])
+        self._tie_counted = True  # whether this stage counts the tied tensors in the global norm
+        if model.layers:
+            self._build_layer_stage(job, model)
+        else:
+            self._build_block_stage(job, model)
+        self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
+        self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
+        self.modules = [self.stage]
+        self.rules = StepRules.of(job)
+        self._init_runtime(job, model)
+
+    def _build_block_stage(self, job: JobConfig, model: BlockModel) -> None:
+        mesh, device, batches = self.mesh, self.device, self.batches
         x, y = batches.train(0, self.dp_rank, self.dp, 0, self.per_step)
-        sample = (x.to(device), y.to(device))
+        sample = (one_input(x).to(device), y.to(device))
         # The model is already on `device` (trainer/build.py), so `auto` profiles it there.
         counts = choose_partition(
             job,
@@ -163,19 +201,59 @@ class PipelineStrategy(Strategy):
         )
         self.ranges = block_ranges(counts)
         start, stop = self.ranges[self.stage_index]
-        self.stage: StageModule = build_stage(
-            model, start, stop, recompute=job.parallel.recompute
-        ).to(device)
+        stage = build_stage(model, start, stop, recompute=job.parallel.recompute).to(device)
         if self.tp > 1:  # tensor parallel inside the stage, before dp (docs/tensor_parallel.md)
             apply_tensor_parallel_to_stage(
-                self.stage, model, mesh.sub("tp"), job.model.name, job.parallel.tp_plan
+                stage, model, mesh.sub("tp"), job.model.name, job.parallel.tp_plan
             )
-        self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
-        self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
-        self.modules = [self.stage]
-        self.rules = StepRules.of(job)
+        self.stage = stage
         self._stage_keys = self._keys_per_stage(model)
 
+    def _build_layer_stage(self, job: JobConfig, model: BlockModel) -> None:
+        """[Note: layer pipeline] in `models.split`: stages over a user model's layers."""
+        user = model.blocks[0]
+        list_path = model.layers[0].rpartition(".")[0]
+        num_layers = len(model.layers)
+        setting = job.pipeline.partition
+        if job.pipeline.split_points:
+            counts = counts_from_split_points(
+                user, model.layers, job.pipeline.split_points, self.num_stages
+            )
+        elif isinstance(setting, list):
+            counts = check_counts(setting, num_layers, self.num_stages)
+        else:
+            counts = uniform_counts(num_layers, self.num_stages)
+        self.ranges = block_ranges(counts)
+        x, _ = self.batches.train(0, self.dp_rank, self.dp, 0, self.per_step)
+        sample = inputs_to(x, self.device)
+        with leaves_no_trace(model, self.device):  # the tracing forward changes no buffer
+            split = trace_sides(
+                user,
+                list_path,
+                lambda: user(**sample) if isinstance(sample, dict) else user(sample),
+            )
+        self.layer_split = split
+        full = model.state_dict()
+        keys = stage_keys(user, split, self.ranges, "blocks.0.")
+        self._stage_keys = [[(k, full[k].shape, full[k].dtype) for k in ks] for ks in keys]
+        holders = tied_stages(user, split, self.ranges)
+        self.stage = LayerStage(model, split, self.ranges, self.stage_index).to(self.device)
+        self._setup_ties(holders)
+
+    def _setup_ties(self, holders: list[tuple[nn.Parameter, set[int]]]) -> None:
+        """A process group per set of stages sharing tensors (every rank creates every one)."""
+        stage_sets = sorted({tuple(sorted(stages)) for _, stages in holders})
+        pp_groups = self.mesh.dims.all_groups("pp")
+        for stages in stage_sets:
+            group = new_group_or_none([[g[s] for s in stages] for g in pp_groups], self.mesh.rank)
+            if self.stage_index in stages:
+                assert self._tie_group is None, "one set of stages per model is supported"
+                self._tie_group = group
+                self._tie_counted = self.stage_index == stages[0]
+        self._tied = [p for p, stages in holders if self.stage_index in stages]
+
+    def _init_runtime(self, job: JobConfig, model: BlockModel) -> None:
+        s = self.stage_index
         pipedream = self.schedule_name == "pipedream"
         params = dict(self.stage.named_parameters())
         # PipeDream updates after every micro-batch, or once per step (PipeDream-2BW).
@@ -192,7 +270,7 @@ class PipelineStrategy(Strategy):
             next_rank=self.next_rank,
             loss_fn=model.loss_fn,
             tracer=self.tracer,
-            device=device,
+            device=self.device,
             autocast_dtype=self._dtype,
             stash=self.stash,
             after_backward=self._pipedream_update if pipedream else None,
@@ -201,9 +279,9 @@ class PipelineStrategy(Strategy):
         if not pipedream:
             self._program = self._stage_program(self.schedule_name, self.microbatches, check=True)
         self._stream: _Stream | None = None
-        self._bad_grad = torch.zeros((), device=device)  # PipeDream: a non-finite update seen
+        self._bad_grad = torch.zeros((), device=self.device)  # PipeDream: a non-finite update seen
         self._data_step = -1
-        self._data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._data: dict[int, tuple[Inputs, torch.Tensor]] = {}
         suffix = (f"-dp{self.dp}" if self.dp > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
         self.name = f"{self.schedule_name}-pp{self.num_stages}-m{self.microbatches}{suffix}"
 
@@ -276,7 +354,7 @@ class PipelineStrategy(Strategy):
 
     # -- training ------------------------------------------------------------------------------
 
-    def _micro(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _micro(self, step: int, index: int) -> tuple[Inputs, torch.Tensor]:
         """Micro-batch ``index`` of this replica's slice of step ``step`` (cached per step)."""
         if step != self._data_step:
             self._data_step, self._data = step, {}
@@ -298,6 +376,10 @@ class PipelineStrategy(Strategy):
             loss += self.runtime.run(self._program, feed)
             self.runtime.finish()
         grads = self._grads()
+        if self._tie_group is not None:  # [Note: layer pipeline]: tied copies get the sum
+            for param in self._tied:
+                if param.grad is not None:
+                    all_reduce_sum_(param.grad, self._tie_group)
         if self.dp > 1:
             with self.tracer.span("allreduce_grads", cat="comm", step=step):
                 all_reduce_mean_flat_([local_tensor(g) for g in grads], self.mesh.group("dp"))
@@ -315,8 +397,16 @@ class PipelineStrategy(Strategy):
         )
 
     def _feed(self, where: Callable[[int], tuple[int, int]], scale: float, step: int) -> Feed:
+        if self.layer_split is not None:  # every stage gets the model inputs as context
+            return Feed(
+                inputs=lambda i: _PLACEHOLDER,
+                targets=lambda i: self._micro(*where(i))[1],
+                scale=scale,
+                step=step,
+                context=lambda i: inputs_to(self._micro(*where(i))[0], self.device),
+            )
         return Feed(
-            inputs=lambda i: self._micro(*where(i))[0],
+            inputs=lambda i: one_input(self._micro(*where(i))[0]),
             targets=lambda i: self._micro(*where(i))[1],
             scale=scale,
             step=step,
@@ -330,7 +420,11 @@ class PipelineStrategy(Strategy):
 
     def _global_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """The whole model's gradient norm: squared norms summed over the pipeline."""
-        squares = grad_square_sum(grads, self.mesh)  # tp shards summed, replicas counted once
+        counted = list(grads)
+        if not self._tie_counted:  # a tied tensor counts once, on the first stage holding it
+            tied = {id(p.grad) for p in self._tied}
+            counted = [g for g in grads if id(g) not in tied]
+        squares = grad_square_sum(counted, self.mesh)  # tp shards summed, replicas counted once
         return all_reduce_sum_(squares, self.mesh.group("pp")).sqrt()
 
     # -- PipeDream -----------------------------------------------------------------------------
@@ -413,8 +507,16 @@ class PipelineStrategy(Strategy):
         total = torch.zeros((), device=self.device)
         pending = PendingSends()
         for i in range(num_batches):
+            if isinstance(self.stage, LayerStage):
+                self.stage.set_context(
+                    inputs_to(self.batches.val(i, self.dp_rank, self.dp)[0], self.device)
+                )
             if self.prev_rank is None:
-                x = self.batches.val(i, self.dp_rank, self.dp)[0]
+                x = (
+                    _PLACEHOLDER
+                    if self.layer_split is not None
+                    else one_input(self.batches.val(i, self.dp_rank, self.dp)[0])
+                )
             else:
                 x = self.eval_p2p.recv(self.prev_rank, EVAL)
             with self.tracer.span("eval_F", cat="eval", microbatch=i, stage=self.stage_index):

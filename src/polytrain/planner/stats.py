@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
-from polytrain.models.base import BlockModel
+from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
 from polytrain.planner.types import BlockStats, ModelStats
@@ -224,7 +224,7 @@ def model_stats(
         model = build_model(job.model, spec, job.train.seed)
     stats = stats_of(
         model,
-        x.to(device),
+        one_input(x).to(device),
         y.to(device),
         name=f"{job.model.name}-{job.model.size}",
         tokens_per_sample=tokens,
@@ -238,7 +238,7 @@ def model_stats(
     try:
         real = build_model(job.model, spec, job.train.seed).to(measure_device)
         xb, yb = train_set.get(torch.arange(batch))
-        times = _time_blocks(real, xb.to(measure_device), yb.to(measure_device), repeats)
+        times = _time_blocks(real, one_input(xb).to(measure_device), yb.to(measure_device), repeats)
     finally:
         torch.set_num_threads(old_threads)
     blocks = tuple(

@@ -63,6 +63,7 @@ from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
+from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
@@ -159,6 +160,8 @@ class PSStrategy(Strategy):
             self.modules = [module_of(self.server.params)]
             self.name = f"ps-{ps.mode}-server{index}"
         else:
+            if self.sync and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
+                convert_batchnorm(model, self.worker_group)
             self.client = WorkerClient(
                 rank, self.layout, self.servers, self.num_workers, job.launch.timeout_s
             )

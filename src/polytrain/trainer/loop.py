@@ -196,7 +196,7 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     if ctx.is_main:
         result.state_dict = state
         if job.checkpoint.save_final:
-            save_weights(state, job.checkpoint.save_final)
+            save_weights(model.export_state(state), job.checkpoint.save_final)
         if job.model.name == "gpt" and job.train.sample_tokens:
             sample_model = build_model(job.model, spec, job.train.seed)
             sample_model.load_state_dict(state)

@@ -12,6 +12,8 @@ from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel
+from polytrain.models.blocks import disable_inplace
+from polytrain.models.checks import check_model
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.trainer.build import strategy_family
 from polytrain.trainer.outputs import check_output_paths
@@ -37,6 +39,9 @@ def preflight(job: JobConfig) -> BlockModel:
             f"model {job.model.name!r} cannot be built with these dimensions "
             f"({str(exc).splitlines()[0][:100]}): lower model.n_embd / n_layer / block_size"
         ) from None
+    if job.parallel.pp > 1 or job.parallel.tp > 1:  # as the workers do (strategy families)
+        disable_inplace(model)
+    check_model(job, model, train_data.get(torch.arange(min(2, len(train_data)))))
     if job.launch.nnodes > 1 and job.launch.nproc % job.parallel.tp:
         raise MeshError(  # consecutive ranks share a host; tp groups are consecutive ranks
             f"parallel.tp = {job.parallel.tp} does not divide --nproc {job.launch.nproc}: "

@@ -1,0 +1,82 @@
+"""A ``.safetensors`` data set: ``targets`` and one or several named input tensors, dtypes kept.
+
+``inputs`` alone is the model's one positional input; any other names (``input_ids``,
+``attention_mask``, ``pixel_values``, ``labels``...) are passed as keyword arguments
+(docs/models.md). Integer inputs stay integer (token ids index an embedding); float inputs are
+float32. Integer targets are class indices (cross-entropy), float targets values (mse).
+
+Shapes: N rows; every tensor's first dim is N.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from polytrain.errors import ConfigError
+
+__all__ = ["MAX_VOCAB", "load_tensor_pairs"]
+
+# Token ids and class labels index an embedding / output table of this many rows at most.
+MAX_VOCAB = 1 << 24
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
+def load_tensor_pairs(
+    path: Path, source: str
+) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor, int]:
+    """``(inputs, targets, rows)`` of a ``.safetensors`` data file, checked row by row (a
+    `ConfigError` naming ``source`` if malformed)."""
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # SafetensorError is not exported under a stable name
+        raise ConfigError(
+            f"data.source = {source!r} is not a valid .safetensors file "
+            f"({str(exc).split('. ')[0][:80]}): write it with safetensors.torch.save_file"
+        ) from None
+    names = sorted(k for k in tensors if k != "targets")
+    if "targets" not in tensors or not names or ("inputs" in names and len(names) > 1):
+        raise ConfigError(
+            f"data.source = {source!r} has tensors {sorted(tensors)}: expected 'targets' "
+            "and either 'inputs' or named inputs (e.g. 'input_ids', 'attention_mask')"
+        )
+    targets = tensors["targets"]
+    if targets.dim() == 0:
+        raise ConfigError(
+            f"data.source = {source!r} has a scalar 'targets': every tensor needs a first "
+            "dimension of rows (scalars are not data)"
+        )
+    rows = len(targets)
+    uneven = [k for k in names if tensors[k].dim() == 0 or len(tensors[k]) != rows]
+    if uneven:
+        raise ConfigError(
+            f"data.source = {source!r}: tensor {uneven[0]!r} has shape "
+            f"{tuple(tensors[uneven[0]].shape)} but 'targets' has {rows} rows: every tensor "
+            "needs the same number of rows (scalars are not data)"
+        )
+    if rows < 2:
+        raise ConfigError(
+            f"data.source = {source!r} holds {rows} row(s): need at least 2 (one for "
+            "training, one for validation)"
+        )
+    if not targets.is_floating_point() and targets.numel():
+        low, high = int(targets.min()), int(targets.max())
+        if low < 0 or high >= MAX_VOCAB:
+            bad = low if low < 0 else high
+            raise ConfigError(
+                f"data.source = {source!r} holds class label {bad}: integer targets are class "
+                f"indices in [0, {MAX_VOCAB}); use float targets for regression"
+            )
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ConfigError(
+                f"data.source = {source!r}: {name} hold NaN or Inf values: clean the data"
+            )
+    if names == ["inputs"]:
+        return _kept(tensors["inputs"]), targets, rows
+    return {k: _kept(tensors[k]) for k in names}, targets, rows

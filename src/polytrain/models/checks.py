@@ -1,0 +1,129 @@
+"""Pre-flight checks of a user's model against the job (docs/models.md): no processes, meta device.
+
+Each finding is one line: a `ConfigError` (the CLI exits 2) for a combination that would train
+wrong or crash later, or a printed warning where the user asked for it explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.config.job import JobConfig
+from polytrain.errors import ConfigError, PolytrainError
+from polytrain.models.base import BlockModel
+from polytrain.models.split import counts_from_split_points
+
+__all__ = ["BATCHNORMS", "check_model", "has_batchnorm", "tied_parameters"]
+
+# torch's batch-norm layers (their shared base class is private).
+BATCHNORMS: tuple[type[nn.Module], ...] = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+)
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (e.g. GPT-2's ``wte`` and ``lm_head``)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, BATCHNORMS) for m in model.modules())
+
+
+def _warn(message: str) -> None:
+    print(f"polytrain: warning: {message}", flush=True)
+
+
+def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None:
+    p = job.parallel
+    ties = tied_parameters(model)
+    layer_pipeline = p.pp > 1 and bool(model.layers)  # [Note: layer pipeline] in models.split
+    if ties and (p.tp > 1 or (p.pp > 1 and not layer_pipeline)):
+        axis = "parallel.pp" if p.pp > 1 else "parallel.tp"
+        n = len(model.user_prefix)
+        names = [k[n:] if k.startswith(model.user_prefix) else k for k in ties[0]]
+        raise ConfigError(
+            f"the model ties {' and '.join(names)} (one shared tensor), and {axis} = "
+            f"{getattr(p, axis.split('.')[1])} would keep separate copies that drift apart: "
+            "train it with dp / zero / ps, or untie the weights in the model"
+        )
+    if layer_pipeline:
+        _check_layer_pipeline(job, model)
+    if job.pipeline.split_points and not layer_pipeline:
+        raise ConfigError(
+            f"pipeline.split_points = {job.pipeline.split_points} applies to a pipeline over a "
+            "user model's repeated layers; for this model use pipeline.partition (blocks per "
+            "stage)"
+        )
+    if named_inputs and p.pp > 1 and not layer_pipeline:
+        raise ConfigError(
+            f"named inputs (a .safetensors data set with several input tensors) with "
+            f"parallel.pp = {p.pp}: pipeline stages pass one tensor; use dp / zero / ps"
+        )
+    if has_batchnorm(model) and p.pp > 1 and (job.pipeline.microbatches > 1 or p.dp > 1):
+        message = (
+            f"BatchNorm with parallel.pp = {p.pp}, pipeline.microbatches = "
+            f"{job.pipeline.microbatches}, dp = {p.dp}: each micro-batch is normalised with "
+            "its own statistics, so the run cannot match one process (docs/models.md)"
+        )
+        if job.model.batchnorm != "local":
+            raise ConfigError(
+                f"{message}; set model.batchnorm = 'local' to accept that, or use "
+                "microbatches = 1 and dp = 1"
+            )
+        _warn(message)
+
+
+def _check_layer_pipeline(job: JobConfig, model: BlockModel) -> None:
+    """What a pipeline over a user model's layers does not offer yet (one line each)."""
+    p, pl = job.parallel, job.pipeline
+    refused = {
+        "pipeline.schedule = 'pipedream'": pl.schedule == "pipedream",
+        "pipeline.partition = 'auto'": pl.partition == "auto",
+        f"parallel.tp = {p.tp}": p.tp > 1,
+        "parallel.recompute = true": p.recompute,
+    }
+    bad = [k for k, v in refused.items() if v]
+    if bad:
+        raise ConfigError(
+            f"{bad[0]} with a pipeline over the layers of model.name = {job.model.name!r}: "
+            "not supported for a user's model yet; use gpipe or 1f1b, a uniform or explicit "
+            "partition, tp = 1, recompute = false"
+        )
+    if p.pp > len(model.layers):
+        raise ConfigError(
+            f"parallel.pp = {p.pp} stages but the model has {len(model.layers)} repeated layers "
+            f"({model.layers[0].rpartition('.')[0]!r}): use at most {len(model.layers)} stages"
+        )
+    if pl.split_points:
+        counts_from_split_points(model.blocks[0], model.layers, pl.split_points, p.pp)
+
+
+def _check_output(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Tensor]) -> None:
+    """Run the model on a meta-device sample: its output and loss must fit the contract."""
+    x, y = sample
+    x = {k: v.to("meta") for k, v in x.items()} if isinstance(x, dict) else x.to("meta")
+    try:
+        with torch.no_grad():
+            output = model(x)
+    except PolytrainError:
+        raise
+    except Exception:  # data-dependent code (e.g. .item()) cannot run on meta: checked at run time
+        return
+    model.loss(output, y.to("meta"))  # raises the contract's one-line errors
+
+
+def check_model(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Tensor]) -> None:
+    """The contract checks for ``model`` (built on the meta device) and one batch of the data."""
+    _check_layout(job, model, isinstance(sample[0], dict))
+    if job.model.name not in ("gpt", "mlp") or job.model.loss != "auto":
+        _check_output(job, model, sample)
