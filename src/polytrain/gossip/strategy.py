@@ -61,11 +61,16 @@ class GossipStrategy(ReplicaStrategy):
             self._fixed = self._plan(0)
 
     def _plan(self, step: int) -> tuple[RoundPlan, bool]:
-        """This rank's part of round ``step`` and whether it needs push-sum weights."""
+        """This rank's part of round ``step`` and whether it needs push-sum weights.
+
+        Random peers always carry the weight: a round that happens to be doubly stochastic (a
+        permutation) must still move the weights the earlier rounds made unequal.
+        """
         g = self.job.gossip
         graph = graph_for_round(g.topology, self.world_size, step, peers=g.peers, seed=g.seed)
         m = mixing_matrix(graph)
-        return round_plan(m, self.rank), not is_doubly_stochastic(m)
+        push_sum = g.topology == "random" or not is_doubly_stochastic(m)
+        return round_plan(m, self.rank), push_sum
 
     @torch.no_grad()
     def communicate(self, step: int) -> None:
