@@ -26,6 +26,10 @@ CASES = {
         ["--sync", "localsgd", "--compress", "bf16"],
         "parallel.sync = 'localsgd' sends none",
     ),
+    "grad compression with gossip": (
+        [*GOSSIP, "--grad-compression", "powersgd"],
+        "which parallel.sync = 'gossip' does not run",
+    ),
     "unknown topology": ([*GOSSIP, "--topology", "star"], "gossip.topology = 'star'"),
     "gossip with tensor parallel": (
         ["--sync", "gossip", "--nproc", "4", "--tp", "2"],

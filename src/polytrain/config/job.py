@@ -137,8 +137,10 @@ class ParallelConfig:
         "or periodic model averaging",
     )
     bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
-    grad_compression: Literal["none", "bf16", "fp16"] = option(
-        "none", "compress gradients to this dtype for the all-reduce"
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = option(
+        "none",
+        "compress gradients for the all-reduce: to this dtype, or rank-1 PowerSGD with error "
+        "feedback",
     )
     sufficient_factor: Literal["auto", "on", "off"] = option(
         "off", "sufficient-factor (late multiply) exchange for large linear layers"
@@ -385,6 +387,12 @@ class JobConfig:
             raise MeshError(
                 f"parallel.sync = {p.sync!r} mixes whole-model replicas, but parallel.tp = "
                 f"{p.tp}, parallel.pp = {p.pp}: set --tp 1 --pp 1"
+            )
+        if p.sync in ("gossip", "localsgd") and p.grad_compression != "none":
+            raise ConfigError(
+                f"parallel.grad_compression = {p.grad_compression!r} compresses the gradient "
+                f"all-reduce, which parallel.sync = {p.sync!r} does not run: use --compress "
+                "(gossip) or --grad-compression none"
             )
         check_decentralized(p.sync, self.world_size, self.launch.nproc, self.gossip, self.localsgd)
         if p.zero and p.sync != "allreduce":
