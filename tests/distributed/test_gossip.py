@@ -91,11 +91,15 @@ def test_random_peers_push_sum_and_fp16_wire() -> None:
             launch={"nproc": 4},
         )
     )
+    hist = out["history"]
     n_params = sum(t.numel() for t in out["state"].values())
-    # One peer, fp16, the push-sum weight appended: (n + 1) * 2 bytes.
-    assert out["history"][0]["bytes_sent"] == (n_params + 1) * 2
-    ref = reference()
-    assert max_abs_diff(out["state"], ref["state"]) < 0.05
+    # One peer, fp16, the push-sum weight appended: (n + 1) * 2 bytes, every round.
+    assert all(r["bytes_sent"] == (n_params + 1) * 2 for r in hist)
+    # Uneven in-degrees move the weights off 1 (push-sum is doing its work) ...
+    assert any(abs(r["push_sum_weight"] - 1.0) > 1e-3 for r in hist)
+    # ... and the de-biased average model still trains like data parallel's.
+    assert max_abs_diff(out["state"], reference()["state"]) < 0.2
+    assert hist[-1]["loss"] < hist[0]["loss"]
 
 
 def test_localsgd_period_two_differs_from_data_parallel_between_averages() -> None:
