@@ -12,13 +12,16 @@ from typing import Any, Literal
 
 from polytrain.config.base import option
 from polytrain.config.bounds import check_bounds
+from polytrain.config.decentralized import GossipConfig, LocalSGDConfig, check_decentralized
 from polytrain.errors import ConfigError, MeshError
 
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
+    "GossipConfig",
     "JobConfig",
     "LaunchConfig",
+    "LocalSGDConfig",
     "ModelConfig",
     "ObserveConfig",
     "OptimConfig",
@@ -148,10 +151,16 @@ class ParallelConfig:
     tp: int = option(1, "tensor-parallel degree")
     pp: int = option(1, "pipeline-parallel degree (stages)")
     zero: int = option(0, "ZeRO stage: 0 (replicated, DDP), 2 or 3 (FSDP2)")
-    sync: Literal["allreduce", "ps"] = option("allreduce", "how replicas combine gradients")
+    sync: Literal["allreduce", "ps", "gossip", "localsgd"] = option(
+        "allreduce",
+        "how replicas combine: all-reduce gradients, parameter servers, gossip with neighbours, "
+        "or periodic model averaging",
+    )
     bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
-    grad_compression: Literal["none", "bf16", "fp16"] = option(
-        "none", "compress gradients to this dtype for the all-reduce"
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = option(
+        "none",
+        "compress gradients for the all-reduce: to this dtype, or rank-1 PowerSGD with error "
+        "feedback",
     )
     sufficient_factor: Literal["auto", "on", "off"] = option(
         "off", "sufficient-factor (late multiply) exchange for large linear layers"
@@ -371,6 +380,8 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    localsgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
@@ -419,6 +430,18 @@ class JobConfig:
                 f"equal the {trainers} training ranks: set --nproc {p.dp * model_ranks} "
                 f"or change the degrees"
             )
+        if p.sync in ("gossip", "localsgd") and (p.tp > 1 or p.pp > 1):
+            raise MeshError(
+                f"parallel.sync = {p.sync!r} mixes whole-model replicas, but parallel.tp = "
+                f"{p.tp}, parallel.pp = {p.pp}: set --tp 1 --pp 1"
+            )
+        if p.sync in ("gossip", "localsgd") and p.grad_compression != "none":
+            raise ConfigError(
+                f"parallel.grad_compression = {p.grad_compression!r} compresses the gradient "
+                f"all-reduce, which parallel.sync = {p.sync!r} does not run: use --compress "
+                "(gossip) or --grad-compression none"
+            )
+        check_decentralized(p.sync, self.world_size, self.launch.nproc, self.gossip, self.localsgd)
         if p.zero and p.sync != "allreduce":
             raise ConfigError(
                 f"parallel.zero = {p.zero} needs parallel.sync = 'allreduce', not {p.sync!r}"

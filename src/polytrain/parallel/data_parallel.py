@@ -3,7 +3,9 @@
 Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (VLDB
 2020). Gradient accumulation skips the all-reduce of the inner micro-steps (``no_sync``); the
 optional hooks halve the bytes on the wire by all-reducing bf16 or fp16 copies of the buckets,
-or, across hosts, reduce inside each host first (parallel/hierarchical.py).
+or, across hosts, reduce inside each host first (parallel/hierarchical.py),
+or replace each gradient matrix by a rank-1 PowerSGD approximation with error feedback (Vogels et
+al., "PowerSGD", NeurIPS 2019; torch's own hook).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from polytrain.comm.compression import compress_hook
@@ -32,7 +35,14 @@ def apply_data_parallel(module: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> D
         bucket_cap_mb=cfg.bucket_mb,
         gradient_as_bucket_view=True,
     )
-    if cfg.grad_compression != "none":
+    if cfg.grad_compression == "powersgd":
+        # Step 1 all-reduces in full (torch requires start > 1 with error feedback); vectors
+        # (biases) and matrices too small to gain are all-reduced as they are.
+        state = powersgd.PowerSGDState(
+            process_group=mesh.group("dp"), matrix_approximation_rank=1, start_powerSGD_iter=2
+        )
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif cfg.grad_compression != "none":
         dtype = torch.bfloat16 if cfg.grad_compression == "bf16" else torch.float16
         ddp.register_comm_hook(mesh.group("dp"), compress_hook(dtype))
     elif cfg.hierarchical != "off":

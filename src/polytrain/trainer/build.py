@@ -12,6 +12,7 @@ from polytrain.config.job import JobConfig
 from polytrain.core.registry import StrategyFamily, family_for
 from polytrain.core.strategy import Strategy
 from polytrain.data.sampler import Batches
+from polytrain.gossip.family import DECENTRALIZED
 from polytrain.models.base import BlockModel
 from polytrain.parallel.family import SPMD
 from polytrain.pipeline.family import PIPELINE
@@ -20,7 +21,7 @@ from polytrain.ps.family import PARAMETER_SERVER
 __all__ = ["FAMILIES", "build_strategy", "strategy_family"]
 
 # Their ``selects`` exclude each other, so the order does not matter.
-FAMILIES: tuple[StrategyFamily, ...] = (SPMD, PIPELINE, PARAMETER_SERVER)
+FAMILIES: tuple[StrategyFamily, ...] = (SPMD, PIPELINE, PARAMETER_SERVER, DECENTRALIZED)
 
 
 def strategy_family(job: JobConfig) -> StrategyFamily:

@@ -1,0 +1,108 @@
+"""``sync = "localsgd"``: periodic model averaging, hierarchical averaging, DiLoCo's outer step.
+
+Local SGD (Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019; Lin et al.,
+"Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020): every replica takes ``H`` local steps,
+then all replicas are averaged. The averaging is torch's: `PeriodicModelAverager`, or
+`HierarchicalModelAverager` with ``{1: ranks per host, H: world}`` (average inside a host every
+step, across hosts every ``H``). DiLoCo (Douillard et al., 2023) treats the averaged change
+since the last world average as a pseudo-gradient of an outer SGD with Nesterov momentum.
+
+[Note: averager step] torch's averagers count their own calls and average when the count is a
+multiple of the period; we set ``averager.step = t + 1`` before each call (``t`` the 0-based
+step), so the world average follows steps ``H, 2H, ...`` and a resumed run keeps the phase.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+
+import torch
+from torch.distributed.algorithms.model_averaging.averagers import (
+    ModelAverager,
+    PeriodicModelAverager,
+)
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+    HierarchicalModelAverager,
+)
+
+from polytrain.comm.gossip_wire import nbytes
+from polytrain.config.job import JobConfig
+from polytrain.data.sampler import Batches
+from polytrain.gossip.replica import ReplicaStrategy
+from polytrain.models.base import BlockModel
+
+__all__ = ["LocalSGDStrategy"]
+
+
+class LocalSGDStrategy(ReplicaStrategy):
+    """Local steps; every ``H`` (and, hierarchically, inside a host every step) an average."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        model: BlockModel,
+        batches: Batches,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        super().__init__(job, model, batches, device, rank, world_size)
+        cfg = job.localsgd
+        self.period = cfg.period
+        self.per_host = (cfg.ranks_per_host or job.launch.nproc) if cfg.hierarchical else 0
+        self.name = f"localsgd-h{cfg.period}-w{world_size}"
+        # torch warns that period 1 is better served by DDP; period 1 is our parity check.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.averager: ModelAverager
+            if self.per_host and cfg.period > 1:
+                self.name += f"-host{self.per_host}"
+                sizes = OrderedDict([(1, self.per_host), (cfg.period, world_size)])
+                self.averager = HierarchicalModelAverager(sizes)  # collective: makes subgroups
+            else:
+                self.averager = PeriodicModelAverager(cfg.period)
+        self.model_bytes = sum(nbytes(p) for p in self.params)
+        self.outer: torch.optim.Optimizer | None = None
+        if cfg.outer == "nesterov":
+            self.name += "-diloco"
+            self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+            self.outer = torch.optim.SGD(
+                self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
+            )
+            # The outer momentum and anchor are not in the checkpointer's view of this rank.
+            self.checkpointable = False
+            self.checkpoint_refusal = (
+                "localsgd.outer = 'nesterov' keeps an outer optimizer the checkpoint does not "
+                "hold: set localsgd.outer = 'none' or drop --checkpoint-dir"
+            )
+
+    def _world_round(self, step: int) -> bool:
+        return (step + 1) % self.period == 0
+
+    @torch.no_grad()
+    def communicate(self, step: int) -> None:
+        world_round = self._world_round(step)
+        if not (world_round or self.per_host):
+            self.averager.step = step + 1  # [Note: averager step]
+            return
+        self.averager.step = step + 1
+        self.averager.average_parameters(iter(self.params))
+        # torch's averager all-reduces one flat copy of the parameters (utils.average_parameters).
+        self.bytes_sent += self.model_bytes
+        if world_round and self.outer is not None:
+            self._outer_step()
+
+    def _outer_step(self) -> None:
+        """DiLoCo: the averaged delta since the last world average is the outer gradient."""
+        for a, p in zip(self.anchor, self.params, strict=True):
+            a.grad = a.detach() - p.detach()
+        assert self.outer is not None
+        self.outer.step()
+        for a, p in zip(self.anchor, self.params, strict=True):
+            p.copy_(a.detach())
+
+    def after_synchronize(self) -> None:
+        if self.outer is not None:
+            for a, p in zip(self.anchor, self.params, strict=True):
+                a.data.copy_(p.detach())

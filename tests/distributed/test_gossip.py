@@ -1,0 +1,170 @@
+"""Gossip and local SGD: parity with data parallel where it must hold, and what differs where not."""
+
+from __future__ import annotations
+
+import shutil
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polytrain.config import JobConfig
+from polytrain.testing import assert_state_close, max_abs_diff, run_job
+from polytrain.trainer.manifest import step_dir
+from tests.conftest import small_job
+
+pytestmark = pytest.mark.slow
+
+# Plain SGD (no momentum): the mean of the replicas' updates is data parallel's update.
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.0}
+
+
+@cache
+def reference() -> dict[str, Any]:
+    """Data parallel on one rank (contract 1: the same as any world size)."""
+    return run_job(small_job(optim=SGD))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_localsgd_period_one_matches_data_parallel(world: int) -> None:
+    out = run_job(
+        small_job(
+            optim=SGD,
+            parallel={"sync": "localsgd"},
+            localsgd={"period": 1},
+            launch={"nproc": world},
+        )
+    )
+    assert out["strategy"] == f"localsgd-h1-w{world}"
+    assert_state_close(out["state"], reference()["state"], atol=1e-5)
+    assert out["losses"] == pytest.approx(reference()["losses"], abs=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gossip_on_a_complete_graph_matches_data_parallel(world: int) -> None:
+    out = run_job(
+        small_job(
+            optim=SGD,
+            parallel={"sync": "gossip"},
+            gossip={"topology": "complete"},
+            launch={"nproc": world},
+        )
+    )
+    assert_state_close(out["state"], reference()["state"], atol=1e-5)
+    # A complete graph leaves no disagreement after each round.
+    dist = [r["consensus_distance"] for r in out["history"] if "consensus_distance" in r]
+    assert dist and max(dist) < 1e-5
+    # Every worker pushes (world - 1) full fp32 copies per step.
+    n_params = sum(t.numel() for t in out["state"].values())
+    assert out["history"][0]["bytes_sent"] == (world - 1) * n_params * 4
+
+
+def test_ring_gossip_disagrees_but_stays_close_and_exports_the_average() -> None:
+    job = small_job(
+        optim=SGD,
+        train={"steps": 6},
+        parallel={"sync": "gossip"},
+        gossip={"topology": "ring"},
+        observe={"log_every": 1, "progress": False},
+        launch={"nproc": 4},
+    )
+    out = run_job(job)
+    ref = run_job(small_job(optim=SGD, train={"steps": 6}))
+    dist = [r["consensus_distance"] for r in out["history"]]
+    assert all(d > 1e-7 for d in dist)  # replicas really differ on a ring of 4
+    # The exported average is not data parallel's model, but close to it after 6 steps.
+    gap = max_abs_diff(out["state"], ref["state"])
+    assert 1e-6 < gap < 0.05
+    # Ring: 2 neighbours, each gets a third of the replica.
+    n_params = sum(t.numel() for t in out["state"].values())
+    assert out["history"][0]["bytes_sent"] == 2 * n_params * 4
+
+
+def test_random_peers_push_sum_and_fp16_wire() -> None:
+    out = run_job(
+        small_job(
+            optim=SGD,
+            parallel={"sync": "gossip"},
+            gossip={"topology": "random", "peers": 1, "compress": "fp16"},
+            observe={"log_every": 1, "progress": False},
+            launch={"nproc": 4},
+        )
+    )
+    hist = out["history"]
+    n_params = sum(t.numel() for t in out["state"].values())
+    # One peer, fp16, the push-sum weight appended: (n + 1) * 2 bytes, every round.
+    assert all(r["bytes_sent"] == (n_params + 1) * 2 for r in hist)
+    # Uneven in-degrees move the weights off 1 (push-sum is doing its work) ...
+    assert any(abs(r["push_sum_weight"] - 1.0) > 1e-3 for r in hist)
+    # ... and the de-biased average model still trains like data parallel's.
+    assert max_abs_diff(out["state"], reference()["state"]) < 0.2
+    assert hist[-1]["loss"] < hist[0]["loss"]
+
+
+def test_localsgd_period_two_differs_from_data_parallel_between_averages() -> None:
+    out = run_job(
+        small_job(
+            optim=SGD,
+            parallel={"sync": "localsgd"},
+            localsgd={"period": 2},
+            observe={"log_every": 1, "progress": False},
+            launch={"nproc": 2},
+        )
+    )
+    hist = out["history"]
+    n_bytes = sum(t.numel() for t in out["state"].values()) * 4
+    assert [r["bytes_sent"] for r in hist] == [0, n_bytes, 0, n_bytes]
+    assert hist[0]["consensus_distance"] > 1e-7  # after a local step
+    assert hist[1]["consensus_distance"] < 1e-6  # after the average
+    assert max_abs_diff(out["state"], reference()["state"]) > 1e-6
+
+
+def test_hierarchical_localsgd_and_diloco_run() -> None:
+    out = run_job(
+        small_job(
+            parallel={"sync": "localsgd"},
+            localsgd={"period": 2, "hierarchical": True, "ranks_per_host": 2},
+            observe={"log_every": 1, "progress": False},
+            launch={"nproc": 4},
+        )
+    )
+    assert out["strategy"] == "localsgd-h2-w4-host2"
+    hist = out["history"]
+    assert all(r["bytes_sent"] > 0 for r in hist)  # inside a host every step
+    assert hist[1]["consensus_distance"] < 1e-6 < hist[0]["consensus_distance"]
+    diloco = run_job(
+        small_job(
+            parallel={"sync": "localsgd"},
+            localsgd={"period": 2, "outer": "nesterov"},
+            launch={"nproc": 2},
+        )
+    )
+    assert diloco["strategy"] == "localsgd-h2-w2-diloco"
+    plain = run_job(
+        small_job(parallel={"sync": "localsgd"}, localsgd={"period": 2}, launch={"nproc": 2})
+    )
+    assert max_abs_diff(diloco["state"], plain["state"]) > 1e-6  # the outer step acted
+
+
+def test_checkpoint_holds_the_average_and_resume_continues_exactly(tmp_path: Path) -> None:
+    """Saved after step 3 of 6 (the average, [Note: the average model]); resuming from it
+    reproduces the uninterrupted run bitwise, and the saved weights are one model."""
+
+    def job(ckpt: Path, resume: bool = False) -> JobConfig:
+        return small_job(
+            train={"steps": 6},
+            parallel={"sync": "gossip"},
+            gossip={"topology": "ring"},
+            checkpoint={"dir": str(ckpt), "every": 3, "keep": 5, "resume": resume},
+            launch={"nproc": 4},
+        )
+
+    full = run_job(job(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(step_dir(tmp_path / "b", 6))
+    resumed = run_job(job(tmp_path / "b", resume=True))
+    assert resumed["start"] == 3
+    # Had the checkpoint held one rank's replica (or a mix of replicas' keys), the resumed
+    # replicas would start from other values than the uninterrupted run's and drift apart.
+    assert_state_close(resumed["state"], full["state"], atol=0.0)

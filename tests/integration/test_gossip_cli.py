@@ -1,0 +1,72 @@
+"""Decentralized modes from the command line: bad input is one line and exit 2 (in-process)."""
+
+from __future__ import annotations
+
+import pytest
+import tomllib
+
+from polytrain.cli.app import main
+
+GOSSIP = ["--sync", "gossip", "--nproc", "4", "--batch-size", "32"]
+
+CASES = {
+    "peers >= world": ([*GOSSIP, "--topology", "random", "--peers", "4"], "gossip.peers = 4"),
+    "zero peers": ([*GOSSIP, "--topology", "random", "--peers", "0"], "gossip.peers = 0"),
+    "period < 1": (["--sync", "localsgd", "--period", "0"], "localsgd.period = 0"),
+    "torus on a prime world": (
+        ["--sync", "gossip", "--nproc", "5", "--batch-size", "20", "--topology", "torus"],
+        "gossip.topology = 'torus' needs a world of r x c",
+    ),
+    "torus on two ranks": (
+        ["--sync", "gossip", "--topology", "torus"],
+        "not 2: use --nproc 4",
+    ),
+    "compress with all-reduce": (["--compress", "fp16"], "--grad-compression"),
+    "compress with localsgd": (
+        ["--sync", "localsgd", "--compress", "bf16"],
+        "parallel.sync = 'localsgd' sends none",
+    ),
+    "grad compression with gossip": (
+        [*GOSSIP, "--grad-compression", "powersgd"],
+        "which parallel.sync = 'gossip' does not run",
+    ),
+    "unknown topology": ([*GOSSIP, "--topology", "star"], "gossip.topology = 'star'"),
+    "gossip with tensor parallel": (
+        ["--sync", "gossip", "--nproc", "4", "--tp", "2"],
+        "mixes whole-model replicas",
+    ),
+    "hierarchical on one host": (
+        ["--sync", "localsgd", "--set", "localsgd.hierarchical=true"],
+        "into at least 2 hosts",
+    ),
+}
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--dry-run", *args])
+    captured = capsys.readouterr()
+    return int(exc.value.code or 0), captured.out, captured.err
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_decentralized_invocation(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args, expected = CASES[name]
+    code, _, err = _run(args, capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("polytrain: error: ")
+    assert expected in lines[0]
+
+
+def test_flags_land_in_the_job(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*GOSSIP, "--topology", "random", "--peers", "2", "--compress", "bf16"]
+    code, out, err = _run(args, capsys)
+    assert code == 0, err
+    job = tomllib.loads(out)
+    assert job["parallel"]["sync"] == "gossip"
+    assert job["gossip"] == {"topology": "random", "peers": 2, "compress": "bf16", "seed": 0}
+    code, out, err = _run(["--sync", "localsgd", "--period", "4"], capsys)
+    assert code == 0, err
+    assert tomllib.loads(out)["localsgd"]["period"] == 4
