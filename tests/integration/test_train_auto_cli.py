@@ -13,7 +13,6 @@ import tomllib
 
 @pytest.mark.slow
 def test_auto_dry_run_prints_the_choice_and_a_manual_job(tmp_path: Path) -> None:
-    pytest.importorskip("polytrain.planner.search", reason="the planner's search is not merged")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     env = {**os.environ, "POLYTRAIN_CACHE": str(tmp_path / "cache")}  # no profile: catalog

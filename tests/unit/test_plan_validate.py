@@ -19,7 +19,6 @@ def test_job_fields_keep_the_work_and_drop_the_layout() -> None:
 
 
 def test_pipeline_specs_carry_the_partition_the_model_priced() -> None:
-    pytest.importorskip("polytrain.planner.partition", reason="the cost model is not merged")
     blocks = tuple(
         BlockStats(f"blocks.{i}", 10, 40, f, 0.0, 4.0) for i, f in enumerate([0, 9, 9, 1])
     )

@@ -29,7 +29,6 @@ def test_strategy_is_validated() -> None:
 
 
 def test_auto_picks_a_runnable_layout(tmp_path: Path) -> None:
-    pytest.importorskip("polytrain.planner.search", reason="the planner's search is not merged")
     from polytrain.trainer.auto import resolve_auto
     from polytrain.trainer.preflight import preflight
 
