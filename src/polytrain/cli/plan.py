@@ -7,7 +7,6 @@ one line and exit code 2 (contract 6).
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from datetime import datetime, timezone
@@ -18,12 +17,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from polytrain.cli.plan_validate import validate_plans
 from polytrain.cli.train import resolve_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
+from polytrain.planner.calibrate import saved_profile
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.search import Plan, PlanRequest, PlanResult, duration_text, search
-from polytrain.planner.stats_pure import gpt_stats, mlp_stats
+from polytrain.planner.stats import model_stats
 from polytrain.planner.types import ModelStats
 
 __all__ = ["parse_deadline", "parse_devices", "plan_command", "stats_for_job"]
@@ -79,47 +80,9 @@ def parse_devices(text: str | None) -> tuple[int, int]:
     return values[0], values[1]
 
 
-def _vocab_size(job: JobConfig) -> int:
-    source = job.data.source
-    if source == "pydoc":
-        from polytrain.data.corpus import default_corpus
-
-        return len(set(default_corpus()))
-    if source.endswith(".txt") and Path(source).is_file():
-        return len(set(Path(source).read_text()))
-    return 256  # token files: their ids are not read here; planner.stats measures the real model
-
-
 def stats_for_job(job: JobConfig) -> ModelStats:
-    """The job's `ModelStats`: the measuring `planner.stats` when present, else the analytic
-    formulas of `planner.stats_pure` (built-in gpt and mlp)."""
-    try:  # planner2's module; by name, so this file type-checks with and without it
-        measured = importlib.import_module("polytrain.planner.stats")
-    except ImportError:
-        measured = None
-    if measured is not None:
-        stats: ModelStats = measured.model_stats(job)
-        return stats
-    m = job.model
-    if m.name not in ("gpt", "mlp"):
-        raise PlanError(
-            f"model.name = {m.name!r}: the analytic planner statistics know gpt and mlp only; "
-            "planner.stats (meta-device measurement) is needed for a user model"
-        )
-    from polytrain.models.registry import model_dims
-
-    dims = model_dims(m)
-    common = {
-        "vocab_size": _vocab_size(job),
-        "act_bytes": 2 if job.train.dtype == "bf16" else 4,
-        "optimizer_state_per_param": 2
-        if job.optim.name == "adamw"
-        else int(job.optim.momentum > 0),
-    }
-    if m.name == "gpt":
-        return gpt_stats(**dims, **common)
-    dims.pop("n_head", None)
-    return mlp_stats(**dims, **common)
+    """The job's `ModelStats`, measured block by block on the meta device (`planner.stats`)."""
+    return model_stats(job)
 
 
 def _gib(nbytes: float) -> str:
@@ -227,6 +190,9 @@ def plan_command(
     ] = False,
     json_: Annotated[bool, typer.Option("--json", help="print JSON for tools")] = False,
     top: Annotated[int, typer.Option(help="plans to show")] = 8,
+    validate: Annotated[
+        int, typer.Option(help="run the first K plans here and print predicted vs measured")
+    ] = 0,
 ) -> None:
     """Predict step time, memory and cost of every layout on a cluster, and pick one."""
     if budget is not None and budget < 0:
@@ -235,6 +201,8 @@ def plan_command(
         raise PlanError(f"--objective {objective!r}: expected time or cost")
     if top < 1:
         raise PlanError(f"--top {top}: expected at least 1")
+    if validate < 0:
+        raise PlanError(f"--validate {validate}: expected the number of plans to run, at least 1")
     deadline_s = parse_deadline(deadline) if deadline is not None else None
     lo, hi = parse_devices(devices)
     clu = parse_cluster(cluster)
@@ -255,6 +223,7 @@ def plan_command(
         budget=budget,
         bucket_bytes=job.parallel.bucket_mb * 2**20,
         allow_async=allow_async,
+        profile=saved_profile() if clu.device.key == "cpu" else None,  # this host's, if calibrated
     )
     result = search(request)
     batch = job.train.global_batch_size
@@ -279,6 +248,13 @@ def plan_command(
     if result.best is not None:
         console.print(_explain(result.best, result, clu.device.key))
         console.print(_table("best plan and runners-up", result.plans[:top], batch))
+        if validate:
+            if clu.device.key != "cpu":
+                raise PlanError(
+                    f"--validate {validate} runs plans on this host, but --cluster {cluster!r} is "
+                    "not this host's CPUs: plan with --cluster 1xNxcpu to validate here"
+                )
+            validate_plans(job, [p.prediction for p in result.plans], validate, stats=stats)
         return
     console.print(f"[bold]{result.note}[/bold]")
     if result.extremes:

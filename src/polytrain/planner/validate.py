@@ -66,6 +66,12 @@ def toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table (model.args)
+        return (
+            "{"
+            + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items())
+            + "}"
+        )
     return json.dumps(str(value))  # a basic TOML string
 
 
