@@ -14,8 +14,10 @@ from safetensors.torch import load_file
 
 from polytrain.cli.app import main
 from polytrain.errors import OutputError
+from polytrain.testing.jobs import run_job
 from polytrain.trainer.export import save_weights
 from polytrain.trainer.outputs import LOCK_NAME, RunLock
+from tests.conftest import small_job
 
 ROOT = Path(__file__).resolve().parents[2]
 UNWRITABLE = "/proc/polytrain-test"  # not writable even for root
@@ -80,7 +82,7 @@ def test_final_weights_never_replace_a_file_created_during_the_run(tmp_path: Pat
     target.write_bytes(b"the user's file")
     (tmp_path / "w.safetensors.tmp").write_bytes(b"also the user's")
     state = {"w": torch.arange(3.0)}
-    with pytest.raises(OutputError, match="was left alone: the final weights are in") as exc:
+    with pytest.raises(OutputError, match="was left alone: what the run wrote there is in") as exc:
         save_weights(state, target)
     assert target.read_bytes() == b"the user's file"
     assert (tmp_path / "w.safetensors.tmp").read_bytes() == b"also the user's"
@@ -137,3 +139,19 @@ def test_two_runs_cannot_share_an_out_dir(
         with pytest.raises(Exception, match="in use by another run"):
             RunLock(run_dir).acquire()
     assert not (run_dir / LOCK_NAME).exists()  # released at exit
+
+
+@pytest.mark.slow  # one training run in this process
+def test_the_trace_never_replaces_a_file_created_during_the_run(tmp_path: Path) -> None:
+    # Issue 11, case 5: the merged trace used to be written over whatever stood at --trace, and
+    # its per-rank parts over any <trace>.rank<r>; parts now live in the run directory.
+    trace = tmp_path / "t.json"
+    (tmp_path / "t.json.rank0").write_text("the user's part")
+    job = small_job(observe={"trace": str(trace), "out_dir": str(tmp_path / "run")})
+    trace.write_text("the user's trace")  # appears after pre-flight, during the run
+    with pytest.raises(Exception, match="was left alone: what the run wrote there is in"):
+        run_job(job)
+    assert trace.read_text() == "the user's trace"
+    assert (tmp_path / "t.json.rank0").read_text() == "the user's part"
+    siblings = list(tmp_path.glob("t-*.json"))
+    assert len(siblings) == 1 and "traceEvents" in siblings[0].read_text()

@@ -62,13 +62,13 @@ class Tracer:
         return part
 
 
-def merge_traces(path: str | Path, world_size: int) -> Path:
-    """Merge ``path.rank*`` part files into one Chrome trace at ``path``; remove the parts."""
-    out = Path(path)
+def merge_traces(prefix: str | Path, world_size: int) -> str:
+    """The Chrome trace (JSON text) of the ``prefix.rank*`` part files; the parts are removed.
+
+    The caller writes it where the user asked, never over an existing file."""
     events: list[dict[str, Any]] = []
     for rank in range(world_size):
-        part = Path(f"{path}.rank{rank}")
+        part = Path(f"{prefix}.rank{rank}")
         events.extend(json.loads(part.read_text()))
         part.unlink()
-    out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    return out
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})

@@ -33,6 +33,7 @@ from polytrain.observe.trace import merge_traces
 from polytrain.trainer.build import build_strategy
 from polytrain.trainer.checkpoint import Checkpointer, check_same_job, restart_count
 from polytrain.trainer.export import save_weights
+from polytrain.trainer.outputs import publish_new
 
 __all__ = ["TrainResult", "train"]
 
@@ -187,10 +188,14 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     if out_dir is not None:
         _write_rank_summary(out_dir, ctx.rank, strategy, history, peak_memory_mb(ctx.device))
     if job.observe.trace:
-        strategy.tracer.write_part(job.observe.trace)
+        # Parts go to the run directory (ours, locked), the merged trace to the user's path
+        # without replacing anything there ([Note: output paths] in trainer/outputs.py).
+        prefix = out_dir / "trace" if out_dir is not None else Path(f"{job.observe.trace}.part")
+        strategy.tracer.write_part(prefix)
         barrier()
         if ctx.is_main:
-            merge_traces(job.observe.trace, ctx.world_size)
+            text = merge_traces(prefix, ctx.world_size)
+            publish_new(job.observe.trace, lambda tmp: tmp.write_text(text))
     state = strategy.full_state_dict()
     result = TrainResult(steps, loss, val_loss, strategy.name, history, start_step=start)
     if ctx.is_main:

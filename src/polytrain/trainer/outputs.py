@@ -91,7 +91,7 @@ def check_output_paths(job: JobConfig) -> None:
         _check_dir(job.observe.out_dir, "--out-dir")
 
 
-def publish_new(path: str | Path, write: Callable[[Path], None]) -> Path:
+def publish_new(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Create ``path`` with ``write(tmp)``, never replacing an existing file; return the path
     written. If ``path`` appeared meanwhile, the data goes to a sibling name and `OutputError`
     names it ([Note: output paths])."""
@@ -116,7 +116,7 @@ def publish_new(path: str | Path, write: Callable[[Path], None]) -> Path:
                 os.link(tmp, sibling)
                 raise OutputError(
                     f"{str(out)!r} was created by someone else during the run and was left "
-                    f"alone: the final weights are in {str(sibling)!r}"
+                    f"alone: what the run wrote there is in {str(sibling)!r}"
                 )
         raise OutputError(f"{str(out)!r} exists and no free sibling name was found")
     finally:
