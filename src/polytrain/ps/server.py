@@ -16,6 +16,14 @@ a per-worker staging buffer and reach the parameters (async, ssp) or the clock's
 when the CLOCK arrives with every chunk in. A worker that dies mid-push, or a chunk that fails
 validation, therefore changes nothing.
 
+[Note: staging in place] Each receiver thread owns its worker's staging buffer (P + 1 elements)
+and receives every PUSH chunk straight into its slice, borrowing the element after the slice as
+the payload guard ([Note: payload guard] in `polytrain.comm.ps_wire`) and putting it back after
+the check, so chunks may arrive in any order (last layers first) and nothing is allocated or
+copied per chunk. The main thread reads the buffer only when the push's CLOCK arrives, and the
+receiver writes it again only for the worker's next push, which follows a pull the main thread
+grants after handling that CLOCK: the two threads never touch the buffer at the same time.
+
 [Note: replies never wait] A worker posts the receives of a reply (ACK, then every PARAMS
 chunk of every server) before it sends the request, and the coordinator posts those of the
 final shards before its LEAVE. So a server's blocking wait on its reply sends only waits for
@@ -160,6 +168,8 @@ class ParameterServer:
         the main thread. One thread per worker: a receive from any source would fail again and
         again once one peer's connection broke, and a dead peer must only end its own stream.
         """
+        # [Note: staging in place]: this worker's staging buffer, one guard element longer.
+        staging = torch.zeros(self.layout.numel(self.index) + 1, dtype=self.layout.dtype)
         while True:
             wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
             try:
@@ -167,9 +177,14 @@ class ParameterServer:
                 header = self._decode(wire, src)
                 payload = None
                 if header.op is Op.PUSH:
-                    buf = ps_wire.guarded_buffer(header.numel, self.layout.dtype)
-                    ps_wire.wait_all([ps_wire.post_recv(buf, src, ps_wire.TAG_PUSH)])
-                    payload = ps_wire.check_guarded(buf, src)
+                    start, stop = self.spans[header.chunk]
+                    window = staging[start : stop + 1]
+                    borrowed = window[-1].clone()  # the next chunk's first element, if in
+                    ps_wire.arm_guard(window)
+                    ps_wire.wait_all([ps_wire.post_recv(window, src, ps_wire.TAG_PUSH)])
+                    ps_wire.check_guarded(window, src)
+                    window[-1] = borrowed
+                    payload = staging[:-1]
             except PeerLost as exc:
                 self._inbox.put(("lost", src, str(exc), None))
                 return
@@ -346,10 +361,9 @@ class ParameterServer:
         elif op is Op.PUSH:
             assert payload is not None
             start, stop = self.spans[header.chunk]
-            staging = self.staging.setdefault(w, torch.zeros_like(self.flat))
-            staging[start:stop].copy_(payload)
+            self.staging[w] = payload  # the chunk is already in place ([Note: staging in place])
             self.chunks_in.setdefault(w, set()).add(header.chunk)
-            self.stats.bytes_in += payload.numel() * payload.element_size()
+            self.stats.bytes_in += (stop - start) * payload.element_size()
         elif op is Op.CLOCK:
             self._clock(w, clock)
         elif op is Op.LEAVE:
