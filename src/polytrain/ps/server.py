@@ -93,6 +93,15 @@ class ServerStats:
     skipped: list[int] = field(default_factory=list)  # clocks of dropped non-finite updates
 
 
+def _all_finite(flat: torch.Tensor) -> bool:
+    """Whether every element is finite, in one pass without a mask the size of the shard:
+    a float64 sum of float32 (or narrower) values cannot overflow, so it is finite if and only
+    if every element is."""
+    if flat.dtype == torch.float64:
+        return bool(torch.isfinite(flat).all())
+    return bool(torch.isfinite(flat.sum(dtype=torch.float64)))
+
+
 class ParameterServer:
     """Server ``index`` of the job; talks to worker ranks ``workers`` (the pushers).
 
@@ -398,7 +407,9 @@ class ParameterServer:
         self.sum_flat.zero_()
         if self.optim_cfg.grad_clip > 0:
             # Clip by the norm of the whole gradient, summed over every server's shard.
-            square = self.grad_flat.double().square().sum().reshape(1)
+            # In float64 without a float64 copy of the shard (one pass over the flat buffer).
+            norm = torch.linalg.vector_norm(self.grad_flat, dtype=torch.float64)
+            square = norm.square().reshape(1)
             if self.server_group is not None:
                 ps_wire.all_reduce_sum(square, self.server_group)
             coef = clip_coefficient(self.optim_cfg.grad_clip, square.sqrt()[0])
@@ -406,7 +417,7 @@ class ParameterServer:
         self._step(clock)
 
     def _step(self, clock: int) -> None:
-        if not bool(torch.isfinite(self.grad_flat).all()):
+        if not _all_finite(self.grad_flat):
             self._nonfinite(clock)
             return
         for group in self.optimizer.param_groups:
@@ -455,30 +466,38 @@ class ParameterServer:
             self._apply_sum()
 
     def _grant_ready(self) -> None:
-        """Answer every deferred pull the consistency rule now allows (may_proceed)."""
-        progress = True
-        while progress:
-            progress = False
-            floor = self.table.min_clock()
-            for i, (w, clock) in enumerate(self.deferred):
-                if may_proceed(self.mode, self.staleness, clock, floor):
-                    del self.deferred[i]
-                    self._grant(w, clock, floor)
-                    progress = True
-                    break
+        """Answer every deferred pull the consistency rule now allows (may_proceed).
 
-    def _grant(self, w: int, clock: int, floor: int) -> None:
-        ack = Header(Op.ACK, w, floor, self.layout.job_id, shard=self.index)
-        try:
-            ps_wire.wait_all(
-                [ps_wire.post_send(ack.encode(), w, ps_wire.TAG_REPLY), *self._params_ops(w, clock)]
-            )
-        except PeerLost as exc:
-            self._drop(w, f"lost: {exc}")
-            return
-        self.granted[w] = clock
-        self.stats.events.append((w, clock, floor))
-        self.stats.grants += 1
+        The replies to every grantable pull are posted before any is waited for, so the
+        workers' pulls stream concurrently instead of one worker after another.
+        """
+        while True:
+            floor = self.table.min_clock()
+            ready = [
+                (w, c) for w, c in self.deferred if may_proceed(self.mode, self.staleness, c, floor)
+            ]
+            if not ready:
+                return
+            self.deferred = [d for d in self.deferred if d not in ready]
+            posted = []
+            for w, clock in ready:
+                ack = Header(Op.ACK, w, floor, self.layout.job_id, shard=self.index)
+                try:
+                    ops = [ps_wire.post_send(ack.encode(), w, ps_wire.TAG_REPLY)]
+                    ops += self._params_ops(w, clock)
+                except PeerLost as exc:
+                    self._drop(w, f"lost: {exc}")
+                    continue
+                posted.append((w, clock, ops))
+            for w, clock, ops in posted:
+                try:
+                    ps_wire.wait_all(ops)
+                except PeerLost as exc:
+                    self._drop(w, f"lost: {exc}")
+                    continue
+                self.granted[w] = clock
+                self.stats.events.append((w, clock, floor))
+                self.stats.grants += 1
 
     def _params_ops(self, dst: int, clock: int) -> list[Any]:
         ops = []
