@@ -474,3 +474,22 @@ def test_simulated_ssp_run_respects_bound(bound: int) -> None:
             table.advance(worker)
     assert check_staleness_trace(trace, bound) == []
     assert max(c - m for _, c, m in trace) == bound
+
+
+def test_automatic_chunk_size_is_bounded_by_the_shard() -> None:
+    """ps.chunk_kb = 0 (the default): an eighth of the largest shard, within [1, 4] MiB."""
+    from torch import nn
+
+    from polytrain.config.job import PSConfig
+    from polytrain.ps.layout import AUTO_CHUNK_MAX, AUTO_CHUNK_MIN, auto_chunk_bytes, build_layout
+
+    assert PSConfig().chunk_kb == 0
+    assert auto_chunk_bytes(100) == AUTO_CHUNK_MIN  # a small shard: one chunk of it
+    assert auto_chunk_bytes(16 << 20) == 2 << 20
+    assert auto_chunk_bytes(1 << 30) == AUTO_CHUNK_MAX
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 1024))  # 16 MiB + biases
+    layout = build_layout(model, 1, PSConfig().chunk_kb)
+    assert layout.chunk_elems * 4 == layout.plan.server_bytes[0] // 8 > AUTO_CHUNK_MIN
+    assert len(layout.spans(0)) == -(-layout.numel(0) // layout.chunk_elems)
+    fixed = build_layout(model, 1, 64)
+    assert fixed.chunk_elems * 4 == 64 * 1024 and fixed.job_id != layout.job_id

@@ -62,6 +62,7 @@ __all__ = [
     "PeerHung",
     "PeerLost",
     "all_reduce_sum",
+    "arm_guard",
     "broadcast",
     "check_guarded",
     "guarded_buffer",
@@ -262,11 +263,20 @@ _GUARD_BITS = {torch.float32: 0x7FA5A5A5, torch.float64: 0x7FF4A5A5A5A5A5A5}
 def guarded_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A receive buffer of ``numel + 1`` elements with the guard pattern ([Note: payload guard])."""
     buf = torch.zeros(numel + 1, dtype=dtype)
-    bits = _GUARD_BITS.get(dtype)
-    if bits is not None:
-        int_dtype = torch.int32 if dtype.itemsize == 4 else torch.int64
-        buf[-2:].view(int_dtype).fill_(bits)
+    arm_guard(buf)
     return buf
+
+
+def arm_guard(window: torch.Tensor) -> None:
+    """Write the guard pattern into the last two elements of ``window`` (``numel + 1`` long).
+
+    Lets a receive land in place in a larger buffer (a server's staging buffer) instead of a
+    fresh `guarded_buffer`: the element after the payload is borrowed as the guard.
+    """
+    bits = _GUARD_BITS.get(window.dtype)
+    if bits is not None:
+        int_dtype = torch.int32 if window.dtype.itemsize == 4 else torch.int64
+        window[-2:].view(int_dtype).fill_(bits)
 
 
 def check_guarded(buf: torch.Tensor, src: int) -> torch.Tensor:

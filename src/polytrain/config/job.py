@@ -262,7 +262,9 @@ class PSConfig:
     mode: Literal["sync", "async", "ssp"] = option("sync", "consistency model")
     staleness: int = option(0, "ssp: how many clocks a worker may run ahead of the slowest")
     hierarchical: bool = option(False, "reduce within a host first; one worker per host talks")
-    chunk_kb: int = option(256, "chunk size of pipelined pushes and pulls in KiB")
+    chunk_kb: int = option(
+        0, "chunk size of pipelined pushes and pulls in KiB (0 = auto: from the shard size)"
+    )
     ranks_per_host: int = option(
         0, "hierarchical: worker ranks per host (0 = LOCAL_WORLD_SIZE, else launch.nproc)"
     )
@@ -279,7 +281,7 @@ class PSConfig:
 
     def __post_init__(self) -> None:
         _positive("ps", "servers", self.servers)
-        _positive("ps", "chunk_kb", self.chunk_kb)
+        _positive("ps", "chunk_kb", self.chunk_kb, allow_zero=True)
         _positive("ps", "ranks_per_host", self.ranks_per_host, allow_zero=True)
         _positive("ps", "worker_timeout_s", self.worker_timeout_s)
         _positive("ps", "spare_workers", self.spare_workers, allow_zero=True)

@@ -16,6 +16,14 @@ a per-worker staging buffer and reach the parameters (async, ssp) or the clock's
 when the CLOCK arrives with every chunk in. A worker that dies mid-push, or a chunk that fails
 validation, therefore changes nothing.
 
+[Note: staging in place] Each receiver thread owns its worker's staging buffer (P + 1 elements)
+and receives every PUSH chunk straight into its slice, borrowing the element after the slice as
+the payload guard ([Note: payload guard] in `polytrain.comm.ps_wire`) and putting it back after
+the check, so chunks may arrive in any order (last layers first) and nothing is allocated or
+copied per chunk. The main thread reads the buffer only when the push's CLOCK arrives, and the
+receiver writes it again only for the worker's next push, which follows a pull the main thread
+grants after handling that CLOCK: the two threads never touch the buffer at the same time.
+
 [Note: replies never wait] A worker posts the receives of a reply (ACK, then every PARAMS
 chunk of every server) before it sends the request, and the coordinator posts those of the
 final shards before its LEAVE. So a server's blocking wait on its reply sends only waits for
@@ -83,6 +91,15 @@ class ServerStats:
     removed: list[tuple[int, int, str]] = field(default_factory=list)  # (worker, clock, why)
     left: list[tuple[int, int]] = field(default_factory=list)  # (worker, clock)
     skipped: list[int] = field(default_factory=list)  # clocks of dropped non-finite updates
+
+
+def _all_finite(flat: torch.Tensor) -> bool:
+    """Whether every element is finite, in one pass without a mask the size of the shard:
+    a float64 sum of float32 (or narrower) values cannot overflow, so it is finite if and only
+    if every element is."""
+    if flat.dtype == torch.float64:
+        return bool(torch.isfinite(flat).all())
+    return bool(torch.isfinite(flat.sum(dtype=torch.float64)))
 
 
 class ParameterServer:
@@ -160,6 +177,8 @@ class ParameterServer:
         the main thread. One thread per worker: a receive from any source would fail again and
         again once one peer's connection broke, and a dead peer must only end its own stream.
         """
+        # [Note: staging in place]: this worker's staging buffer, one guard element longer.
+        staging = torch.zeros(self.layout.numel(self.index) + 1, dtype=self.layout.dtype)
         while True:
             wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
             try:
@@ -167,9 +186,14 @@ class ParameterServer:
                 header = self._decode(wire, src)
                 payload = None
                 if header.op is Op.PUSH:
-                    buf = ps_wire.guarded_buffer(header.numel, self.layout.dtype)
-                    ps_wire.wait_all([ps_wire.post_recv(buf, src, ps_wire.TAG_PUSH)])
-                    payload = ps_wire.check_guarded(buf, src)
+                    start, stop = self.spans[header.chunk]
+                    window = staging[start : stop + 1]
+                    borrowed = window[-1].clone()  # the next chunk's first element, if in
+                    ps_wire.arm_guard(window)
+                    ps_wire.wait_all([ps_wire.post_recv(window, src, ps_wire.TAG_PUSH)])
+                    ps_wire.check_guarded(window, src)
+                    window[-1] = borrowed
+                    payload = staging[:-1]
             except PeerLost as exc:
                 self._inbox.put(("lost", src, str(exc), None))
                 return
@@ -347,10 +371,9 @@ class ParameterServer:
         elif op is Op.PUSH:
             assert payload is not None
             start, stop = self.spans[header.chunk]
-            staging = self.staging.setdefault(w, torch.zeros_like(self.flat))
-            staging[start:stop].copy_(payload)
+            self.staging[w] = payload  # the chunk is already in place ([Note: staging in place])
             self.chunks_in.setdefault(w, set()).add(header.chunk)
-            self.stats.bytes_in += payload.numel() * payload.element_size()
+            self.stats.bytes_in += (stop - start) * payload.element_size()
         elif op is Op.CLOCK:
             self._clock(w, clock)
         elif op is Op.LEAVE:
@@ -385,7 +408,9 @@ class ParameterServer:
         self.sum_flat.zero_()
         if self.optim_cfg.grad_clip > 0:
             # Clip by the norm of the whole gradient, summed over every server's shard.
-            square = self.grad_flat.double().square().sum().reshape(1)
+            # In float64 without a float64 copy of the shard (one pass over the flat buffer).
+            norm = torch.linalg.vector_norm(self.grad_flat, dtype=torch.float64)
+            square = norm.square().reshape(1)
             if self.server_group is not None:
                 ps_wire.all_reduce_sum(square, self.server_group)
             coef = clip_coefficient(self.optim_cfg.grad_clip, square.sqrt()[0])
@@ -393,7 +418,7 @@ class ParameterServer:
         self._step(clock)
 
     def _step(self, clock: int) -> None:
-        if not bool(torch.isfinite(self.grad_flat).all()):
+        if not _all_finite(self.grad_flat):
             self._nonfinite(clock)
             return
         for group in self.optimizer.param_groups:
@@ -442,30 +467,38 @@ class ParameterServer:
             self._apply_sum()
 
     def _grant_ready(self) -> None:
-        """Answer every deferred pull the consistency rule now allows (may_proceed)."""
-        progress = True
-        while progress:
-            progress = False
-            floor = self.table.min_clock()
-            for i, (w, clock) in enumerate(self.deferred):
-                if may_proceed(self.mode, self.staleness, clock, floor):
-                    del self.deferred[i]
-                    self._grant(w, clock, floor)
-                    progress = True
-                    break
+        """Answer every deferred pull the consistency rule now allows (may_proceed).
 
-    def _grant(self, w: int, clock: int, floor: int) -> None:
-        ack = Header(Op.ACK, w, floor, self.layout.job_id, shard=self.index)
-        try:
-            ps_wire.wait_all(
-                [ps_wire.post_send(ack.encode(), w, ps_wire.TAG_REPLY), *self._params_ops(w, clock)]
-            )
-        except PeerLost as exc:
-            self._drop(w, f"lost: {exc}")
-            return
-        self.granted[w] = clock
-        self.stats.events.append((w, clock, floor))
-        self.stats.grants += 1
+        The replies to every grantable pull are posted before any is waited for, so the
+        workers' pulls stream concurrently instead of one worker after another.
+        """
+        while True:
+            floor = self.table.min_clock()
+            ready = [
+                (w, c) for w, c in self.deferred if may_proceed(self.mode, self.staleness, c, floor)
+            ]
+            if not ready:
+                return
+            self.deferred = [d for d in self.deferred if d not in ready]
+            posted = []
+            for w, clock in ready:
+                ack = Header(Op.ACK, w, floor, self.layout.job_id, shard=self.index)
+                try:
+                    ops = [ps_wire.post_send(ack.encode(), w, ps_wire.TAG_REPLY)]
+                    ops += self._params_ops(w, clock)
+                except PeerLost as exc:
+                    self._drop(w, f"lost: {exc}")
+                    continue
+                posted.append((w, clock, ops))
+            for w, clock, ops in posted:
+                try:
+                    ps_wire.wait_all(ops)
+                except PeerLost as exc:
+                    self._drop(w, f"lost: {exc}")
+                    continue
+                self.granted[w] = clock
+                self.stats.events.append((w, clock, floor))
+                self.stats.grants += 1
 
     def _params_ops(self, dst: int, clock: int) -> list[Any]:
         ops = []
