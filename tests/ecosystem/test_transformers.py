@@ -11,6 +11,7 @@ BatchNorm statistics; measured differences are 0 to 2.3e-6; per-replica BatchNor
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -47,12 +48,36 @@ STRATEGIES: dict[str, tuple[int, dict[str, Any]]] = {
 TENSOR_PARALLEL = {"tp2": (2, {"parallel": {"tp": 2}})}
 # BatchNorm in a pipeline matches one process only with one micro-batch and dp = 1
 # (docs/models.md): ResNet's pipelines run one micro-batch, and dp x pp is left out for it.
-CASES = [
+FULL_MATRIX = [
     (model, strategy)
     for model in MODELS
     for strategy in STRATEGIES
     if not (model == "resnet" and strategy == "dp2-pp2")
 ] + [("llama", "tp2")]
+# [Note: the CI matrix] The full matrix is 36 multi-process runs (about ten minutes on 2 cores),
+# half of the suite's budget. By default every strategy runs on at least two models and every
+# model under at least two strategies, chosen where each model's trap is: GPT-2's tie across
+# pipeline stages and under ZeRO-3, BatchNorm under dp / ZeRO / parameter servers, Llama's rotary
+# tables and masks across stages and its own tp plan, BERT's padding mask. POLYTRAIN_FULL_MATRIX=1
+# runs every pair (each was checked when the layer pipelines landed; docs/models.md).
+CI_MATRIX = [
+    ("gpt2", "1f1b-pp2"),
+    ("gpt2", "dp2-pp2"),
+    ("gpt2", "zero3-dp2"),
+    ("llama", "gpipe-pp2"),
+    ("llama", "ps-sync"),
+    ("llama", "tp2"),
+    ("bert", "dp2"),
+    ("bert", "gpipe-pp2"),
+    ("resnet", "dp2"),
+    ("resnet", "zero3-dp2"),
+    ("resnet", "ps-sync"),
+    ("vit", "1f1b-pp2"),
+    ("vit", "dp2-pp2"),
+]
+FULL = os.environ.get("POLYTRAIN_FULL_MATRIX") == "1"
+CASES = FULL_MATRIX if FULL else CI_MATRIX
+EXPORTED = MODELS if FULL else ["gpt2", "llama", "resnet"]
 
 
 def sections_of(model: str, strategy: str) -> tuple[int, dict[str, Any]]:
@@ -97,7 +122,7 @@ def test_matches_single_process(model: str, strategy: str) -> None:
     assert_state_close(out["state"], ref["state"], atol=ATOL)
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", EXPORTED)
 def test_export_loads_into_the_original_class(model: str, tmp_path: Path) -> None:
     """Exported through a 1F1B pipeline: stages gather their shares, GPT-2's tie survives."""
     path = tmp_path / "final.safetensors"
