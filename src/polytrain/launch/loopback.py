@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from polytrain._torch_private import forget_shared_store, set_store_server_factory
 
-__all__ = ["BACKEND", "loopback_store", "register"]
+__all__ = ["BACKEND", "listening_store", "loopback_store", "register"]
 
 BACKEND = "polytrain-loopback"
 HOST = "127.0.0.1"
@@ -38,14 +38,23 @@ HOST = "127.0.0.1"
 
 def loopback_store(timeout_s: float = 900.0, port: int = 0) -> dist.TCPStore:
     """A ``TCPStore`` server listening on 127.0.0.1 only, on ``port`` (0: a free one)."""
+    return listening_store(HOST, port, timeout_s)
+
+
+def listening_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A ``TCPStore`` server on a socket bound to ``addr:port`` only (torch's own binds every
+    interface); ``port`` 0 takes a free one. Raises ``OSError`` if the address cannot be bound."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, port))
+    try:
+        sock.bind((addr, port))
+    except OSError:
+        sock.close()
+        raise
     sock.listen(1024)
-    port = sock.getsockname()[1]
     return dist.TCPStore(
-        HOST,
-        port,
+        addr,
+        sock.getsockname()[1],
         is_master=True,
         wait_for_workers=False,
         multi_tenant=False,

@@ -53,6 +53,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from polytrain._torch_private import set_store_server_factory
 from polytrain.config.job import LaunchConfig
 from polytrain.errors import ClusterError
+from polytrain.launch.loopback import listening_store
 from polytrain.launch.node_guard import NodeGuard
 
 __all__ = [
@@ -126,28 +127,6 @@ def interface_of(addr: str) -> str | None:
     return None
 
 
-def _listening_store(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A ``TCPStore`` server on a socket bound to ``addr:port`` only ([Note: listening ...])."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((addr, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(1024)
-    return dist.TCPStore(
-        addr,
-        sock.getsockname()[1],
-        is_master=True,
-        wait_for_workers=False,
-        multi_tenant=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        master_listen_fd=sock.detach(),  # the store owns the socket from here on
-        use_libuv=True,
-    )
-
-
 def _client_store(addr: str, port: int, timeout_s: float, me: str) -> dist.TCPStore:
     try:
         return dist.TCPStore(
@@ -218,7 +197,7 @@ def _create(params: RendezvousParameters) -> DynamicRendezvousHandler:
     store: dist.TCPStore | None = None
     if is_host:  # [Note: who hosts the store]
         try:
-            store = _listening_store(endpoint_addr, port, timeout_s)
+            store = listening_store(endpoint_addr, port, timeout_s)
         except OSError as exc:
             # As torch: several nodes of one job on one machine; the first one hosts.
             if told is not None or exc.errno != errno.EADDRINUSE:
@@ -233,7 +212,7 @@ def _create(params: RendezvousParameters) -> DynamicRendezvousHandler:
     node = NodeInfo(me, int(params.get_as_int("node_rank", 0) or 0), params.max_nodes)
 
     def shared_server(master_addr: str, master_port: int) -> dist.TCPStore:
-        return _listening_store(me, 0, timeout_s)
+        return listening_store(me, 0, timeout_s)
 
     set_store_server_factory(handler, shared_server)
     guard = None if is_host else NodeGuard(me, endpoint_addr, port, timeout_s)
