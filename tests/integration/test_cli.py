@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def polytrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # This checkout's code (not whatever polytrain is installed), and tests.helpers importable.
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.run(
         [sys.executable, "-m", "polytrain.cli.app", *args],
         cwd=cwd,
