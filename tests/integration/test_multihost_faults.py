@@ -26,13 +26,20 @@ def cluster() -> Iterator[Cluster]:
 
 
 def _node(
-    nnodes: int, node_rank: int, endpoint: str, *extra: str, timeout_s: int = TIMEOUT_S
+    nnodes: int,
+    node_rank: int,
+    endpoint: str,
+    *extra: str,
+    timeout_s: int = TIMEOUT_S,
+    out_dir: str = "",
 ) -> list[str]:
+    # The emulated hosts share one file system, real hosts do not: each needs its own run
+    # directory (a shared one is refused by the run lock before the rendezvous starts).
     return [
         "train", "--model", "mlp", "--steps", "2", "--no-progress",
         "--timeout", str(timeout_s), "--nproc", "2", "--nnodes", str(nnodes),
         "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint,
-        "--out-dir", f"node{node_rank}", *extra,
+        "--out-dir", out_dir or f"node{node_rank}", *extra,
     ]  # fmt: skip
 
 
@@ -75,7 +82,9 @@ def test_nodes_that_disagree(
     timeout only absorbs the nodes' start-up skew on a loaded machine (the second node to
     arrive finds the mistake at once)."""
     endpoint = f"{cluster.hosts[0].addr}:{PORT}"
-    args = [_node(n, r, endpoint, timeout_s=90) for n, r in flags]
+    args = [
+        _node(n, r, endpoint, timeout_s=90, out_dir=f"node{i}") for i, (n, r) in enumerate(flags)
+    ]
     results = run_nodes(cluster, args, cwd=tmp_path, timeout=300)
     for result in results:
         assert result.returncode == 2, result.stderr
