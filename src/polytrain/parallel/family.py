@@ -28,6 +28,7 @@ from polytrain.parallel.sufficient_factor import (
 )
 from polytrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_tp_plan
 from polytrain.parallel.zero import apply_zero
+from polytrain.pipeline.partition import check_counts
 from polytrain.topology import ParallelDims
 
 __all__ = ["SPMD", "build_spmd", "check_spmd_job", "check_tp_plan"]
@@ -41,6 +42,8 @@ def check_tp_plan(job: JobConfig, model: BlockModel) -> None:
 
 def check_spmd_job(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
     check_tp_plan(job, model)
+    if isinstance(job.pipeline.partition, list):  # one stage: the list must cover the model
+        check_counts(job.pipeline.partition, model.num_blocks, 1)
     if job.parallel.sufficient_factor == "on" and not plain_linears(model):
         choose_layers([], "on")  # raises: nothing to exchange factors for
 
