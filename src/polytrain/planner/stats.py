@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -88,14 +88,6 @@ def _heads(model: nn.Module) -> int:
     return math.gcd(*counts) if counts else 0
 
 
-def _known(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    # [Note: optional fields] `linears`, `rows_per_sample` (BlockStats) and `tp_divisor`
-    # (ModelStats) belong to the cost model's side of planner/types.py; they are filled when the
-    # dataclass has them, so this module works before and after the two halves meet.
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in values.items() if k in names}
-
-
 def _params_and_bytes(block: nn.Module) -> tuple[int, int]:
     params = list(block.parameters())
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
@@ -132,10 +124,6 @@ def stats_of(
         finally:
             linears.close()
         params, param_bytes = _params_and_bytes(block)
-        optional = {
-            "linears": tuple(linears.shapes),
-            "rows_per_sample": max(linears.rows // batch, 1),
-        }
         out.append(
             BlockStats(
                 name=f"blocks.{index}",
@@ -144,7 +132,8 @@ def stats_of(
                 fwd_flops=flops.get_total_flops() / batch,
                 saved_bytes=saved.bytes / batch,
                 output_bytes=y.numel() * y.element_size() / batch,
-                **_known(BlockStats, optional),
+                linears=tuple(linears.shapes),
+                rows_per_sample=max(linears.rows // batch, 1),
             )
         )
         h = y.detach()
@@ -155,7 +144,7 @@ def stats_of(
         dtype_bytes=dtype_bytes,
         tokens_per_sample=tokens_per_sample,
         optimizer_state_per_param=optimizer_state,
-        **_known(ModelStats, {"tp_divisor": _heads(model)}),
+        tp_divisor=_heads(model),
     )
 
 
