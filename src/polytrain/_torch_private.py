@@ -19,12 +19,17 @@ here has none in torch 2.13:
   shutdown grace (torch stops workers with a fixed 30 s grace otherwise).
 - ``forget_shared_store`` / ``set_store_server_factory``: the rendezvous handler's store cache
   and the one extension point that makes its shared store.
+- ``gloo_options``: backend options carrying a timeout, the only way to give the groups a
+  ``DeviceMesh`` creates a timeout other than torch's 30-minute default (``init_device_mesh``
+  reads ``pg_options._timeout``; [Note: group timeouts] in comm/init.py).
 """
 
 from __future__ import annotations
 
+import datetime
 import signal
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +46,7 @@ __all__ = [
     "ddp_ignore",
     "default_store",
     "forget_shared_store",
+    "gloo_options",
     "queue_backward_callback",
     "replicate",
     "set_store_server_factory",
@@ -103,3 +109,11 @@ def set_store_server_factory(
 ) -> None:
     """Build the agent's shared store (the one its workers join) with ``factory(addr, port)``."""
     handler._create_tcp_store_server = factory  # type: ignore[method-assign,assignment]
+
+
+def gloo_options(timeout: datetime.timedelta) -> Any:
+    """Gloo process-group options whose collectives time out after ``timeout`` (typed ``Any``:
+    their class lives in ``torch._C``)."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    return options

@@ -122,6 +122,11 @@ def _own_private_names(sources: list[Path]) -> set[str]:
     return own
 
 
+def test_gloo_options_carry_a_timeout() -> None:
+    options = private.gloo_options(datetime.timedelta(seconds=7))
+    assert options._timeout == datetime.timedelta(seconds=7)  # what init_device_mesh reads
+
+
 def test_no_other_module_reaches_past_the_door() -> None:
     sources = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "_torch_private.py"]
     own = _own_private_names(sources) | {"_exit"}  # os._exit: public, documented stdlib

@@ -12,7 +12,7 @@ it is not, so `parallel.hierarchical.choose` measures both before using it.
 ``k`` the global ranks ``k * nproc ... (k + 1) * nproc - 1`` (launch/multinode.py keeps the node
 ranks the user gave). For each data-parallel group, `HostGroups` makes one group per host (its
 ranks in that dp group) and one group of the hosts' leaders (the lowest such rank on each
-host). ``dist.new_group`` is collective over the whole world, so every rank creates every
+host). ``new_group`` is collective over the whole world, so every rank creates every
 group of every dp group, in the same order.
 
 [Note: blocking hook] The hook runs its three collectives to completion and returns a finished
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from polytrain.comm.init import new_group
 
 __all__ = [
     "HostGroups",
@@ -66,8 +68,8 @@ def host_groups(
     for ranks in dp_groups:
         hosts = split_by_host(ranks, ranks_per_host)
         leaders = [h[0] for h in hosts]
-        intra_groups = [dist.new_group(h) for h in hosts]
-        inter = dist.new_group(leaders)
+        intra_groups = [new_group(h) for h in hosts]
+        inter = new_group(leaders)
         for host, intra in zip(hosts, intra_groups, strict=True):
             if me in host:
                 mine = HostGroups(

@@ -1,15 +1,38 @@
-"""Process-group start-up from the elastic agent's environment (or an existing group)."""
+"""Process-group start-up from the elastic agent's environment (or an existing group).
+
+[Note: group timeouts] ``launch.timeout_s`` is the default group's timeout, but torch gives
+every group made later (``dist.new_group``, a ``DeviceMesh``'s dimensions) its own 30-minute
+default. A collective on such a group with a host cut off then hangs for half an hour instead
+of failing within the job's timeout: measured on the emulated two-host cluster, the leaders'
+all-reduce of the hierarchical DDP hook was still waiting 90 s after the cut. So polytrain makes
+every group through `new_group` here (and `comm.mesh` passes `mesh_timeout_options`), which
+carry the timeout `init_distributed` was given.
+"""
 
 from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "available_backends", "init_distributed", "shutdown"]
+from polytrain._torch_private import gloo_options
+
+__all__ = [
+    "DistContext",
+    "available_backends",
+    "group_timeout",
+    "init_distributed",
+    "mesh_timeout_options",
+    "new_group",
+    "shutdown",
+]
+
+_timeout: list[datetime.timedelta] = []  # the job's collective timeout, once init_distributed ran
 
 
 @dataclass(frozen=True)
@@ -47,10 +70,11 @@ def init_distributed(
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, local_rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _timeout[:] = [timeout]
     if not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(
                 backend=backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None
@@ -67,6 +91,32 @@ def init_distributed(
         device=dev,
         backend=str(dist.get_backend()),
     )
+
+
+def group_timeout() -> datetime.timedelta | None:
+    """The job's collective timeout (None before `init_distributed`: torch's default)."""
+    return _timeout[0] if _timeout else None
+
+
+def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` with the job's timeout ([Note: group timeouts]).
+
+    Collective over the default group: every rank must call it, with the same ranks, in the
+    same order."""
+    group = dist.new_group(list(ranks), timeout=group_timeout())
+    assert group is not None  # every rank of the world calls it: none gets NON_GROUP_MEMBER
+    return group
+
+
+def mesh_timeout_options(
+    dim_names: Sequence[str],
+) -> dict[int | str, Any] | None:
+    """``init_device_mesh``'s ``backend_override`` that gives each named dimension's groups the
+    job's timeout (gloo only; None where torch's defaults stand)."""
+    timeout = group_timeout()
+    if timeout is None or dist.get_backend() != "gloo":
+        return None
+    return {name: ("gloo", gloo_options(timeout)) for name in dim_names}
 
 
 def shutdown() -> None:

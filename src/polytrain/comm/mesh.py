@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from polytrain.comm.init import mesh_timeout_options
 from polytrain.errors import MeshError
 from polytrain.topology import AXES, ParallelDims
 
@@ -44,5 +45,7 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> Mesh:
         raise MeshError(
             f"mesh {dims} needs {dims.world_size} ranks but the process group has {world}"
         )
-    device_mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+    device_mesh = init_device_mesh(
+        device_type, dims.shape, mesh_dim_names=AXES, backend_override=mesh_timeout_options(AXES)
+    )
     return Mesh(dims=dims, device_mesh=device_mesh, rank=dist.get_rank())

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from polytrain.comm.init import new_group
 from polytrain.errors import ProtocolError
 
 __all__ = [
@@ -214,7 +215,7 @@ def new_group_or_none(groups: Sequence[Sequence[int]], rank: int) -> dist.Proces
     """`new_group_of` for groups that leave some ranks out: those get None."""
     mine: dist.ProcessGroup | None = None
     for ranks in groups:
-        group = dist.new_group(list(ranks))
+        group = new_group(ranks)
         if rank in ranks:
             mine = group
     return mine

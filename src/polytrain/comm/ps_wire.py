@@ -67,7 +67,6 @@ __all__ = [
     "check_guarded",
     "guarded_buffer",
     "heartbeat",
-    "new_group",
     "peer_is_gone",
     "post_recv",
     "post_send",
@@ -236,13 +235,6 @@ def peer_is_gone(peer: int) -> bool:
 
 
 _PROBES: list[dist.Work] = []
-
-
-def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
-    """A process group over ``ranks``; every rank of the world must call it, in the same order."""
-    group = dist.new_group(sorted(ranks))
-    assert group is not None
-    return group
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from polytrain.comm import ps_wire
+from polytrain.comm.init import new_group
 from polytrain.config.job import JobConfig
 from polytrain.core.modules import module_of
 from polytrain.core.optim import lr_at
@@ -113,10 +114,10 @@ class PSStrategy(Strategy):
         self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra)
 
         # Groups: every rank creates every group, in the same order.
-        self.worker_group = ps_wire.new_group(workers)
-        server_group = ps_wire.new_group(self.servers)
+        self.worker_group = new_group(sorted(workers))
+        server_group = new_group(sorted(self.servers))
         hosts = host_groups(workers, ranks_per_host(job)) if ps.hierarchical else []
-        host_pgs = [ps_wire.new_group(g) for g in hosts]
+        host_pgs = [new_group(sorted(g)) for g in hosts]
         self.host_group: Any = None
         self.leader = rank
         for g, pg in zip(hosts, host_pgs, strict=True):
@@ -125,7 +126,7 @@ class PSStrategy(Strategy):
         self.reduce = mean_over(self.worker_group) if self.sync else mean_over()
         # The checkpointer's collectives (sync mode): a world group of their own, since the
         # default group carries the servers' point-to-point traffic on receiver threads.
-        self.checkpoint_group = ps_wire.new_group(list(range(world_size)))
+        self.checkpoint_group = new_group(range(world_size))
         pushers = [leader_of(g) for g in hosts] if ps.hierarchical else workers
         spares = workers[self.num_workers - ps.spare_workers :] if ps.spare_workers else []
         self.num_pushers = len(pushers)
