@@ -5,7 +5,15 @@ every rank runs one compute thread, and a deadline turns a hang into a `TimeoutE
 the ranks that never reported. The deadline is given in seconds on an idle machine and stretched
 by the machine's measured slowdown ([Note: deadlines scale with machine speed] in
 `polytrain.testing.speed`). ``fn(rank, world_size, *args)`` must be importable at module
-level (processes are spawned, not forked).
+level: ranks start from a fork server, never by forking the caller ([Note: fork server]).
+
+[Note: fork server] Each rank used to be a fresh ``spawn``: a new interpreter importing torch,
+FSDP and DTensor, about 3.5 s of CPU per rank before its first line of work, which on CI's two
+cores was the largest single cost of the test suite. Ranks now come from ``multiprocessing``'s
+fork server with those modules preloaded: the server imports them once and each rank is a fork
+of it (not of the caller, which may hold threads and process groups). Forking a process that
+imported torch but started no threads and no process group is safe; ``_entry`` still sets
+every rank's environment and its single compute thread itself.
 """
 
 from __future__ import annotations
@@ -23,6 +31,15 @@ from typing import Any
 from polytrain.testing.speed import scaled
 
 __all__ = ["RankFailure", "run_distributed"]
+
+# What the fork server imports once for every rank ([Note: fork server]).
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "polytrain.trainer.loop"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first use)
+    return ctx
 
 
 class RankFailure(RuntimeError):
@@ -132,7 +149,7 @@ def run_distributed(
     """
     if scale_timeout:
         timeout_s = scaled(timeout_s)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="polytrain-test-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
