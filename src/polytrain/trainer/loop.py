@@ -154,7 +154,8 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             if evaluation_due(step):
                 with watchdog.guard(f"the evaluation after step {step + 1}"):
                     val_loss = strategy.evaluate(job.train.eval_batches)
-                record["val_loss"] = val_loss
+                if strategy.evaluates:  # a rank without a replica (a server) has no loss to log
+                    record["val_loss"] = val_loss
             if step + 1 == steps or (step + 1) % job.observe.log_every == 0 or "val_loss" in record:
                 record["memory_mb"] = peak_memory_mb(ctx.device)
                 metrics.write(record)
