@@ -9,7 +9,7 @@ python3 -m ruff check src tests benchmarks
 python3 -m ruff format --check src tests benchmarks
 python3 -m mypy
 set +e
-python3 -m pytest -q -p no:cacheprovider "$@"
+python3 -m pytest -q -p no:cacheprovider --durations=30 "$@"
 code=$?
 set -e
 if [ "$code" -eq 5 ]; then
