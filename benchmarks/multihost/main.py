@@ -69,7 +69,8 @@ def _exp_hierarchical(spec: dict[str, Any]) -> dict[str, float]:
     x = torch.ones(spec["numel"])
     flat = _time(lambda: dist.all_reduce(x), spec["reps"])
     tiered = _time(lambda: hierarchical_all_reduce(x, groups), spec["reps"])
-    return {"flat_s": flat, "hierarchical_s": tiered}
+    latency = _time(lambda: dist.all_reduce(torch.ones(1)), spec["reps"] * 3)
+    return {"flat_s": flat, "hierarchical_s": tiered, "latency_s": latency}
 
 
 def _exp_placement(spec: dict[str, Any]) -> dict[str, float]:
@@ -244,6 +245,45 @@ def alpha_beta(
     }
 
 
+def planner_env(num_hosts: int, per_host: int, rate_mbit: float, alpha: float) -> Any:
+    """The planner's view of the emulated cluster (issue 16, item 4).
+
+    Inside a host: the catalog's loopback link. Between hosts: each host has ONE shaped link
+    (``nic = "host"``, [Note: shared host link] in planner/cluster.py), with the measured
+    one-float all-reduce time as the per-hop latency."""
+    from polytrain.planner.catalog import Link, device, link
+    from polytrain.planner.cluster import Cluster
+    from polytrain.planner.cost.common import Env
+
+    inter = Link(
+        key=f"tbf{rate_mbit:g}",
+        name=f"tbf-shaped veth, {rate_mbit:g} Mbit/s per host",
+        bandwidth=rate_mbit * 1e6 / 8,
+        latency=alpha,
+    )
+    cpu = device("cpu")
+    return Env(Cluster(num_hosts, per_host, cpu, link(cpu.intra_link), inter, None, nic="host"))
+
+
+def planner_placement(spec: dict[str, Any], env: Any) -> dict[str, float]:
+    """The planner's seconds for `_replay_step` under both placements: the same collectives,
+    each priced by `Env.collective_s` / `p2p_s` for its group's stride, which decides (through
+    `Cluster.link_for`) whether the group crosses hosts."""
+    act, grads = 4 * spec["act_numel"], 4 * (spec["param_numel"] // 2)
+    per_host = env.cluster.per_host
+    out = {}
+    for placement, axis_stride in (("aware", 1), ("naive", per_host)):
+        if spec["axis"] == "pp":  # the aware placement puts the stages across hosts
+            axis_stride = per_host if placement == "aware" else 1
+        dp_stride = per_host if axis_stride == 1 else 1
+        if spec["axis"] == "tp":
+            axis_s = 4 * spec["layers"] * env.collective_s("all_reduce", act, 2, axis_stride)
+        else:
+            axis_s = 2 * spec["microbatches"] * env.p2p_s(act, axis_stride)
+        out[f"{placement}_s"] = axis_s + env.collective_s("all_reduce", grads, 2, dp_stride)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller messages, fewer reps")
@@ -254,7 +294,7 @@ def main() -> None:
     sys.path.insert(0, str(SRC))
     reps = 2 if args.quick else 3
     scale = 4 if args.quick else 1
-    results: dict[str, Any] = {"ratios": [], "curve": []}
+    results: dict[str, Any] = {"ratios": [], "curve": [], "planner": []}
     for rate in (1000, 100):
         numel = (4 * MIB // 4) // scale  # 4 MiB of gradients
         flat = run_on_cluster(
@@ -263,6 +303,10 @@ def main() -> None:
         results["ratios"].append({"what": "flat / hierarchical all-reduce, 2 hosts x 2",
                                   "rate_mbit": rate, "bytes": 4 * numel, **flat,
                                   "ratio": flat["flat_s"] / flat["hierarchical_s"]})  # fmt: skip
+        env = planner_env(2, 2, rate, flat["latency_s"] / 2)
+        results["planner"].append({"what": "flat all-reduce, 2 hosts x 2", "rate_mbit": rate,
+                                   "measured_s": flat["flat_s"],
+                                   "planner_s": env.collective_s("all_reduce", 4 * numel, 4)})  # fmt: skip
         for axis in ("tp", "pp"):
             spec = {
                 "experiment": "placement",
@@ -279,6 +323,12 @@ def main() -> None:
                                       "rate_mbit": rate, **got,
                                       "ratio": got["naive_s"] / got["aware_s"]})  # fmt: skip
             print(results["ratios"][-1], flush=True)
+            predicted = planner_placement(spec, env)
+            for placement in ("aware", "naive"):
+                results["planner"].append({"what": f"dp2 x {axis}2 step, {placement} placement",
+                                           "rate_mbit": rate,
+                                           "measured_s": got[f"{placement}_s"],
+                                           "planner_s": predicted[f"{placement}_s"]})  # fmt: skip
     numel = (4 * MIB // 4) // scale
     for n in range(2, args.max_hosts + 1):
         got = run_on_cluster(
@@ -288,6 +338,13 @@ def main() -> None:
         results["curve"].append({"hosts": n, "bytes": 4 * numel, **got,
                                  "model": model})  # fmt: skip
         print(results["curve"][-1], flush=True)
+        env = planner_env(n, 1, 1000, got["latency_s"] / 2)
+        results["planner"].append({"what": f"ring all-reduce, {n} hosts x 1", "rate_mbit": 1000,
+                                   "measured_s": got["ring_s"],
+                                   "planner_s": env.collective_s("all_reduce", 4 * numel, n)})  # fmt: skip
+    for row in results["planner"]:
+        row["planner_over_measured"] = row["planner_s"] / row["measured_s"]
+        print(row, flush=True)
     args.out.write_text(json.dumps(results, indent=1))
     plot(results["curve"], args.png)
 

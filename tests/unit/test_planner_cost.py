@@ -153,9 +153,28 @@ def test_a_calibrated_profile_replaces_the_catalog_inside_its_host() -> None:
     assert env.mem_bw == 1e10
     # measured curve inside the host (interpolated), rescaled for an unmeasured world size
     assert env.collective_s("all_reduce", 5e5, 2, 1) == pytest.approx(curve.seconds(5e5))
-    # a group that leaves the host uses the catalog link, not the loopback measurement
-    eth = 2 * 1 / 2 * 5e5 / 1.25e9 + 2 * 14e-6 + 8.4e-6
+    # a group that leaves the host uses the catalog link, not the loopback measurement; cpu
+    # workers share their host's one NIC, here with the other host-crossing pair
+    eth = 2 * 1 / 2 * 5e5 / (1.25e9 / 2) + 2 * 14e-6 + 8.4e-6
     assert env.collective_s("all_reduce", 5e5, 2, 2) == pytest.approx(eth)
+
+
+def test_host_nic_is_shared_by_the_flows_that_cross_it() -> None:
+    """[Note: shared host link], as measured on the emulated 2 x 2 cluster: the flat 4-rank ring
+    crosses each host's link once per direction and gets all of it; the two cross-host pairs
+    (dp of a dp2 x tp2 mesh) share it; a rail-optimized GPU cluster shares nothing."""
+    cpu = parse_cluster("2x2xcpu:eth10")
+    assert cpu.nic == "host"
+    full = cpu.inter.bandwidth if cpu.inter else 0.0
+    assert cpu.bandwidth_for(1, 4) == full  # flat ring over both hosts
+    assert cpu.bandwidth_for(2, 2) == full / 2  # two pairs, one member per host each
+    assert cpu.bandwidth_for(1, 2) == cpu.intra.bandwidth  # stays in the host
+    four = parse_cluster("2x4xcpu:eth10")
+    assert four.bandwidth_for(2, 4) == full / 2  # 2 members per host: two groups share
+    assert four.bandwidth_for(4, 2) == full / 4
+    gpu = parse_cluster("2x8xH100:ib400")
+    assert gpu.nic == "device" and gpu.inter is not None
+    assert gpu.bandwidth_for(8, 2) == gpu.inter.bandwidth
 
 
 def test_pipeline_accumulation_reruns_the_flushed_program() -> None:

@@ -26,9 +26,12 @@ _FORM = "expected HOSTSxDEVICESxDEVICE[:LINK], e.g. 4x8xH100:ib400, 8xA100-80GB 
 class Cluster:
     """Identical hosts; devices of one host share `intra`, hosts talk over `inter`.
 
-    [Note: one NIC per device] `inter` is the bandwidth of ONE device's share of the network
-    (rail-optimized clusters such as DGX A100/H100 give each GPU its own NIC), so a collective
-    across hosts is limited by `inter.bandwidth` per device, not divided by devices per host.
+    [Note: one NIC per device] With ``nic = "device"`` (GPU clusters' default) `inter` is the
+    bandwidth of ONE device's share of the network (rail-optimized clusters such as DGX A100/H100
+    give each GPU its own NIC), so a collective across hosts is limited by `inter.bandwidth` per
+    device, not divided by devices per host. With ``nic = "host"`` (CPU workers' default, cloud
+    VMs, the emulated cluster of `polytrain.testing.cluster`) `inter` is the host's one link,
+    shared by the ring flows that cross it at the same time: see `bandwidth_for`.
     """
 
     hosts: int
@@ -37,6 +40,7 @@ class Cluster:
     intra: Link
     inter: Link | None
     price_per_device_hour: float | None
+    nic: str = "device"  # "device": one NIC per device; "host": one shared NIC per host
 
     @property
     def size(self) -> int:
@@ -56,15 +60,44 @@ class Cluster:
             return self.intra
         return self.inter
 
+    def bandwidth_for(self, stride: int, size: int) -> float:
+        """Bytes/s one ring flow of such a group gets on `link_for`'s link.
+
+        [Note: shared host link] Every rank of a host runs a group of the same axis at once,
+        and a ring over a group whose members sit contiguously on each host crosses each host's
+        link once per direction. A group with ``m`` members per host therefore shares the host
+        link with ``per_host / m - 1`` other groups' flows. Measured on the emulated 2 x 2
+        cluster (benchmarks/multihost, "planner"): the flat 4-rank ring gets the whole link, the
+        two cross-host dp pairs half of it each.
+        """
+        link = self.link_for(stride, size)
+        if link is self.intra or self.nic != "host":
+            return link.bandwidth
+        members = max(1, min(size, self.per_host // stride)) if stride < self.per_host else 1
+        flows = max(1, self.per_host // members)
+        return link.bandwidth / flows
+
     def with_size(self, devices: int) -> Cluster:
         """The same hardware cut to ``devices`` devices (whole hosts first)."""
         if devices <= self.per_host:
             return Cluster(
-                1, devices, self.device, self.intra, self.inter, self.price_per_device_hour
+                1,
+                devices,
+                self.device,
+                self.intra,
+                self.inter,
+                self.price_per_device_hour,
+                self.nic,
             )
         hosts = -(-devices // self.per_host)
         return Cluster(
-            hosts, self.per_host, self.device, self.intra, self.inter, self.price_per_device_hour
+            hosts,
+            self.per_host,
+            self.device,
+            self.intra,
+            self.inter,
+            self.price_per_device_hour,
+            self.nic,
         )
 
 
@@ -81,7 +114,7 @@ def parse_cluster(spec: str) -> Cluster:
         hosts, per_host = int(first), int(second)
     else:
         hosts, per_host = 1, int(first) if first is not None else 1
-    return _build(hosts, per_host, dev, inter, None, None, origin=spec)
+    return _build(hosts, per_host, dev, inter, None, None, None, origin=spec)
 
 
 def load_cluster(path: Path) -> Cluster:
@@ -94,6 +127,9 @@ def load_cluster(path: Path) -> Cluster:
     inter_link = "ib400"        # needed when hosts > 1
     intra_link = "nvlink4"      # optional: the device's default
     price_per_device_hour = 2.5 # optional: the catalog's on-demand price
+    nic = "device"              # optional: "device" (one NIC per device) or "host" (one shared);
+                                # default "host" for cpu, "device" otherwise ([Note: one NIC per
+                                # device])
     """
     if not path.is_file():
         raise PlanError(
@@ -110,6 +146,7 @@ def load_cluster(path: Path) -> Cluster:
         "inter_link",
         "intra_link",
         "price_per_device_hour",
+        "nic",
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -128,6 +165,7 @@ def load_cluster(path: Path) -> Cluster:
         data.get("inter_link"),
         data.get("intra_link"),
         float(price_in) if price_in is not None else None,
+        str(data["nic"]) if "nic" in data else None,
         origin=str(path),
     )
 
@@ -139,6 +177,7 @@ def _build(
     inter_key: str | None,
     intra_key: str | None,
     price_in: float | None,
+    nic: str | None,
     *,
     origin: str,
 ) -> Cluster:
@@ -154,6 +193,8 @@ def _build(
         )
     if price_in is not None and price_in < 0:
         raise PlanError(f"cluster {origin!r}: price_per_device_hour = {price_in} is negative")
+    if nic not in (None, "device", "host"):
+        raise PlanError(f'cluster {origin!r}: nic = {nic!r}: expected "device" or "host"')
     return Cluster(
         hosts=hosts,
         per_host=per_host,
@@ -161,4 +202,5 @@ def _build(
         intra=link(intra_key or dev.intra_link),
         inter=link(inter_key) if inter_key else None,
         price_per_device_hour=price_in if price_in is not None else price(dev.key),
+        nic=nic or ("host" if dev.key == "cpu" else "device"),
     )

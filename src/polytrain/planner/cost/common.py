@@ -105,7 +105,7 @@ class Env:
         if measured is not None:
             return measured
         return (
-            ring_factor(op, size) * nbytes / link.bandwidth
+            ring_factor(op, size) * nbytes / self.cluster.bandwidth_for(stride, size)
             + _hops(op, size) * link.latency
             + link.base
         )
