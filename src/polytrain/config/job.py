@@ -41,10 +41,20 @@ def _positive(section: str, name: str, value: float, *, allow_zero: bool = False
 
 @dataclass
 class ModelConfig:
-    name: str = option("gpt", "built-in model (gpt, mlp) or a factory 'package.module:function'")
+    name: str = option(
+        "gpt",
+        "built-in model (gpt, mlp, cnn: AlexNet-style, resnet) or a factory "
+        "'package.module:function'",
+    )
     size: str = option("tiny", "named size of a built-in model: tiny, small, medium")
-    n_layer: int | None = option(None, "number of blocks (overrides the named size)")
-    n_embd: int | None = option(None, "width of the residual stream / hidden layers")
+    n_layer: int | None = option(
+        None, "number of blocks (cnn: convolution stages; resnet: residual blocks)"
+    )
+    n_embd: int | None = option(
+        None,
+        "width of the residual stream / hidden layers (cnn: fully connected layers; resnet: "
+        "stem channels)",
+    )
     n_head: int | None = option(None, "attention heads (gpt)")
     block_size: int | None = option(None, "context length in tokens")
     dropout: float = option(0.0, "dropout probability")
@@ -76,8 +86,9 @@ class ModelConfig:
 class DataConfig:
     source: str = option(
         "pydoc",
-        "'pydoc' (the Python docs corpus shipped with CPython), a text file, a .npy token "
-        "array, or a .safetensors file with 'inputs' and 'targets'",
+        "'pydoc' (the Python docs corpus shipped with CPython), 'digits' (scikit-learn's 8x8 "
+        "images of digits), a text file, a .npy token array, or a .safetensors / .npz file "
+        "with 'inputs' and 'targets'",
     )
     val_fraction: float = option(0.1, "fraction of the data held out for validation")
     tokenizer: str = option(

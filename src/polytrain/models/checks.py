@@ -125,5 +125,5 @@ def _check_output(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Te
 def check_model(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Tensor]) -> None:
     """The contract checks for ``model`` (built on the meta device) and one batch of the data."""
     _check_layout(job, model, isinstance(sample[0], dict))
-    if job.model.name not in ("gpt", "mlp") or job.model.loss != "auto":
+    if job.model.name not in ("gpt", "mlp", "cnn", "resnet") or job.model.loss != "auto":
         _check_output(job, model, sample)

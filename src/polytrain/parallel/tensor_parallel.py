@@ -85,7 +85,7 @@ def _builtin_plan(model_name: str, model: nn.Module, tp: int) -> list[PlanEntry]
                         f"{name!r}: choose a tp that divides model.n_head = {n_head}"
                     )
         return gpt_plan(vocab, tp)
-    if model_name == "mlp":
+    if model_name in ("mlp", "cnn", "resnet"):  # their Linear layers in order; convs replicated
         linears = [n for n, i in infos.items() if i.kind == "linear"]
         return mlp_plan(linears, {n: infos[n].out_dim for n in linears}, tp)
     own = _own_plan(model)
