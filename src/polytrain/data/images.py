@@ -28,7 +28,7 @@ def load_digits_pairs() -> tuple[torch.Tensor, torch.Tensor]:
     """``(images (N, 1, 8, 8) float32 in [0, 1], labels (N,) int64)`` in the fixed order."""
     try:
         # Optional dependency (the "images" extra): imported only when the digits are asked for.
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError(
             "data.source = 'digits' needs scikit-learn (it ships the images): "

@@ -129,7 +129,9 @@ def _loss(spec: DataSpec) -> LossFn:
     return resolve_loss("cross_entropy", spec.classification)
 
 
-def build_cnn(spec: DataSpec, n_layer: int, fc_width: int, channels: int, dropout: float) -> BlockModel:
+def build_cnn(
+    spec: DataSpec, n_layer: int, fc_width: int, channels: int, dropout: float
+) -> BlockModel:
     """AlexNet-style: ``n_layer`` conv stages (channels x1, x2, x4, x4, ...; 2x2 max-pooling
     while the map is at least 8 high), then two fully connected layers of ``fc_width`` and the
     classifier. Blocks: [ConvStage x n_layer, Dense, Dense, Classifier]."""

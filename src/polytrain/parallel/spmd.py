@@ -108,7 +108,9 @@ class SPMDStrategy(Strategy):
             correct = top1_correct(output, y)
             if correct is not None:
                 counts += torch.stack([correct, torch.tensor(float(len(y)), device=self.device)])
-        sums = all_reduce_sum_(torch.cat([total.reshape(1) / self.dp, counts]), self.mesh.group("dp"))
+        sums = all_reduce_sum_(
+            torch.cat([total.reshape(1) / self.dp, counts]), self.mesh.group("dp")
+        )
         self._accuracy = float(sums[1] / sums[2]) if float(sums[2]) else None
         return float(sums[0]) / num_batches
 
