@@ -28,6 +28,16 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "zero3-dp2": {"parallel": {"dp": 2, "zero": 3}},
     "gpipe-pp2": {"parallel": {"pp": 2}, "pipeline": {"schedule": "gpipe", "microbatches": 2}},
     "tp2": {"parallel": {"tp": 2}},
+    "hybrid-auto-dp2": {"parallel": {"dp": 2, "hybrid": ["auto"]}},
+    # explicit rows (the classifier split too, gathered), two micro-steps, active clipping
+    "hybrid-rows-dp2-accum2-clip": {
+        "parallel": {
+            "dp": 2,
+            "hybrid": ["blocks.3.fc=colwise", "blocks.4.fc=rowwise", "blocks.5.out=colwise_gather"],
+        },
+        "train": {"grad_accum": 2},
+        "optim": {"grad_clip": 0.05},
+    },
 }
 # BatchNorm under a micro-batched pipeline cannot match one process (pre-flight refuses it),
 # so resnet's pipeline runs one micro-batch; tensor parallel splits cnn's wide Linear layers
@@ -37,6 +47,8 @@ CASES = [
     ("cnn", "zero3-dp2"),
     ("cnn", "gpipe-pp2"),
     ("cnn", "tp2"),
+    ("cnn", "hybrid-auto-dp2"),
+    ("cnn", "hybrid-rows-dp2-accum2-clip"),
     ("resnet", "dp2"),
     ("resnet", "zero3-dp2"),
     ("resnet", "gpipe-pp2"),
@@ -65,7 +77,7 @@ def job(model: str, strategy: str | None) -> JobConfig:
     }
     if strategy is not None:
         for section, values in STRATEGIES[strategy].items():
-            sections[section] = dict(values)
+            sections.setdefault(section, {}).update(values)
         sections["launch"] = {"nproc": 2}
     if model == "resnet" and strategy == "gpipe-pp2":
         sections["pipeline"]["microbatches"] = 1
@@ -98,7 +110,14 @@ def run_jobs(jobs: list[JobConfig]) -> list[dict[str, Any]]:
 
 @cache
 def references() -> dict[str, dict[str, Any]]:
-    return dict(zip(MODELS, run_jobs([job(m, None) for m in MODELS]), strict=True))
+    jobs = {m: job(m, None) for m in MODELS}
+    jobs["cnn-clip"] = small_job(
+        model=MODELS["cnn"],
+        data={"source": data_file(), "val_fraction": 0.25},
+        train={"steps": 3, "eval_batches": 2},
+        optim={"grad_clip": 0.05},
+    )
+    return dict(zip(jobs, run_jobs(list(jobs.values())), strict=True))
 
 
 @cache
@@ -108,10 +127,13 @@ def outcomes() -> dict[tuple[str, str], dict[str, Any]]:
 
 @pytest.mark.parametrize(("model", "strategy"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
 def test_matches_single_process(model: str, strategy: str) -> None:
-    ref, out = references()[model], outcomes()[(model, strategy)]
+    ref = references()[model + ("-clip" if "clip" in strategy else "")]
+    out = outcomes()[(model, strategy)]
     assert_state_close(out["state"], ref["state"], atol=1e-5)
     assert out["losses"] == pytest.approx(ref["losses"], abs=1e-5)
-    if strategy in ("dp2", "zero3-dp2", "tp2"):  # SPMD evaluation reports top-1 accuracy
+    if strategy.startswith("hybrid"):  # auto splits the two wide layers, not the classifier
+        assert out["strategy"] == ("hybrid-dp2-mp2" if "auto" in strategy else "hybrid-dp2-mp3")
+    if "pp" not in strategy:  # SPMD evaluation reports top-1 accuracy
         assert ref["accuracy"] is not None and 0.0 <= ref["accuracy"] <= 1.0
         assert out["accuracy"] == pytest.approx(ref["accuracy"], abs=1e-6)
     if model == "resnet":  # BatchNorm's running statistics are compared too (buffers)

@@ -188,6 +188,14 @@ class ParallelConfig:
         "rowwise, vocab); empty = the built-in plan of gpt / mlp",
     )
 
+    hybrid: list[str] = option(
+        [],
+        "hybrid parallelism (PAI; Krizhevsky's 'one weird trick'): the Linear layers these "
+        "tp-plan rows name ('pattern=style') are split over the data-parallel ranks and run on "
+        "the whole batch, the rest stays data parallel; ['auto'] picks the layers whose weights "
+        "outweigh their activations; [] = off",
+    )
+
     def __post_init__(self) -> None:
         _positive("parallel", "dp", self.dp, allow_zero=True)
         _positive("parallel", "tp", self.tp)
@@ -212,6 +220,23 @@ class ParallelConfig:
                 f"{self.grad_compression!r} are both DDP communication hooks and DDP takes one: "
                 "drop one of them"
             )
+        if self.hybrid:
+            clash = {
+                "tp": self.tp > 1,
+                "pp": self.pp > 1,
+                "zero": self.zero > 0,
+                "sync": self.sync != "allreduce",
+                "grad_compression": self.grad_compression != "none",
+                "sufficient_factor": self.sufficient_factor != "off",
+                "recompute": self.recompute,
+            }
+            bad = [k for k, v in clash.items() if v]
+            if bad:
+                raise ConfigError(
+                    f"parallel.hybrid = {self.hybrid!r} splits layers over the data-parallel "
+                    f"ranks and works with plain data parallel only, but parallel.{bad[0]} = "
+                    f"{getattr(self, bad[0])!r}: drop that option or set parallel.hybrid = []"
+                )
         if self.sufficient_factor != "off":
             clash = {
                 "tp": self.tp > 1,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from polytrain._torch_private import ddp_ignore
 from polytrain.comm.init import DistContext
 from polytrain.comm.mesh import build_mesh
 from polytrain.config.job import JobConfig
@@ -18,6 +19,7 @@ from polytrain.models.base import BlockModel, one_input
 from polytrain.models.blocks import disable_inplace
 from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.data_parallel import apply_data_parallel
+from polytrain.parallel.hybrid import apply_hybrid, hybrid_ignored, resolve_hybrid_plan
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.replicate import apply_replicate
 from polytrain.parallel.spmd import SPMDStrategy
@@ -27,11 +29,12 @@ from polytrain.parallel.sufficient_factor import (
     plain_linears,
 )
 from polytrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_tp_plan
+from polytrain.parallel.tp_plans import Style
 from polytrain.parallel.zero import apply_zero
 from polytrain.pipeline.partition import check_counts
 from polytrain.topology import ParallelDims
 
-__all__ = ["SPMD", "build_spmd", "check_spmd_job", "check_tp_plan"]
+__all__ = ["SPMD", "build_spmd", "check_hybrid_plan", "check_spmd_job", "check_tp_plan"]
 
 
 def check_tp_plan(job: JobConfig, model: BlockModel) -> None:
@@ -40,8 +43,17 @@ def check_tp_plan(job: JobConfig, model: BlockModel) -> None:
         resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)
 
 
+def check_hybrid_plan(job: JobConfig, model: BlockModel) -> dict[str, Style]:
+    """The hybrid plan's modules and styles (empty without one or on one rank)."""
+    p = job.parallel
+    if not p.hybrid or p.dp < 2:
+        return {}
+    return resolve_hybrid_plan(model, p.hybrid, p.dp, job.train.global_batch_size)
+
+
 def check_spmd_job(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
     check_tp_plan(job, model)
+    check_hybrid_plan(job, model)
     if isinstance(job.pipeline.partition, list):  # one stage: the list must cover the model
         check_counts(job.pipeline.partition, model.num_blocks, 1)
     if job.parallel.sufficient_factor == "on" and not plain_linears(model):
@@ -56,6 +68,7 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
     if p.tp > 1:  # [Note: in-place ops at boundaries] in models.blocks
         disable_inplace(model)
     name = f"dp{p.dp}"
+    full_batch = False  # the loss over the whole batch's targets (hybrid)
     if p.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
         convert_batchnorm(model, mesh.group("dp"))
     wrapped: torch.nn.Module = model
@@ -70,6 +83,13 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
     elif p.dp > 1 and p.tp > 1:
         wrapped = apply_replicate(model, mesh)  # type: ignore[assignment]  # an nn.Module
         name = f"replicate-dp{p.dp}-tp{p.tp}"
+    elif p.dp > 1 and p.hybrid:  # [Note: hybrid activation redistribution]
+        assignment = check_hybrid_plan(job, model)
+        ddp_ignore(model, hybrid_ignored(model, assignment))
+        apply_hybrid(model, mesh, assignment)
+        wrapped = apply_data_parallel(model, mesh, p)
+        name = f"hybrid-dp{p.dp}-mp{len(assignment)}"
+        full_batch = True
     elif p.dp > 1:
         name = f"ddp-dp{p.dp}"
         rest = True
@@ -83,7 +103,9 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
             rest = bool(sf.allreduce_params)
         if rest:
             wrapped = apply_data_parallel(model, mesh, p)
-    return SPMDStrategy(job, wrapped, model, mesh, batches, ctx.device, name)
+    strategy = SPMDStrategy(job, wrapped, model, mesh, batches, ctx.device, name)
+    strategy.full_batch_targets = full_batch
+    return strategy
 
 
 SPMD = StrategyFamily(

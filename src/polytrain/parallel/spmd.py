@@ -58,6 +58,10 @@ class SPMDStrategy(Strategy):
         groups = [mesh.group("dp")] + ([mesh.group("tp")] if mesh.dims.tp > 1 else [])
         self.reduce = mean_over(*groups)
         self._accuracy: float | None = None  # of the last evaluation, on classification data
+        # Hybrid parallelism: the model's output covers every replica's rows, so the loss takes
+        # the whole batch's targets ([Note: hybrid activation redistribution]).
+        self.full_batch_targets = False
+        self._all = range(self.dp)
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Skip the gradient all-reduce on every micro-step but the last (accumulation)."""
@@ -74,6 +78,10 @@ class SPMDStrategy(Strategy):
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
             x, y = self.batches.train(step, self.dp_rank, self.dp, micro, accum)
+            if self.full_batch_targets:
+                y = torch.cat(
+                    [self.batches.train(step, r, self.dp, micro, accum)[1] for r in self._all]
+                )
             x, y = inputs_to(x, self.device), y.to(self.device)
             with self._sync_context(micro == accum - 1):
                 with self.tracer.span("forward", microbatch=micro, step=step):
@@ -101,6 +109,8 @@ class SPMDStrategy(Strategy):
         counts = torch.zeros(2, device=self.device)  # [correct, rows]; rows stay 0 if no classes
         for i in range(num_batches):
             x, y = self.batches.val(i, self.dp_rank, self.dp)
+            if self.full_batch_targets:
+                y = torch.cat([self.batches.val(i, r, self.dp)[1] for r in self._all])
             y = y.to(self.device)
             with autocast(self.device, self.job.train.dtype):
                 output = self.model(inputs_to(x, self.device))
