@@ -28,6 +28,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "zero3-dp2": {"parallel": {"dp": 2, "zero": 3}},
     "gpipe-pp2": {"parallel": {"pp": 2}, "pipeline": {"schedule": "gpipe", "microbatches": 2}},
     "tp2": {"parallel": {"tp": 2}},
+    "spatial2": {"parallel": {"dp": 2, "spatial": 2}},
     "hybrid-auto-dp2": {"parallel": {"dp": 2, "hybrid": ["auto"]}},
     # explicit rows (the classifier split too, gathered), two micro-steps, active clipping
     "hybrid-rows-dp2-accum2-clip": {
@@ -52,6 +53,8 @@ CASES = [
     ("resnet", "dp2"),
     ("resnet", "zero3-dp2"),
     ("resnet", "gpipe-pp2"),
+    ("cnn", "spatial2"),
+    ("resnet", "spatial2"),
 ]
 MODELS: dict[str, dict[str, Any]] = {
     "cnn": {"name": "cnn", "n_embd": 64},
@@ -131,6 +134,8 @@ def test_matches_single_process(model: str, strategy: str) -> None:
     out = outcomes()[(model, strategy)]
     assert_state_close(out["state"], ref["state"], atol=1e-5)
     assert out["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    if strategy == "spatial2":  # every convolution block runs on half of the rows
+        assert out["strategy"] == "spatial2-conv3"
     if strategy.startswith("hybrid"):  # auto splits the two wide layers, not the classifier
         assert out["strategy"] == ("hybrid-dp2-mp2" if "auto" in strategy else "hybrid-dp2-mp3")
     if "pp" not in strategy:  # SPMD evaluation reports top-1 accuracy

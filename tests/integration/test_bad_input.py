@@ -31,6 +31,37 @@ CASES = {
     "missing data": (["--data", "/no/such/file.txt"], "does not exist"),
     "unknown model": (["--model", "alexnet"], "not a built-in model"),
     "image model on text": (["--model", "cnn"], "needs images"),
+    "hybrid plan naming no module": (
+        ["--model", "cnn", "--data", "digits", "--set", "parallel.hybrid=['blocks.9.fc=colwise']"],
+        "hybrid plan row 'blocks.9.fc=colwise': pattern 'blocks.9.fc' matches no module",
+    ),
+    "hybrid plan on a convolution": (
+        [
+            "--model",
+            "cnn",
+            "--data",
+            "digits",
+            "--set",
+            "parallel.hybrid=['blocks.0.conv=colwise']",
+        ],
+        "'blocks.0.conv' is not an nn.Linear",
+    ),
+    "spatial split taller than the image": (
+        ["--model", "cnn", "--data", "digits", "--nproc", "16", "--set", "parallel.spatial=16"],
+        "parallel.spatial = 16 is larger than the image height 8",
+    ),
+    "spatial bands below a stride": (
+        ["--model", "cnn", "--data", "digits", "--nproc", "8", "--set", "parallel.spatial=8"],
+        "'blocks.0.pool' (kernel 2, stride 2, padding 0) reads 8 rows",
+    ),
+    "spatial not over every rank": (
+        ["--model", "cnn", "--data", "digits", "--nproc", "4", "--set", "parallel.spatial=2"],
+        "parallel.spatial = 2 must equal the data-parallel degree 4",
+    ),
+    "hybrid with zero": (
+        ["--model", "cnn", "--data", "digits", "--zero", "3", "--set", "parallel.hybrid=['auto']"],
+        "works with plain data parallel only, but parallel.zero = 3",
+    ),
     "unimportable factory": (["--model", "no_such_pkg.models:make"], "cannot import module"),
     "missing factory": (["--model", "math:no_such"], "has no callable"),
     "heads vs width": (["--set", "model.n_head=3"], "not divisible by model.n_head"),

@@ -15,6 +15,7 @@ from polytrain.errors import ConfigError
 from polytrain.models.checks import has_batchnorm
 from polytrain.models.contract import top1_correct
 from polytrain.models.registry import build_model
+from polytrain.parallel.hybrid import resolve_hybrid_plan
 from polytrain.parallel.tensor_parallel import resolve_tp_plan
 
 pytest.importorskip("sklearn")
@@ -138,3 +139,26 @@ def test_top1_counts_correct_rows_of_class_scores_only() -> None:
     assert float(top1_correct(scores, torch.tensor([1, 1, 1]))) == 2.0
     assert top1_correct(scores, torch.tensor([1.0, 0.0, 1.0])) is None  # regression
     assert top1_correct(torch.zeros(2, 5, 7), torch.zeros(2, 5, dtype=torch.long)) is None
+
+
+def test_hybrid_auto_splits_the_wide_layers_and_keeps_convolutions_data_parallel() -> None:
+    """PAI's per-layer rule on AlexNet's shape: weights against moved activations."""
+    _, _, spec = digits()
+    model = build_model(ModelConfig(name="cnn"), spec, 0)
+    plan = resolve_hybrid_plan(model, ["auto"], ranks=2, global_batch=32)
+    assert plan == {"blocks.3.fc": "colwise", "blocks.4.fc": "rowwise"}
+    # a batch so large that moving activations costs more than the weights: nothing to split
+    with pytest.raises(ConfigError, match="found no Linear layer"):
+        resolve_hybrid_plan(model, ["auto"], ranks=2, global_batch=4096)
+    # the classifier (10 outputs) does not divide over 4 ranks; an odd run ends gathered
+    wide = build_model(ModelConfig(name="cnn", n_embd=64), spec, 0)
+    assert resolve_hybrid_plan(wide, ["auto"], ranks=4, global_batch=16) == {
+        "blocks.3.fc": "colwise",
+        "blocks.4.fc": "rowwise",
+    }
+    rows = ["blocks.3.fc=colwise", "blocks.4.fc=rowwise", "blocks.5.out=colwise_gather"]
+    assert list(resolve_hybrid_plan(model, rows, ranks=2, global_batch=32)) == [
+        "blocks.3.fc",
+        "blocks.4.fc",
+        "blocks.5.out",
+    ]

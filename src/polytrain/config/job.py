@@ -196,8 +196,15 @@ class ParallelConfig:
         "outweigh their activations; [] = off",
     )
 
+    spatial: int = option(
+        1,
+        "spatial parallelism: split every image's rows over this many ranks (all of them: "
+        "spatial = the data-parallel degree), halos exchanged before each convolution; 1 = off",
+    )
+
     def __post_init__(self) -> None:
         _positive("parallel", "dp", self.dp, allow_zero=True)
+        _positive("parallel", "spatial", self.spatial)
         _positive("parallel", "tp", self.tp)
         _positive("parallel", "pp", self.pp)
         _positive("parallel", "bucket_mb", self.bucket_mb)
@@ -220,6 +227,24 @@ class ParallelConfig:
                 f"{self.grad_compression!r} are both DDP communication hooks and DDP takes one: "
                 "drop one of them"
             )
+        if self.spatial > 1:
+            clash = {
+                "tp": self.tp > 1,
+                "pp": self.pp > 1,
+                "zero": self.zero > 0,
+                "sync": self.sync != "allreduce",
+                "grad_compression": self.grad_compression != "none",
+                "sufficient_factor": self.sufficient_factor != "off",
+                "hybrid": bool(self.hybrid),
+                "recompute": self.recompute,
+            }
+            bad = [k for k, v in clash.items() if v]
+            if bad:
+                raise ConfigError(
+                    f"parallel.spatial = {self.spatial} splits images over the data-parallel "
+                    f"ranks and works with plain data parallel only, but parallel.{bad[0]} = "
+                    f"{getattr(self, bad[0])!r}: drop that option or set parallel.spatial = 1"
+                )
         if self.hybrid:
             clash = {
                 "tp": self.tp > 1,
@@ -478,6 +503,12 @@ class JobConfig:
                 f"parallel.grad_compression = {p.grad_compression!r} compresses the gradient "
                 f"all-reduce, which parallel.sync = {p.sync!r} does not run: use --compress "
                 "(gossip) or --grad-compression none"
+            )
+        if p.spatial > 1 and p.dp != p.spatial:
+            raise MeshError(
+                f"parallel.spatial = {p.spatial} must equal the data-parallel degree {p.dp} "
+                "(every rank holds one band; data parallel across spatial groups is not built "
+                f"yet): set --nproc {p.spatial}"
             )
         check_decentralized(p.sync, self.world_size, self.launch.nproc, self.gossip, self.localsgd)
         if p.zero and p.sync != "allreduce":
