@@ -1,14 +1,16 @@
 """The image models reproduce the single-process run parameter by parameter (contract 1) under
-data parallel, ZeRO-3, GPipe and (cnn) tensor parallel, BatchNorm included (resnet: global
-statistics through `parallel.batchnorm.GlobalBatchNorm`); validation accuracy agrees too.
+data parallel, ZeRO-3, GPipe, (cnn) tensor parallel and hybrid parallelism, and spatial
+parallelism at 2 and 4, BatchNorm included (resnet: global statistics through
+`parallel.batchnorm.GlobalBatchNorm`); validation accuracy agrees too.
 
-All world-2 jobs share one set of processes, the references another (spawning dominates the
-cost of these tiny jobs). The data is a small random .npz of 8 x 8 images, so the workers need
+Jobs of one world size share one set of processes, the references another (spawning dominates
+the cost of these tiny jobs). The data is a small random .npz of 8 x 8 images, so the workers need
 no scikit-learn.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -29,6 +31,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "gpipe-pp2": {"parallel": {"pp": 2}, "pipeline": {"schedule": "gpipe", "microbatches": 2}},
     "tp2": {"parallel": {"tp": 2}},
     "spatial2": {"parallel": {"dp": 2, "spatial": 2}},
+    "spatial4": {"parallel": {"dp": 4, "spatial": 4}, "launch": {"nproc": 4}},
     "hybrid-auto-dp2": {"parallel": {"dp": 2, "hybrid": ["auto"]}},
     # explicit rows (the classifier split too, gathered), two micro-steps, active clipping
     "hybrid-rows-dp2-accum2-clip": {
@@ -56,6 +59,10 @@ CASES = [
     ("cnn", "spatial2"),
     ("resnet", "spatial2"),
 ]
+# World 4 (one more set of processes) only with POLYTRAIN_FULL_MATRIX=1: bands of 2 rows, 1 row
+# after pooling, so every halo is a neighbour's whole band.
+if os.environ.get("POLYTRAIN_FULL_MATRIX") == "1":
+    CASES += [("cnn", "spatial4"), ("resnet", "spatial4")]
 MODELS: dict[str, dict[str, Any]] = {
     "cnn": {"name": "cnn", "n_embd": 64},
     "resnet": {"name": "resnet", "n_layer": 2},
@@ -79,9 +86,9 @@ def job(model: str, strategy: str | None) -> JobConfig:
         "train": {"steps": 3, "eval_batches": 2},
     }
     if strategy is not None:
+        sections["launch"] = {"nproc": 2}
         for section, values in STRATEGIES[strategy].items():
             sections.setdefault(section, {}).update(values)
-        sections["launch"] = {"nproc": 2}
     if model == "resnet" and strategy == "gpipe-pp2":
         sections["pipeline"]["microbatches"] = 1
     return small_job(**sections)
@@ -124,18 +131,19 @@ def references() -> dict[str, dict[str, Any]]:
 
 
 @cache
-def outcomes() -> dict[tuple[str, str], dict[str, Any]]:
-    return dict(zip(CASES, run_jobs([job(m, s) for m, s in CASES]), strict=True))
+def outcomes(world: int) -> dict[tuple[str, str], dict[str, Any]]:
+    cases = [c for c in CASES if job(*c).world_size == world]
+    return dict(zip(cases, run_jobs([job(m, s) for m, s in cases]), strict=True))
 
 
 @pytest.mark.parametrize(("model", "strategy"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
 def test_matches_single_process(model: str, strategy: str) -> None:
     ref = references()[model + ("-clip" if "clip" in strategy else "")]
-    out = outcomes()[(model, strategy)]
+    out = outcomes(job(model, strategy).world_size)[(model, strategy)]
     assert_state_close(out["state"], ref["state"], atol=1e-5)
     assert out["losses"] == pytest.approx(ref["losses"], abs=1e-5)
-    if strategy == "spatial2":  # every convolution block runs on half of the rows
-        assert out["strategy"] == "spatial2-conv3"
+    if strategy.startswith("spatial"):  # every convolution block runs on a band of rows
+        assert out["strategy"] == f"{strategy}-conv3"
     if strategy.startswith("hybrid"):  # auto splits the two wide layers, not the classifier
         assert out["strategy"] == ("hybrid-dp2-mp2" if "auto" in strategy else "hybrid-dp2-mp3")
     if "pp" not in strategy:  # SPMD evaluation reports top-1 accuracy
