@@ -72,7 +72,7 @@ def _run_pair(cluster: Any, steps: int, extra: list[str], work: Path) -> tuple[i
         cmd = [sys.executable, "-m", "polytrain.cli.app", "train", *args]
         procs.append((out, host.popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True)))  # fmt: skip
-    for out, proc in procs:
+    for _, proc in procs:
         text, _ = proc.communicate(timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"node failed ({proc.returncode}):\n{text[-3000:]}")

@@ -19,17 +19,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["halo_exchange"]
+__all__ = ["HaloRows", "halo_rows"]
 
 
-def _swap(
+def _post(
     group: dist.ProcessGroup,
     to_up: torch.Tensor | None,
     to_down: torch.Tensor | None,
     from_up: torch.Tensor | None,
     from_down: torch.Tensor | None,
-) -> None:
-    """Send/receive with the band above (rank - 1) and below (rank + 1); None = nothing."""
+) -> list[Any]:
+    """Post sends/receives with the band above (rank - 1) and below (rank + 1); None = nothing.
+    Returns the works to wait on."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     ops = []
     for tensor, peer, op in (
@@ -40,49 +41,73 @@ def _swap(
     ):
         if tensor is not None and tensor.numel() and 0 <= peer < size:
             ops.append(dist.P2POp(op, tensor, dist.get_global_rank(group, peer), group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
+    return list(dist.batch_isend_irecv(ops)) if ops else []
+
+
+def _swap(
+    group: dist.ProcessGroup,
+    to_up: torch.Tensor | None,
+    to_down: torch.Tensor | None,
+    from_up: torch.Tensor | None,
+    from_down: torch.Tensor | None,
+) -> None:
+    for work in _post(group, to_up, to_down, from_up, from_down):
+        work.wait()
+
+
+class HaloRows:
+    """The rows of the neighbouring bands, being received: `wait` before reading them."""
+
+    def __init__(self, works: list[Any], sending: tuple[torch.Tensor, ...]) -> None:
+        self.works, self.sending = works, sending  # sent tensors live until the sends finish
+
+    def wait(self) -> None:
+        for work in self.works:
             work.wait()
+        self.works, self.sending = [], ()
 
 
-class _HaloExchange(torch.autograd.Function):
-    """Forward: [rows from above (top), the band, rows from below (bottom)] along dim 2, zeros
-    at the image's borders. Backward: the halo rows' gradients are sent back to the ranks that
-    own those rows and added to their border rows' gradients (the adjoint of the copy)."""
+class _HaloRows(torch.autograd.Function):
+    """Forward: posts the exchange and returns the (still arriving) rows from above and below,
+    zeros at the image's borders; the caller computes what needs no halo, then waits
+    ([Note: halo overlap] in `polytrain.parallel.spatial`). Backward: the gradients of those
+    rows go back to their owners and are added to this band's border rows."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, top: int, bottom: int, group: dist.ProcessGroup
-    ) -> torch.Tensor:
-        ctx.top, ctx.bottom, ctx.group = top, bottom, group
-        b, c, _, w = x.shape
+        ctx: Any, x: torch.Tensor, top: int, bottom: int, group: dist.ProcessGroup, box: list[Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.top, ctx.bottom, ctx.group, ctx.h = top, bottom, group, x.size(2)
+        b, c, h, w = x.shape
         above = x.new_zeros(b, c, top, w)
         below = x.new_zeros(b, c, bottom, w)
-        last = x[:, :, x.size(2) - top :].contiguous()  # the band below reads them
-        first = x[:, :, :bottom].contiguous()  # the band above reads them
-        _swap(group, first, last, above, below)
-        return torch.cat([above, x, below], dim=2)
+        last = x[:, :, h - top :].contiguous()
+        first = x[:, :, :bottom].contiguous()
+        box.append(HaloRows(_post(group, first, last, above, below), (first, last)))
+        return above, below
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        top, bottom = ctx.top, ctx.bottom
-        h = grad.size(2) - top - bottom
-        grad_x = grad[:, :, top : top + h].clone()
-        b, c, _, w = grad.shape
-        for_last = grad.new_zeros(b, c, top, w)  # the band below's gradient of my last rows
-        for_first = grad.new_zeros(b, c, bottom, w)  # the band above's, of my first rows
-        up = grad[:, :, :top].contiguous()
-        down = grad[:, :, top + h :].contiguous()
-        _swap(ctx.group, up, down, for_first, for_last)
+    def backward(
+        ctx: Any, grad_above: torch.Tensor, grad_below: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None, None]:
+        top, bottom, h = ctx.top, ctx.bottom, ctx.h
+        b, c, _, w = grad_above.shape
+        grad_x = grad_above.new_zeros(b, c, h, w)
+        for_last = grad_above.new_zeros(b, c, top, w)
+        for_first = grad_above.new_zeros(b, c, bottom, w)
+        _swap(ctx.group, grad_above.contiguous(), grad_below.contiguous(), for_first, for_last)
         if top:
             grad_x[:, :, h - top :] += for_last
         if bottom:
             grad_x[:, :, :bottom] += for_first
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
-def halo_exchange(x: torch.Tensor, top: int, bottom: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """``x`` (B, C, h, W) with ``top`` rows of the band above and ``bottom`` of the band below
-    (zeros beyond the image), differentiable; ``top, bottom <= h``."""
-    result: torch.Tensor = _HaloExchange.apply(x, top, bottom, group)
-    return result
+def halo_rows(
+    x: torch.Tensor, top: int, bottom: int, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, HaloRows]:
+    """``(rows from above (B, C, top, W), rows from below (B, C, bottom, W), pending)``:
+    the exchange is posted, not finished; call ``pending.wait()`` before reading the rows."""
+    box: list[Any] = []
+    above, below = _HaloRows.apply(x, top, bottom, group, box)
+    return above, below, box[0]

@@ -31,12 +31,12 @@ import torch
 from torch import nn
 
 from polytrain.comm.autograd import all_gather_rows
-from polytrain.comm.halo import halo_exchange
+from polytrain.comm.halo import halo_rows
 from polytrain.errors import ConfigError
 from polytrain.models.base import BlockModel
 from polytrain.parallel.batchnorm import GlobalBatchNorm
 
-__all__ = ["apply_spatial", "check_spatial", "spatial_prefix"]
+__all__ = ["BandConv2d", "apply_spatial", "check_spatial", "spatial_prefix"]
 
 # Modules that act on a band of rows alone, or (convolutions, pooling) through `check_spatial`.
 _LOCAL = (
@@ -182,18 +182,54 @@ def apply_spatial(model: BlockModel, halo_group: Any, group: Any, rank: int, k: 
     return count
 
 
+class BandConv2d(nn.Conv2d):
+    """A ``Conv2d`` on a band of rows (the same parameters; the class is swapped in place so
+    names and state are unchanged). [Note: halo overlap] The exchange with the neighbouring
+    bands is posted first; the output rows that read only this band's rows (the interior) are
+    computed while it is in flight, and the few border rows once it has arrived. Neither the
+    band nor the interior input is copied: autograd saves the band itself (which the layer
+    before saved already) and two border slices of K rows."""
+
+    halo_group: Any
+    band_top: int  # P rows from the band above
+    band_bottom: int  # K - S - P rows from the band below (< 0: the band's last rows unused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, h, W) -> (B, C', h / S, W')
+        k, s, p = self.kernel_size[0], self.stride[0], self.band_top
+        h, bottom = x.size(2), self.band_bottom
+        above, below, pending = halo_rows(x, p, max(bottom, 0), self.halo_group)
+        n_out = h // s
+        first = -(-p // s)  # the first output row whose input lies inside the band
+        last = (h - k + p) // s  # the last one
+        if first > last:  # a band thinner than the kernel: convolve the padded band
+            pending.wait()
+            full = torch.cat([above, x, below], dim=2)
+            return self._conv_forward(
+                full[:, :, : full.size(2) + min(bottom, 0)], self.weight, self.bias
+            )
+        interior = self._conv_forward(
+            x[:, :, first * s - p : last * s - p + k], self.weight, self.bias
+        )
+        pending.wait()
+        parts = []
+        if first > 0:
+            rows = torch.cat([above, x[:, :, : (first - 1) * s - p + k]], dim=2)
+            parts.append(self._conv_forward(rows, self.weight, self.bias))
+        parts.append(interior)
+        if last < n_out - 1:
+            rows = torch.cat([x[:, :, (last + 1) * s - p :], below], dim=2)
+            parts.append(self._conv_forward(rows, self.weight, self.bias))
+        return torch.cat(parts, dim=2) if len(parts) > 1 else interior
+
+
 def _halo_conv(conv: nn.Conv2d, group: Any) -> None:
-    """Pad ``conv``'s input band with its neighbours' rows; it pads only the width itself."""
-    kernel, stride = conv.kernel_size[0], conv.stride[0]
+    """Make ``conv`` a `BandConv2d`: it pads only the width itself, the rows come from the
+    neighbours."""
     padding = conv.padding
     assert not isinstance(padding, str)  # check_spatial refused it
-    top, bottom = padding[0], kernel - stride - padding[0]
+    conv.__class__ = BandConv2d
+    assert isinstance(conv, BandConv2d)
+    conv.halo_group = group
+    conv.band_top = padding[0]
+    conv.band_bottom = conv.kernel_size[0] - conv.stride[0] - padding[0]
     conv.padding = (0, padding[1])
-
-    def pad(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = halo_exchange(args[0], top, max(bottom, 0), group)
-        if bottom < 0:  # the band's last rows feed no output row of it
-            x = x[:, :, : x.size(2) + bottom]
-        return (x, *args[1:])
-
-    conv.register_forward_pre_hook(pad)
