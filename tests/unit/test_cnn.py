@@ -8,14 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from polytrain.config.job import DataConfig, ModelConfig
 from polytrain.data.datasets import Dataset, DataSpec, build_datasets
 from polytrain.errors import ConfigError
+from polytrain.models.base import BlockModel
 from polytrain.models.checks import has_batchnorm
 from polytrain.models.contract import top1_correct
 from polytrain.models.registry import build_model
 from polytrain.parallel.hybrid import resolve_hybrid_plan
+from polytrain.parallel.spatial import check_spatial
 from polytrain.parallel.tensor_parallel import resolve_tp_plan
 
 pytest.importorskip("sklearn")
@@ -162,3 +165,21 @@ def test_hybrid_auto_splits_the_wide_layers_and_keeps_convolutions_data_parallel
         "blocks.4.fc",
         "blocks.5.out",
     ]
+
+
+def test_spatial_checks_every_band_before_launch() -> None:
+    """The built-ins split at 2 and 4 on the digits; padding that shrinks the map, a split
+    taller than the image and a user model without leading convolutions are one line each."""
+    _, _, spec = digits()
+    for name in ("cnn", "resnet"):
+        with torch.device("meta"):
+            model = build_model(ModelConfig(name=name), spec, 0)
+        check_spatial(model, (1, 8, 8), 2)
+        check_spatial(model, (1, 8, 8), 4)
+        with pytest.raises(ConfigError, match="larger than the image height 8"):
+            check_spatial(model, (1, 8, 8), 16)
+    valid = BlockModel([nn.Conv2d(1, 4, 3, padding=0), nn.Flatten(), nn.Linear(144, 2)])
+    with pytest.raises(ConfigError, match="turns 8 rows into 6"):
+        check_spatial(valid, (1, 8, 8), 2)
+    with pytest.raises(ConfigError, match="first blocks are convolutions"):
+        check_spatial(BlockModel([nn.Flatten(), nn.Linear(64, 2)]), (1, 8, 8), 2)

@@ -120,6 +120,14 @@ def check_spatial(model: BlockModel, input_shape: tuple[int, ...], k: int) -> No
             continue
         full = heights[name]
         kernel, stride, padding = _geometry(name, module)
+        if (full + 2 * padding - kernel) // stride + 1 != full // stride:
+            raise ConfigError(
+                f"parallel.spatial = {k}: {name!r} (kernel {kernel}, stride {stride}, padding "
+                f"{padding}) turns {full} rows into {(full + 2 * padding - kernel) // stride + 1}"
+                f", not {full} / {stride}: spatial splits need padding that keeps the height up "
+                f"to the stride (kernel - stride <= 2 x padding < kernel, e.g. padding "
+                f"{kernel // 2} for kernel {kernel})"
+            )
         band = full // k
         top, bottom = padding, kernel - stride - padding
         if full % k or band % stride or band < max(top, bottom):
