@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -28,7 +29,39 @@ CASES = {
     "unknown optimizer": (["--optimizer", "lamb"], "optim.name = 'lamb'"),
     "zero 1": (["--zero", "1"], "parallel.zero = 1 is not offered"),
     "missing data": (["--data", "/no/such/file.txt"], "does not exist"),
-    "unknown model": (["--model", "resnet"], "not a built-in model"),
+    "unknown model": (["--model", "alexnet"], "not a built-in model"),
+    "image model on text": (["--model", "cnn"], "needs images"),
+    "hybrid plan naming no module": (
+        ["--model", "cnn", "--data", "digits", "--set", "parallel.hybrid=['blocks.9.fc=colwise']"],
+        "hybrid plan row 'blocks.9.fc=colwise': pattern 'blocks.9.fc' matches no module",
+    ),
+    "hybrid plan on a convolution": (
+        [
+            "--model",
+            "cnn",
+            "--data",
+            "digits",
+            "--set",
+            "parallel.hybrid=['blocks.0.conv=colwise']",
+        ],
+        "'blocks.0.conv' is not an nn.Linear",
+    ),
+    "spatial split taller than the image": (
+        ["--model", "cnn", "--data", "digits", "--nproc", "16", "--set", "parallel.spatial=16"],
+        "parallel.spatial = 16 is larger than the image height 8",
+    ),
+    "spatial bands below a stride": (
+        ["--model", "cnn", "--data", "digits", "--nproc", "8", "--set", "parallel.spatial=8"],
+        "'blocks.0.pool' (kernel 2, stride 2, padding 0) reads 8 rows",
+    ),
+    "spatial not over every rank": (
+        ["--model", "cnn", "--data", "digits", "--nproc", "4", "--set", "parallel.spatial=2"],
+        "parallel.spatial = 2 must equal the data-parallel degree 4",
+    ),
+    "hybrid with zero": (
+        ["--model", "cnn", "--data", "digits", "--zero", "3", "--set", "parallel.hybrid=['auto']"],
+        "works with plain data parallel only, but parallel.zero = 3",
+    ),
     "unimportable factory": (["--model", "no_such_pkg.models:make"], "cannot import module"),
     "missing factory": (["--model", "math:no_such"], "has no callable"),
     "heads vs width": (["--set", "model.n_head=3"], "not divisible by model.n_head"),
@@ -91,3 +124,29 @@ def test_valid_dry_run_prints_the_resolved_job(capsys: pytest.CaptureFixture[str
     code, out, _ = run_full(["--nproc", "4", "--tp", "2", "--model", "mlp"], capsys)
     assert code == 0
     assert "dp = 2" in out and "tp = 2" in out
+
+
+def _images(tmp_path: Path, shape: tuple[int, ...]) -> str:
+    path = tmp_path / "images.npz"
+    np.savez(path, inputs=np.zeros(shape, dtype=np.float32), targets=np.arange(shape[0]) % 2)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("model", "shape", "expected"),
+    [
+        ("cnn", (4, 16, 16, 3), "look channels-last (H, W, C) with 3 channel(s)"),
+        ("tests.helpers.contract_models:rgb_cnn", (4, 1, 8, 8), "with 1 channel(s), but the "),
+    ],
+    ids=["channels-last", "grey-for-rgb-model"],
+)
+def test_images_with_the_wrong_channels(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    model: str,
+    shape: tuple[int, ...],
+    expected: str,
+) -> None:
+    code, err = run(["--model", model, "--data", _images(tmp_path, shape)], capsys)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and expected in err, err

@@ -51,7 +51,7 @@ def test_heads_must_divide_width(spec) -> None:  # type: ignore[no-untyped-def]
 
 def test_unknown_model_and_bad_factory(spec) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match="not a built-in model"):
-        build_model(ModelConfig(name="resnet"), spec, seed=0)
+        build_model(ModelConfig(name="alexnet"), spec, seed=0)
     with pytest.raises(ConfigError, match="cannot import module"):
         build_model(ModelConfig(name="no_such_pkg.mod:make"), spec, seed=0)
     with pytest.raises(ConfigError, match="has no callable"):

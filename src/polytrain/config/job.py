@@ -41,10 +41,20 @@ def _positive(section: str, name: str, value: float, *, allow_zero: bool = False
 
 @dataclass
 class ModelConfig:
-    name: str = option("gpt", "built-in model (gpt, mlp) or a factory 'package.module:function'")
+    name: str = option(
+        "gpt",
+        "built-in model (gpt, mlp, cnn: AlexNet-style, resnet) or a factory "
+        "'package.module:function'",
+    )
     size: str = option("tiny", "named size of a built-in model: tiny, small, medium")
-    n_layer: int | None = option(None, "number of blocks (overrides the named size)")
-    n_embd: int | None = option(None, "width of the residual stream / hidden layers")
+    n_layer: int | None = option(
+        None, "number of blocks (cnn: convolution stages; resnet: residual blocks)"
+    )
+    n_embd: int | None = option(
+        None,
+        "width of the residual stream / hidden layers (cnn: fully connected layers; resnet: "
+        "stem channels)",
+    )
     n_head: int | None = option(None, "attention heads (gpt)")
     block_size: int | None = option(None, "context length in tokens")
     dropout: float = option(0.0, "dropout probability")
@@ -76,8 +86,9 @@ class ModelConfig:
 class DataConfig:
     source: str = option(
         "pydoc",
-        "'pydoc' (the Python docs corpus shipped with CPython), a text file, a .npy token "
-        "array, or a .safetensors file with 'inputs' and 'targets'",
+        "'pydoc' (the Python docs corpus shipped with CPython), 'digits' (scikit-learn's 8x8 "
+        "images of digits), a text file, a .npy token array, or a .safetensors / .npz file "
+        "with 'inputs' and 'targets'",
     )
     val_fraction: float = option(0.1, "fraction of the data held out for validation")
     tokenizer: str = option(
@@ -177,8 +188,23 @@ class ParallelConfig:
         "rowwise, vocab); empty = the built-in plan of gpt / mlp",
     )
 
+    hybrid: list[str] = option(
+        [],
+        "hybrid parallelism (PAI; Krizhevsky's 'one weird trick'): the Linear layers these "
+        "tp-plan rows name ('pattern=style') are split over the data-parallel ranks and run on "
+        "the whole batch, the rest stays data parallel; ['auto'] picks the layers whose weights "
+        "outweigh their activations; [] = off",
+    )
+
+    spatial: int = option(
+        1,
+        "spatial parallelism: split every image's rows over this many ranks (all of them: "
+        "spatial = the data-parallel degree), halos exchanged before each convolution; 1 = off",
+    )
+
     def __post_init__(self) -> None:
         _positive("parallel", "dp", self.dp, allow_zero=True)
+        _positive("parallel", "spatial", self.spatial)
         _positive("parallel", "tp", self.tp)
         _positive("parallel", "pp", self.pp)
         _positive("parallel", "bucket_mb", self.bucket_mb)
@@ -201,6 +227,41 @@ class ParallelConfig:
                 f"{self.grad_compression!r} are both DDP communication hooks and DDP takes one: "
                 "drop one of them"
             )
+        if self.spatial > 1:
+            clash = {
+                "tp": self.tp > 1,
+                "pp": self.pp > 1,
+                "zero": self.zero > 0,
+                "sync": self.sync != "allreduce",
+                "grad_compression": self.grad_compression != "none",
+                "sufficient_factor": self.sufficient_factor != "off",
+                "hybrid": bool(self.hybrid),
+                "recompute": self.recompute,
+            }
+            bad = [k for k, v in clash.items() if v]
+            if bad:
+                raise ConfigError(
+                    f"parallel.spatial = {self.spatial} splits images over the data-parallel "
+                    f"ranks and works with plain data parallel only, but parallel.{bad[0]} = "
+                    f"{getattr(self, bad[0])!r}: drop that option or set parallel.spatial = 1"
+                )
+        if self.hybrid:
+            clash = {
+                "tp": self.tp > 1,
+                "pp": self.pp > 1,
+                "zero": self.zero > 0,
+                "sync": self.sync != "allreduce",
+                "grad_compression": self.grad_compression != "none",
+                "sufficient_factor": self.sufficient_factor != "off",
+                "recompute": self.recompute,
+            }
+            bad = [k for k, v in clash.items() if v]
+            if bad:
+                raise ConfigError(
+                    f"parallel.hybrid = {self.hybrid!r} splits layers over the data-parallel "
+                    f"ranks and works with plain data parallel only, but parallel.{bad[0]} = "
+                    f"{getattr(self, bad[0])!r}: drop that option or set parallel.hybrid = []"
+                )
         if self.sufficient_factor != "off":
             clash = {
                 "tp": self.tp > 1,
@@ -442,6 +503,12 @@ class JobConfig:
                 f"parallel.grad_compression = {p.grad_compression!r} compresses the gradient "
                 f"all-reduce, which parallel.sync = {p.sync!r} does not run: use --compress "
                 "(gossip) or --grad-compression none"
+            )
+        if p.spatial > 1 and p.dp != p.spatial:
+            raise MeshError(
+                f"parallel.spatial = {p.spatial} must equal the data-parallel degree {p.dp} "
+                "(every rank holds one band; data parallel across spatial groups is not built "
+                f"yet): set --nproc {p.spatial}"
             )
         check_decentralized(p.sync, self.world_size, self.launch.nproc, self.gossip, self.localsgd)
         if p.zero and p.sync != "allreduce":

@@ -99,6 +99,11 @@ class Strategy(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank calls it; rank 0 gets the unwrapped model's full weights."""
 
+    def evaluation_metrics(self) -> dict[str, float]:
+        """Further metrics of the last `evaluate`, merged into its record (e.g. SPMD's
+        ``val_accuracy`` on classification data); empty where a strategy computes none."""
+        return {}
+
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of this rank's optimizer for the next step."""
         if self.optimizer is not None:

@@ -1,4 +1,5 @@
-"""Datasets: character-level text, integer token arrays, and (inputs, targets) tensor pairs.
+"""Datasets: character-level text, integer token arrays, and (inputs, targets) tensor pairs
+(images among them: the built-in digits, or a user's .safetensors / .npz).
 
 Shapes: B batch, T context length.
 """
@@ -13,7 +14,8 @@ import torch
 
 from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
-from polytrain.data.tensors import MAX_VOCAB, load_tensor_pairs
+from polytrain.data.images import load_digits_pairs
+from polytrain.data.tensors import MAX_VOCAB, Pairs, load_numpy_pairs, load_tensor_pairs
 from polytrain.data.tokenize import decode, tokenize
 from polytrain.errors import ConfigError
 
@@ -120,7 +122,8 @@ def _load_tokens(path: Path, source: str) -> torch.Tensor:
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
         raise ConfigError(
             f"data.source = {source!r} holds a {array.dtype} array of shape "
-            f"{array.shape}: a .npy data set must be a 1-D integer token array"
+            f"{array.shape}: a .npy data set must be a 1-D integer token array (images with "
+            "labels: numpy.savez('data.npz', inputs=images, targets=labels))"
         )
     if len(array) < 2:
         raise ConfigError(
@@ -141,11 +144,14 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
     """Train and validation datasets (a fixed split: the last ``val_fraction`` is validation)."""
     if cfg.source == "pydoc":
         return _text_datasets(default_corpus(), cfg, block_size)
+    if cfg.source == "digits":  # [Note: fixed image split] in data.images
+        images, labels = load_digits_pairs()
+        return _pair_datasets((images, labels, len(labels)), cfg)
     path = Path(cfg.source)
     if not path.is_file():
         raise ConfigError(
-            f"data.source = {cfg.source!r} does not exist: give 'pydoc' or the path of a text, "
-            ".npy or .safetensors file"
+            f"data.source = {cfg.source!r} does not exist: give 'pydoc', 'digits' or the path "
+            "of a text, .npy, .safetensors or .npz file"
         )
     if path.suffix == ".npy":
         tokens = _load_tokens(path, cfg.source)
@@ -154,31 +160,39 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
         spec = DataSpec(kind="tokens", vocab_size=vocab, input_shape=(block_size,))
         return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
     if path.suffix == ".safetensors":
-        inputs, targets, rows = load_tensor_pairs(path, cfg.source)
-        classification = not targets.is_floating_point()
-        num_outputs = (
-            int(targets.max()) + 1
-            if classification
-            else (1 if targets.ndim == 1 else int(targets.shape[-1]))
-        )
-        cut = _split(rows, cfg.val_fraction)
-        first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs.values()))
-        spec = DataSpec(
-            kind="pairs",
-            input_shape=tuple(first.shape[1:]),
-            num_outputs=num_outputs,
-            classification=classification,
-            input_names=() if isinstance(inputs, torch.Tensor) else tuple(inputs),
-        )
-        return (
-            PairDataset(_rows(inputs, 0, cut), targets[:cut]),
-            PairDataset(_rows(inputs, cut, rows), targets[cut:]),
-            spec,
-        )
+        return _pair_datasets(load_tensor_pairs(path, cfg.source), cfg)
+    if path.suffix == ".npz":
+        return _pair_datasets(load_numpy_pairs(path, cfg.source), cfg)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(
-            f"data.source = {cfg.source!r} is not UTF-8 text, .npy or .safetensors"
+            f"data.source = {cfg.source!r} is not UTF-8 text, .npy, .safetensors or .npz"
         ) from None
     return _text_datasets(text, cfg, block_size)
+
+
+def _pair_datasets(pairs: Pairs, cfg: DataConfig) -> tuple[Dataset, Dataset, DataSpec]:
+    """Train and validation rows of checked ``(inputs, targets, rows)``: the last
+    ``val_fraction`` of the rows is validation."""
+    inputs, targets, rows = pairs
+    classification = not targets.is_floating_point()
+    num_outputs = (
+        int(targets.max()) + 1
+        if classification
+        else (1 if targets.ndim == 1 else int(targets.shape[-1]))
+    )
+    cut = _split(rows, cfg.val_fraction)
+    first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs.values()))
+    spec = DataSpec(
+        kind="pairs",
+        input_shape=tuple(first.shape[1:]),
+        num_outputs=num_outputs,
+        classification=classification,
+        input_names=() if isinstance(inputs, torch.Tensor) else tuple(inputs),
+    )
+    return (
+        PairDataset(_rows(inputs, 0, cut), targets[:cut]),
+        PairDataset(_rows(inputs, cut, rows), targets[cut:]),
+        spec,
+    )

@@ -1,9 +1,13 @@
-"""A ``.safetensors`` data set: ``targets`` and one or several named input tensors, dtypes kept.
+"""A ``.safetensors`` or ``.npz`` data set: ``targets`` and one or several named input tensors,
+dtypes kept.
 
 ``inputs`` alone is the model's one positional input; any other names (``input_ids``,
 ``attention_mask``, ``pixel_values``, ``labels``...) are passed as keyword arguments
 (docs/models.md). Integer inputs stay integer (token ids index an embedding); float inputs are
 float32. Integer targets are class indices (cross-entropy), float targets values (mse).
+
+A ``.npz`` (numpy's archive of ``.npy`` arrays, ``numpy.savez``) is read with
+``allow_pickle=False``: object arrays are refused, never unpickled.
 
 Shapes: N rows; every tensor's first dim is N.
 """
@@ -12,12 +16,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from polytrain.errors import ConfigError
 
-__all__ = ["MAX_VOCAB", "load_tensor_pairs"]
+__all__ = ["MAX_VOCAB", "check_tensor_pairs", "load_numpy_pairs", "load_tensor_pairs"]
 
 # Token ids and class labels index an embedding / output table of this many rows at most.
 MAX_VOCAB = 1 << 24
@@ -27,9 +32,10 @@ def _kept(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() else t
 
 
-def load_tensor_pairs(
-    path: Path, source: str
-) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor, int]:
+Pairs = tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor, int]
+
+
+def load_tensor_pairs(path: Path, source: str) -> Pairs:
     """``(inputs, targets, rows)`` of a ``.safetensors`` data file, checked row by row (a
     `ConfigError` naming ``source`` if malformed)."""
     try:
@@ -39,6 +45,35 @@ def load_tensor_pairs(
             f"data.source = {source!r} is not a valid .safetensors file "
             f"({str(exc).split('. ')[0][:80]}): write it with safetensors.torch.save_file"
         ) from None
+    return check_tensor_pairs(tensors, source)
+
+
+def load_numpy_pairs(path: Path, source: str) -> Pairs:
+    """As `load_tensor_pairs`, from a ``.npz`` archive (``numpy.savez``), never unpickling."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except (ValueError, OSError, EOFError) as exc:  # object arrays need pickle: refused here
+        raise ConfigError(
+            f"data.source = {source!r} is not a readable numeric .npz archive "
+            f"({str(exc).split('. ')[0][:80]}): write it with numpy.savez(path, inputs=..., "
+            "targets=...)"
+        ) from None
+    unsupported = [k for k, a in arrays.items() if a.dtype.kind not in "biuf"]
+    if unsupported:
+        name = unsupported[0]
+        raise ConfigError(
+            f"data.source = {source!r}: array {name!r} has dtype {arrays[name].dtype}: "
+            "expected numbers (bool, integer or float)"
+        )
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+    tensors = {k: t.long() if not t.is_floating_point() else t for k, t in tensors.items()}
+    return check_tensor_pairs(tensors, source)
+
+
+def check_tensor_pairs(tensors: dict[str, torch.Tensor], source: str) -> Pairs:
+    """``(inputs, targets, rows)`` of named tensors, checked row by row (a `ConfigError`
+    naming ``source`` if malformed)."""
     names = sorted(k for k in tensors if k != "targets")
     if "targets" not in tensors or not names or ("inputs" in names and len(names) > 1):
         raise ConfigError(

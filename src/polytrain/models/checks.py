@@ -122,8 +122,41 @@ def _check_output(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Te
     model.loss(output, y.to("meta"))  # raises the contract's one-line errors
 
 
+CONVS: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _check_channels(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Tensor]) -> None:
+    """Images must have the channels the model's first convolution takes.
+
+    Checked here because a wrong channel count (grey images for an RGB model, channels-last
+    arrays) would otherwise fail on every worker with a shape error deep in the forward. The
+    first convolution in module order is taken as the one that reads the images; an input of
+    another rank (not (B, C, *spatial)) is left to the run.
+    """
+    x = sample[0]
+    if isinstance(x, dict):
+        x = x.get("pixel_values", x.get("inputs"))
+    conv = next(((n, m) for n, m in model.named_modules() if isinstance(m, CONVS)), None)
+    if not isinstance(x, torch.Tensor) or conv is None:
+        return
+    name, module = conv
+    assert isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d)
+    spatial = len(module.kernel_size)
+    if x.dim() != spatial + 2 or x.size(1) == module.in_channels:
+        return
+    n = len(model.user_prefix)
+    shown = name[n:] if name.startswith(model.user_prefix) else name
+    raise ConfigError(
+        f"data.source = {job.data.source!r} has images of shape {tuple(x.shape[1:])} with "
+        f"{x.size(1)} channel(s), but the model's first convolution {shown!r} takes "
+        f"{module.in_channels}: store the images as (N, {module.in_channels}, ...) channels "
+        "first, or build the model for the data's channels (spec.input_shape[0])"
+    )
+
+
 def check_model(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Tensor]) -> None:
     """The contract checks for ``model`` (built on the meta device) and one batch of the data."""
     _check_layout(job, model, isinstance(sample[0], dict))
-    if job.model.name not in ("gpt", "mlp") or job.model.loss != "auto":
+    _check_channels(job, model, sample)
+    if job.model.name not in ("gpt", "mlp", "cnn", "resnet") or job.model.loss != "auto":
         _check_output(job, model, sample)

@@ -31,6 +31,7 @@ __all__ = [
     "mse_loss",
     "predictions",
     "resolve_loss",
+    "top1_correct",
 ]
 
 LOSSES = ("auto", "cross_entropy", "mse")
@@ -144,3 +145,15 @@ def resolve_loss(name: str, classification: bool) -> ContractLoss:
             "'package.module:function' taking (predictions, targets)"
         )
     return ContractLoss(import_callable(name, "model.loss"), name)
+
+
+def top1_correct(output: Any, targets: torch.Tensor) -> torch.Tensor | None:
+    """How many rows' highest-scoring class equals the integer target, as a float tensor;
+    None when the output is no (B, K) class scores for (B,) class targets (e.g. token data,
+    regression, or a model that returned only its own loss)."""
+    preds, _ = predictions(output)
+    if preds is None or targets.is_floating_point() or targets.dim() != 1:
+        return None
+    if preds.dim() != 2 or preds.size(0) != targets.size(0):
+        return None
+    return (preds.argmax(dim=-1) == targets).sum().float()

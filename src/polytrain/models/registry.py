@@ -1,4 +1,5 @@
-"""Build the model a job names: a built-in (``gpt``, ``mlp``) or a user factory.
+"""Build the model a job names: a built-in (``gpt``, ``mlp``, ``cnn``, ``resnet``) or a user
+factory.
 
 A user factory is ``package.module:function``; it is called as ``factory(spec, **model.args)``
 with the `DataSpec` and returns an ``nn.Module`` (docs/models.md). A `BlockModel` is used as it
@@ -18,14 +19,21 @@ from torch import nn
 from polytrain.config.job import ModelConfig
 from polytrain.data.datasets import DataSpec
 from polytrain.errors import ConfigError, PolytrainError
-from polytrain.models import gpt, mlp
+from polytrain.models import cnn, gpt, mlp
 from polytrain.models.base import BlockModel
 from polytrain.models.blocks import layer_paths
 from polytrain.models.contract import import_callable, resolve_loss
 
 __all__ = ["BUILTINS", "build_model", "model_dims", "resolve_factory"]
 
-BUILTINS = ("gpt", "mlp")
+BUILTINS = ("gpt", "mlp", "cnn", "resnet")
+
+_SIZES: dict[str, dict[str, dict[str, int]]] = {
+    "gpt": gpt.SIZES,
+    "mlp": mlp.SIZES,
+    "cnn": cnn.CNN_SIZES,
+    "resnet": cnn.RESNET_SIZES,
+}
 
 
 def resolve_factory(name: str) -> Callable[..., nn.Module]:
@@ -80,7 +88,7 @@ def _call_factory(cfg: ModelConfig, spec: DataSpec) -> nn.Module:
 
 def model_dims(cfg: ModelConfig) -> dict[str, Any]:
     """The named size with explicit fields laid over it."""
-    sizes = gpt.SIZES if cfg.name == "gpt" else mlp.SIZES
+    sizes = _SIZES.get(cfg.name, mlp.SIZES)
     if cfg.size not in sizes:
         raise ConfigError(f"model.size = {cfg.size!r}: expected one of {', '.join(sizes)}")
     dims: dict[str, Any] = dict(sizes[cfg.size])
@@ -133,4 +141,8 @@ def _build_builtin(cfg: ModelConfig, spec: DataSpec) -> BlockModel:
         dims = model_dims(cfg)
         return gpt.build_gpt(gpt.GPTConfig(vocab_size=spec.vocab_size, dropout=cfg.dropout, **dims))
     dims = model_dims(cfg)
+    if cfg.name == "cnn":
+        return cnn.build_cnn(spec, dims["n_layer"], dims["n_embd"], dims["channels"], cfg.dropout)
+    if cfg.name == "resnet":
+        return cnn.build_resnet(spec, dims["n_layer"], dims["n_embd"])
     return mlp.build_mlp(spec, dims["n_layer"], dims["n_embd"], dims["block_size"])

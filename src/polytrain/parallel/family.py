@@ -5,10 +5,14 @@ Order (STYLE 3): tensor parallel -> activation recomputation -> data parallel or
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
+from polytrain._torch_private import ddp_ignore
 from polytrain.comm.init import DistContext
 from polytrain.comm.mesh import build_mesh
+from polytrain.comm.p2p import new_group_of
 from polytrain.config.job import JobConfig
 from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
@@ -18,8 +22,10 @@ from polytrain.models.base import BlockModel, one_input
 from polytrain.models.blocks import disable_inplace
 from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.data_parallel import apply_data_parallel
+from polytrain.parallel.hybrid import apply_hybrid, hybrid_ignored, resolve_hybrid_plan
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.replicate import apply_replicate
+from polytrain.parallel.spatial import apply_spatial, check_spatial
 from polytrain.parallel.spmd import SPMDStrategy
 from polytrain.parallel.sufficient_factor import (
     apply_sufficient_factor,
@@ -27,11 +33,12 @@ from polytrain.parallel.sufficient_factor import (
     plain_linears,
 )
 from polytrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_tp_plan
+from polytrain.parallel.tp_plans import Style
 from polytrain.parallel.zero import apply_zero
 from polytrain.pipeline.partition import check_counts
 from polytrain.topology import ParallelDims
 
-__all__ = ["SPMD", "build_spmd", "check_spmd_job", "check_tp_plan"]
+__all__ = ["SPMD", "build_spmd", "check_hybrid_plan", "check_spmd_job", "check_tp_plan"]
 
 
 def check_tp_plan(job: JobConfig, model: BlockModel) -> None:
@@ -40,8 +47,22 @@ def check_tp_plan(job: JobConfig, model: BlockModel) -> None:
         resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)
 
 
+def check_hybrid_plan(job: JobConfig, model: BlockModel) -> dict[str, Style]:
+    """The hybrid plan's modules and styles (empty without one; checked on one rank too,
+    where it is not applied)."""
+    p = job.parallel
+    if not p.hybrid:
+        return {}
+    return resolve_hybrid_plan(model, p.hybrid, p.dp, job.train.global_batch_size)
+
+
 def check_spmd_job(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
     check_tp_plan(job, model)
+    check_hybrid_plan(job, model)
+    if job.parallel.spatial > 1:
+        x, _ = dataset.get(torch.arange(1))
+        shape = tuple(x.shape[1:]) if isinstance(x, torch.Tensor) else ()
+        check_spatial(model, shape, job.parallel.spatial)
     if isinstance(job.pipeline.partition, list):  # one stage: the list must cover the model
         check_counts(job.pipeline.partition, model.num_blocks, 1)
     if job.parallel.sufficient_factor == "on" and not plain_linears(model):
@@ -56,6 +77,7 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
     if p.tp > 1:  # [Note: in-place ops at boundaries] in models.blocks
         disable_inplace(model)
     name = f"dp{p.dp}"
+    batch: Literal["replica", "gather", "whole"] = "replica"  # see SPMDStrategy.batch
     if p.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
         convert_batchnorm(model, mesh.group("dp"))
     wrapped: torch.nn.Module = model
@@ -70,6 +92,19 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
     elif p.dp > 1 and p.tp > 1:
         wrapped = apply_replicate(model, mesh)  # type: ignore[assignment]  # an nn.Module
         name = f"replicate-dp{p.dp}-tp{p.tp}"
+    elif p.spatial > 1:  # [Note: spatial gradient scale] in parallel.spatial
+        halo = new_group_of([list(range(ctx.world_size))], ctx.rank)
+        count = apply_spatial(model, halo, mesh.group("dp"), mesh.coord("dp"), p.spatial)
+        wrapped = apply_data_parallel(model, mesh, p)
+        name = f"spatial{p.spatial}-conv{count}"
+        batch = "whole"
+    elif p.dp > 1 and p.hybrid:  # [Note: hybrid activation redistribution]
+        assignment = check_hybrid_plan(job, model)
+        ddp_ignore(model, hybrid_ignored(model, assignment))
+        apply_hybrid(model, mesh, assignment)
+        wrapped = apply_data_parallel(model, mesh, p)
+        name = f"hybrid-dp{p.dp}-mp{len(assignment)}"
+        batch = "gather"
     elif p.dp > 1:
         name = f"ddp-dp{p.dp}"
         rest = True
@@ -83,7 +118,9 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
             rest = bool(sf.allreduce_params)
         if rest:
             wrapped = apply_data_parallel(model, mesh, p)
-    return SPMDStrategy(job, wrapped, model, mesh, batches, ctx.device, name)
+    strategy = SPMDStrategy(job, wrapped, model, mesh, batches, ctx.device, name)
+    strategy.batch = batch
+    return strategy
 
 
 SPMD = StrategyFamily(

@@ -11,6 +11,9 @@ gradients (`parallel.grad_norm`), then the optimizer step.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from functools import partial
+from typing import Literal
 
 import torch
 from torch import nn
@@ -18,14 +21,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from polytrain.comm.collectives import all_reduce_mean
+from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import JobConfig
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel, inputs_to
+from polytrain.models.base import BlockModel, Inputs, inputs_to
+from polytrain.models.contract import top1_correct
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.grad_norm import grad_norm
 
@@ -56,6 +60,23 @@ class SPMDStrategy(Strategy):
         # Tensor-parallel peers hold different gradient shards: their flags are averaged too.
         groups = [mesh.group("dp")] + ([mesh.group("tp")] if mesh.dims.tp > 1 else [])
         self.reduce = mean_over(*groups)
+        self._accuracy: float | None = None  # of the last evaluation, on classification data
+        # What each rank reads of a step's batch: "replica", its slice (inputs and targets);
+        # "gather", its slice of the inputs and every slice's targets (hybrid parallelism: the
+        # output covers the whole batch, [Note: hybrid activation redistribution]); "whole",
+        # the whole batch (spatial parallelism: each rank then keeps its band of image rows).
+        self.batch: Literal["replica", "gather", "whole"] = "replica"
+
+    def _batch(
+        self, get: Callable[[int, int], tuple[Inputs, torch.Tensor]]
+    ) -> tuple[Inputs, torch.Tensor]:
+        """``get(replica, num_replicas)`` as `batch` says."""
+        if self.batch == "whole":
+            return get(0, 1)
+        x, y = get(self.dp_rank, self.dp)
+        if self.batch == "gather":
+            y = torch.cat([y if r == self.dp_rank else get(r, self.dp)[1] for r in range(self.dp)])
+        return x, y
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[None]:
         """Skip the gradient all-reduce on every micro-step but the last (accumulation)."""
@@ -71,7 +92,9 @@ class SPMDStrategy(Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
-            x, y = self.batches.train(step, self.dp_rank, self.dp, micro, accum)
+            x, y = self._batch(
+                partial(self.batches.train, step, microbatch=micro, num_microbatches=accum)
+            )
             x, y = inputs_to(x, self.device), y.to(self.device)
             with self._sync_context(micro == accum - 1):
                 with self.tracer.span("forward", microbatch=micro, step=step):
@@ -92,13 +115,30 @@ class SPMDStrategy(Strategy):
 
     @torch.no_grad()
     def evaluate(self, num_batches: int) -> float:
+        """Mean validation loss; on classification data also top-1 accuracy (every replica's
+        rows counted once: correct and seen rows are summed over ``dp`` with the loss)."""
         self.model.eval()
         total = torch.zeros((), device=self.device)
+        counts = torch.zeros(2, device=self.device)  # [correct, rows]; rows stay 0 if no classes
         for i in range(num_batches):
-            x, y = self.batches.val(i, self.dp_rank, self.dp)
+            x, y = self._batch(partial(self.batches.val, i))
+            y = y.to(self.device)
             with autocast(self.device, self.job.train.dtype):
-                total += self.base.loss(self.model(inputs_to(x, self.device)), y.to(self.device))
-        return float(all_reduce_mean(total, self.mesh.group("dp"))) / num_batches
+                output = self.model(inputs_to(x, self.device))
+                total += self.base.loss(output, y)
+            correct = top1_correct(output, y)
+            if correct is not None:
+                counts += torch.stack([correct, torch.tensor(float(len(y)), device=self.device)])
+        # Every rank's loss and counts are summed: with "gather" or "whole" each holds the
+        # whole batch's, so the loss is divided by dp and the counts' ratio is unchanged.
+        sums = all_reduce_sum_(
+            torch.cat([total.reshape(1) / self.dp, counts]), self.mesh.group("dp")
+        )
+        self._accuracy = float(sums[1] / sums[2]) if float(sums[2]) else None
+        return float(sums[0]) / num_batches
+
+    def evaluation_metrics(self) -> dict[str, float]:
+        return {} if self._accuracy is None else {"val_accuracy": self._accuracy}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)

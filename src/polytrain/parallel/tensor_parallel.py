@@ -54,6 +54,7 @@ __all__ = [
     "local_tensor",
     "module_infos",
     "resolve_tp_plan",
+    "style_of",
 ]
 
 
@@ -85,7 +86,7 @@ def _builtin_plan(model_name: str, model: nn.Module, tp: int) -> list[PlanEntry]
                         f"{name!r}: choose a tp that divides model.n_head = {n_head}"
                     )
         return gpt_plan(vocab, tp)
-    if model_name == "mlp":
+    if model_name in ("mlp", "cnn", "resnet"):  # their Linear layers in order; convs replicated
         linears = [n for n, i in infos.items() if i.kind == "linear"]
         return mlp_plan(linears, {n: infos[n].out_dim for n in linears}, tp)
     own = _own_plan(model)
@@ -140,7 +141,8 @@ def resolve_tp_plan(
     return assignment
 
 
-def _style(style: Style) -> ParallelStyle:
+def style_of(style: Style) -> ParallelStyle:
+    """torch's parallel style for one of our plan styles."""
     if style == "colwise":
         return ColwiseParallel()
     if style == "colwise_gather":
@@ -155,7 +157,7 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Split ``model`` in place over the 1-D ``tp_mesh`` by the job's (or built-in) plan."""
     assignment = resolve_tp_plan(model_name, model, tp_mesh.size(), rows)
-    parallelize_module(model, tp_mesh, {name: _style(s) for name, s in assignment.items()})
+    parallelize_module(model, tp_mesh, {name: style_of(s) for name, s in assignment.items()})
     return model
 
 
@@ -173,7 +175,7 @@ def apply_tensor_parallel_to_stage(
     """
     assignment = resolve_tp_plan(model_name, model, tp_mesh.size(), rows)
     names = {name for name, _ in stage.named_modules()}
-    mine = {name: _style(s) for name, s in assignment.items() if name in names}
+    mine = {name: style_of(s) for name, s in assignment.items() if name in names}
     if mine:
         parallelize_module(stage, tp_mesh, mine)
     return stage

@@ -68,19 +68,19 @@ class ModuleInfo:
     out_dim: int = 0  # out_features, or num_embeddings
 
 
-def parse_plan(rows: Sequence[str]) -> list[PlanEntry]:
-    """``["blocks.*.attn.q=colwise", ...]`` -> plan entries; a malformed row is a ConfigError."""
+def parse_plan(rows: Sequence[str], field: str = "parallel.tp_plan") -> list[PlanEntry]:
+    """``["blocks.*.attn.q=colwise", ...]`` -> plan entries; a malformed row is a ConfigError
+    naming ``field``."""
     plan: list[PlanEntry] = []
     for i, row in enumerate(rows):
         pattern, sep, style = (part.strip() for part in row.rpartition("="))
         if not sep or not pattern:
             raise ConfigError(
-                f"parallel.tp_plan[{i}] = {row!r}: expected 'pattern=style', e.g. "
-                "'blocks.*.mlp.fc=colwise'"
+                f"{field}[{i}] = {row!r}: expected 'pattern=style', e.g. 'blocks.*.mlp.fc=colwise'"
             )
         if style not in STYLES:
             raise ConfigError(
-                f"parallel.tp_plan[{i}] = {row!r}: unknown style {style!r}; valid styles are "
+                f"{field}[{i}] = {row!r}: unknown style {style!r}; valid styles are "
                 f"{', '.join(STYLES)}"
             )
         plan.append(PlanEntry(pattern, style))  # type: ignore[arg-type]  # checked just above
@@ -88,7 +88,10 @@ def parse_plan(rows: Sequence[str]) -> list[PlanEntry]:
 
 
 def match_plan(
-    plan: Sequence[PlanEntry], names: Sequence[str], suggest: Sequence[str] = ()
+    plan: Sequence[PlanEntry],
+    names: Sequence[str],
+    suggest: Sequence[str] = (),
+    what: str = "tensor-parallel plan",
 ) -> dict[str, Style]:
     """Module path -> style, first matching row wins. A row that matches nothing is an error
     naming the pattern and a few module paths (from ``suggest``, else ``names``) it could mean."""
@@ -99,7 +102,7 @@ def match_plan(
             pool = [n for n in (suggest or names) if n]
             shown = pool[:6]
             raise ConfigError(
-                f"tensor-parallel plan row {str(entry)!r}: pattern {entry.pattern!r} matches no "
+                f"{what} row {str(entry)!r}: pattern {entry.pattern!r} matches no "
                 f"module; splittable module paths look like {', '.join(shown)}"
                 + (f" ... ({len(pool)} in all)" if len(pool) > len(shown) else "")
             )

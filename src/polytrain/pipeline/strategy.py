@@ -76,6 +76,7 @@ from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.datasets import Inputs
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel, inputs_to, one_input
+from polytrain.models.contract import top1_correct
 from polytrain.models.split import (
     LayerSplit,
     counts_from_split_points,
@@ -181,6 +182,7 @@ class PipelineStrategy(Strategy):
             self._build_block_stage(job, model)
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
         self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
+        self._accuracy: float | None = None  # of the last evaluation, on classification data
         self.modules = [self.stage]
         self.rules = StepRules.of(job)
         self._init_runtime(job, model)
@@ -502,9 +504,11 @@ class PipelineStrategy(Strategy):
 
     @torch.no_grad()
     def evaluate(self, num_batches: int) -> float:
-        """Forward-only through the pipeline on the live weights; the loss reaches every rank."""
+        """Forward-only through the pipeline on the live weights; the loss (and on
+        classification data the top-1 accuracy) reaches every rank."""
         self.stage.eval()
         total = torch.zeros((), device=self.device)
+        counts = torch.zeros(2, device=self.device)  # [correct, rows] on the last stage
         pending = PendingSends()
         for i in range(num_batches):
             if isinstance(self.stage, LayerStage):
@@ -524,11 +528,21 @@ class PipelineStrategy(Strategy):
             if self.next_rank is None:
                 y = self.batches.val(i, self.dp_rank, self.dp)[1].to(self.device)
                 total += self.runtime.loss_fn(out, y).float()
+                correct = top1_correct(out, y)
+                if correct is not None:
+                    counts += torch.stack([correct, torch.tensor(float(len(y)))]).to(self.device)
             else:
                 self.eval_p2p.isend(out, self.next_rank, EVAL, pending)
         pending.wait()
         self.stage.train()
-        return float(all_reduce_sum_(total, None)) / self.dp / self.tp / num_batches
+        # Summed over the world: only last stages hold values; tp peers hold equal ones, so
+        # the loss is divided by tp and the accuracy's ratio is unchanged.
+        sums = all_reduce_sum_(torch.cat([total.reshape(1), counts]), None)
+        self._accuracy = float(sums[1] / sums[2]) if float(sums[2]) else None
+        return float(sums[0]) / self.dp / self.tp / num_batches
+
+    def evaluation_metrics(self) -> dict[str, float]:
+        return {} if self._accuracy is None else {"val_accuracy": self._accuracy}
 
     def _keys_per_stage(self, model: BlockModel) -> list[list[tuple[str, torch.Size, torch.dtype]]]:
         """Every stage's state-dict keys, shapes and dtypes, in the full model's order."""

@@ -156,6 +156,7 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
                     val_loss = strategy.evaluate(job.train.eval_batches)
                 if strategy.evaluates:  # a rank without a replica (a server) has no loss to log
                     record["val_loss"] = val_loss
+                    record.update(strategy.evaluation_metrics())
             if step + 1 == steps or (step + 1) % job.observe.log_every == 0 or "val_loss" in record:
                 record["memory_mb"] = peak_memory_mb(ctx.device)
                 metrics.write(record)

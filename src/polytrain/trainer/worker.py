@@ -28,7 +28,11 @@ def main() -> None:
             # Resumed (e.g. an elastic restart) after the last step: no loss to report.
             print(f"polytrain: resumed at step {result.start_step} = train.steps: nothing to do")
         elif result.state_dict is not None:  # rank 0
-            print(f"final loss {result.final_loss:.4f}, validation loss {result.val_loss:.4f}")
+            accuracy = result.history[-1].get("val_accuracy") if result.history else None
+            print(
+                f"final loss {result.final_loss:.4f}, validation loss {result.val_loss:.4f}"
+                + (f", validation accuracy {accuracy:.1%}" if accuracy is not None else "")
+            )
             if result.sample:
                 print("sample:\n" + result.sample)
             metrics = Path(job.observe.out_dir or ".") / "metrics.jsonl"
