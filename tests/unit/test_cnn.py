@@ -137,6 +137,23 @@ def test_npz_images_load_without_pickle(tmp_path: Path) -> None:
         build_datasets(DataConfig(source=str(bad)), 1)
 
 
+def test_npy_images_load_with_their_labels_beside_them(tmp_path: Path) -> None:
+    images = np.random.default_rng(1).random((12, 1, 8, 8), dtype=np.float32)
+    path = tmp_path / "photos.npy"
+    np.save(path, images)
+    with pytest.raises(ConfigError, match="photos.targets.npy") as info:  # no labels yet
+        build_datasets(DataConfig(source=str(path)), 1)
+    assert "\n" not in str(info.value)
+    np.save(tmp_path / "photos.targets.npy", np.arange(12) % 3)
+    train, val, spec = build_datasets(DataConfig(source=str(path), val_fraction=0.25), 1)
+    assert spec.input_shape == (1, 8, 8) and spec.num_outputs == 3
+    x, y = train.get(torch.arange(9))
+    assert torch.equal(x, torch.from_numpy(images[:9])) and y.dtype == torch.int64
+    np.save(tmp_path / "photos.targets.npy", np.array(["a"] * 12, dtype=object))
+    with pytest.raises(ConfigError, match="photos.targets.npy is not a readable numeric"):
+        build_datasets(DataConfig(source=str(path)), 1)
+
+
 def test_top1_counts_correct_rows_of_class_scores_only() -> None:
     scores = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]])
     assert float(top1_correct(scores, torch.tensor([1, 1, 1]))) == 2.0

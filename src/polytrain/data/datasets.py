@@ -15,7 +15,14 @@ import torch
 from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
 from polytrain.data.images import load_digits_pairs
-from polytrain.data.tensors import MAX_VOCAB, Pairs, load_numpy_pairs, load_tensor_pairs
+from polytrain.data.tensors import (
+    MAX_VOCAB,
+    Pairs,
+    load_numpy_array_pairs,
+    load_numpy_pairs,
+    load_tensor_pairs,
+    targets_beside,
+)
 from polytrain.data.tokenize import decode, tokenize
 from polytrain.errors import ConfigError
 
@@ -122,8 +129,8 @@ def _load_tokens(path: Path, source: str) -> torch.Tensor:
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
         raise ConfigError(
             f"data.source = {source!r} holds a {array.dtype} array of shape "
-            f"{array.shape}: a .npy data set must be a 1-D integer token array (images with "
-            "labels: numpy.savez('data.npz', inputs=images, targets=labels))"
+            f"{array.shape}: a .npy data set alone must be a 1-D integer token array (images: "
+            f"put their labels beside it in {targets_beside(path).name}, or both in one .npz)"
         )
     if len(array) < 2:
         raise ConfigError(
@@ -153,6 +160,8 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
             f"data.source = {cfg.source!r} does not exist: give 'pydoc', 'digits' or the path "
             "of a text, .npy, .safetensors or .npz file"
         )
+    if path.suffix == ".npy" and targets_beside(path).is_file():  # inputs with their labels
+        return _pair_datasets(load_numpy_array_pairs(path, cfg.source), cfg)
     if path.suffix == ".npy":
         tokens = _load_tokens(path, cfg.source)
         cut = _split(len(tokens), cfg.val_fraction)

@@ -71,6 +71,34 @@ def load_numpy_pairs(path: Path, source: str) -> Pairs:
     return check_tensor_pairs(tensors, source)
 
 
+def targets_beside(path: Path) -> Path:
+    """Where the labels of a ``.npy`` array of inputs live: ``x.npy`` -> ``x.targets.npy``."""
+    return path.with_name(path.stem + ".targets.npy")
+
+
+def load_numpy_array_pairs(path: Path, source: str) -> Pairs:
+    """As `load_numpy_pairs`, from a ``.npy`` array of inputs (images: ``(N, C, H, W)``) with
+    its targets in the ``.targets.npy`` file beside it (`targets_beside`), never unpickling."""
+    arrays = {}
+    for name, file in (("inputs", path), ("targets", targets_beside(path))):
+        try:
+            arrays[name] = np.load(file, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise ConfigError(
+                f"data.source = {source!r}: {file.name} is not a readable numeric .npy array "
+                f"({str(exc).split('. ')[0][:80]}): save it with numpy.save"
+            ) from None
+    bad = [k for k, a in arrays.items() if a.dtype.kind not in "biuf"]
+    if bad:
+        raise ConfigError(
+            f"data.source = {source!r}: the {bad[0]} array has dtype {arrays[bad[0]].dtype}: "
+            "expected numbers (bool, integer or float)"
+        )
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+    tensors = {k: t.long() if not t.is_floating_point() else t for k, t in tensors.items()}
+    return check_tensor_pairs(tensors, source)
+
+
 def check_tensor_pairs(tensors: dict[str, torch.Tensor], source: str) -> Pairs:
     """``(inputs, targets, rows)`` of named tensors, checked row by row (a `ConfigError`
     naming ``source`` if malformed)."""
