@@ -146,7 +146,7 @@ def test_npy_images_load_with_their_labels_beside_them(tmp_path: Path) -> None:
     assert "\n" not in str(info.value)
     np.save(tmp_path / "photos.targets.npy", np.arange(12) % 3)
     train, val, spec = build_datasets(DataConfig(source=str(path), val_fraction=0.25), 1)
-    assert spec.input_shape == (1, 8, 8) and spec.num_outputs == 3
+    assert len(val) == 3 and spec.input_shape == (1, 8, 8) and spec.num_outputs == 3
     x, y = train.get(torch.arange(9))
     assert torch.equal(x, torch.from_numpy(images[:9])) and y.dtype == torch.int64
     np.save(tmp_path / "photos.targets.npy", np.array(["a"] * 12, dtype=object))
