@@ -266,9 +266,13 @@ GPT2 = "tests.helpers.hf_models:make_gpt2"
             "'transformer.ln_f' is not one of the repeated layers",
         ),
         (["--schedule", "pipedream"], "pipeline.schedule = 'pipedream' with a pipeline over"),
-        (["--tp", "2", "--pp", "1"], "ties transformer.wte.weight and lm_head.weight"),
+        (
+            ["--tp", "2", "--pp", "1", "--set", "parallel.tp_plan=['blocks.0.lm_head=colwise']"],
+            "splits a tied weight two ways: blocks.0.transformer.wte (replicated: whole), "
+            "blocks.0.lm_head (colwise: dim 0)",
+        ),
     ],
-    ids=["split point names no module", "split point not a layer", "pipedream", "tied under tp"],
+    ids=["split point names no module", "split point not a layer", "pipedream", "tied split apart"],
 )
 def test_layer_pipeline_bad_input(
     extra: list[str], message: str, tokens: Path, capsys: pytest.CaptureFixture[str]

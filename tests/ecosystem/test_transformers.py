@@ -43,8 +43,9 @@ STRATEGIES: dict[str, tuple[int, dict[str, Any]]] = {
         {"parallel": {"dp": 2, "pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
     ),
 }
-# Tensor parallel: a transformers model's own base_model_tp_plan (Llama publishes one). GPT-2
-# (Conv1D, fused qkv, tied), BERT, ViT (no plan) and ResNet (convolutions) are not split yet.
+# Tensor parallel: a transformers model's own base_model_tp_plan (Llama publishes one), else
+# polytrain's plan for its family (parallel.tp_plans.TRANSFORMERS_PLANS): GPT-2's Conv1D, fused
+# qkv and tied wte/lm_head, BERT and ViT in Megatron's pattern, ResNet's classifier.
 TENSOR_PARALLEL = {"tp2": (2, {"parallel": {"tp": 2}})}
 # BatchNorm in a pipeline matches one process only with one micro-batch and dp = 1
 # (docs/models.md): ResNet's pipelines run one micro-batch, and dp x pp is left out for it.
@@ -53,12 +54,13 @@ FULL_MATRIX = [
     for model in MODELS
     for strategy in STRATEGIES
     if not (model == "resnet" and strategy == "dp2-pp2")
-] + [("llama", "tp2")]
+] + [(model, "tp2") for model in MODELS if model != "gpt2"]  # gpt2: test_gpt2_tensor_parallel
 # [Note: the CI matrix] The full matrix is 36 multi-process runs (about ten minutes on 2 cores),
-# half of the suite's budget. By default every strategy runs on at least two models and every
+# half of the suite's budget (40 with the tp rows). By default every strategy runs on at least two models and every
 # model under at least two strategies, chosen where each model's trap is: GPT-2's tie across
 # pipeline stages and under ZeRO-3, BatchNorm under dp / ZeRO / parameter servers, Llama's rotary
-# tables and masks across stages and its own tp plan, BERT's padding mask. POLYTRAIN_FULL_MATRIX=1
+# tables and masks across stages and its own tp plan, BERT's padding mask; GPT-2 under tp has
+# its own test (fused qkv, tie and export in one run). POLYTRAIN_FULL_MATRIX=1
 # runs every pair (each was checked when the layer pipelines landed; docs/models.md).
 CI_MATRIX = [
     ("gpt2", "1f1b-pp2"),
@@ -139,6 +141,26 @@ def test_export_loads_into_the_original_class(model: str, tmp_path: Path) -> Non
     if model == "gpt2":
         assert fresh.lm_head.weight is fresh.transformer.wte.weight
         torch.testing.assert_close(weights["lm_head.weight"], weights["transformer.wte.weight"])
+
+
+def test_gpt2_tensor_parallel(tmp_path: Path) -> None:
+    """GPT-2 at tp 2: Conv1D layers split, the fused c_attn split per q/k/v chunk, the tied
+    wte/lm_head one vocabulary-split tensor; matches one process, and the export is the user's
+    own unsplit, unpermuted layout, loading into a fresh GPT2LMHeadModel with the tie intact."""
+    path = tmp_path / "final.safetensors"
+    world, sections = sections_of("gpt2", "tp2")
+    job = hf_job("gpt2", data_file("gpt2"), world, **sections, checkpoint={"save_final": str(path)})
+    ref = reference("gpt2")
+    out = run_job(job, timeout_s=300)
+    assert out["losses"] == pytest.approx(ref["losses"], abs=ATOL)
+    assert_state_close(out["state"], ref["state"], atol=ATOL)
+    fresh = hf_models.make_gpt2(None)
+    weights = load_file(str(path))
+    fresh.load_state_dict(weights, strict=True)
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, ref["state"][f"blocks.0.{key}"], atol=ATOL, rtol=0)
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    torch.testing.assert_close(weights["lm_head.weight"], weights["transformer.wte.weight"])
 
 
 def test_local_batchnorm_misses_the_single_process_run() -> None:

@@ -47,14 +47,15 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
     p = job.parallel
     ties = tied_parameters(model)
     layer_pipeline = p.pp > 1 and bool(model.layers)  # [Note: layer pipeline] in models.split
-    if ties and (p.tp > 1 or (p.pp > 1 and not layer_pipeline)):
-        axis = "parallel.pp" if p.pp > 1 else "parallel.tp"
+    # Under tensor parallel a tie is kept (parallel.tp_styles.retie) when the plan splits the
+    # shared tensor alike in every module that uses it (checked with the plan).
+    if ties and p.pp > 1 and not layer_pipeline:
         n = len(model.user_prefix)
         names = [k[n:] if k.startswith(model.user_prefix) else k for k in ties[0]]
         raise ConfigError(
-            f"the model ties {' and '.join(names)} (one shared tensor), and {axis} = "
-            f"{getattr(p, axis.split('.')[1])} would keep separate copies that drift apart: "
-            "train it with dp / zero / ps, or untie the weights in the model"
+            f"the model ties {' and '.join(names)} (one shared tensor), and parallel.pp = "
+            f"{p.pp} would keep separate copies that drift apart: train it with dp / zero / "
+            "ps / tp, or untie the weights in the model"
         )
     if layer_pipeline:
         _check_layer_pipeline(job, model)
