@@ -70,16 +70,18 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
             f"named inputs (a .safetensors data set with several input tensors) with "
             f"parallel.pp = {p.pp}: pipeline stages pass one tensor; use dp / zero / ps"
         )
-    if has_batchnorm(model) and p.pp > 1 and (job.pipeline.microbatches > 1 or p.dp > 1):
+    # With one micro-batch the stages' BatchNorms are synchronised over dp ([Note: BatchNorm
+    # parity] in parallel.batchnorm); with several, no schedule can match one process.
+    if has_batchnorm(model) and p.pp > 1 and job.pipeline.microbatches > 1:
         message = (
-            f"BatchNorm with parallel.pp = {p.pp}, pipeline.microbatches = "
-            f"{job.pipeline.microbatches}, dp = {p.dp}: each micro-batch is normalised with "
-            "its own statistics, so the run cannot match one process (docs/models.md)"
+            f"BatchNorm with parallel.pp = {p.pp} and pipeline.microbatches = "
+            f"{job.pipeline.microbatches}: each micro-batch is normalised with its own "
+            "statistics, so the run cannot match one process (docs/models.md)"
         )
         if job.model.batchnorm != "local":
             raise ConfigError(
                 f"{message}; set model.batchnorm = 'local' to accept that, or use "
-                "microbatches = 1 and dp = 1"
+                "pipeline.microbatches = 1"
             )
         _warn(message)
 

@@ -84,6 +84,7 @@ from polytrain.models.split import (
     trace_sides,
 )
 from polytrain.observe.trace import Tracer
+from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.tensor_parallel import (
     apply_tensor_parallel_to_stage,
     full_tensors,
@@ -179,6 +180,8 @@ class PipelineStrategy(Strategy):
             self._build_layer_stage(job, model)
         else:
             self._build_block_stage(job, model)
+        if self.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
+            convert_batchnorm(self.stage, mesh.group("dp"), owned_only=True)
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
         self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
         self.modules = [self.stage]
