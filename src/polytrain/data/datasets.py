@@ -13,6 +13,7 @@ import torch
 
 from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
+from polytrain.data.tables import TABLE_SUFFIXES
 from polytrain.data.tensors import MAX_VOCAB, load_tensor_pairs
 from polytrain.data.tokenize import decode, tokenize
 from polytrain.errors import ConfigError
@@ -145,7 +146,7 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
     if not path.is_file():
         raise ConfigError(
             f"data.source = {cfg.source!r} does not exist: give 'pydoc' or the path of a text, "
-            ".npy or .safetensors file"
+            ".npy, .safetensors, .jsonl, .parquet or .arrow file"
         )
     if path.suffix == ".npy":
         tokens = _load_tokens(path, cfg.source)
@@ -153,7 +154,7 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
         vocab = int(tokens.max()) + 1
         spec = DataSpec(kind="tokens", vocab_size=vocab, input_shape=(block_size,))
         return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
-    if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors" or path.suffix in TABLE_SUFFIXES:
         inputs, targets, rows = load_tensor_pairs(path, cfg.source)
         classification = not targets.is_floating_point()
         num_outputs = (

@@ -1,4 +1,5 @@
-"""A ``.safetensors`` data set: ``targets`` and one or several named input tensors, dtypes kept.
+"""A ``.safetensors`` data set (or a JSONL / Parquet / Arrow table, `data.tables`): ``targets``
+and one or several named input tensors, dtypes kept.
 
 ``inputs`` alone is the model's one positional input; any other names (``input_ids``,
 ``attention_mask``, ``pixel_values``, ``labels``...) are passed as keyword arguments
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from polytrain.data.tables import TABLE_SUFFIXES, read_table
 from polytrain.errors import ConfigError
 
 __all__ = ["MAX_VOCAB", "load_tensor_pairs"]
@@ -30,8 +32,10 @@ def _kept(t: torch.Tensor) -> torch.Tensor:
 def load_tensor_pairs(
     path: Path, source: str
 ) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor, int]:
-    """``(inputs, targets, rows)`` of a ``.safetensors`` data file, checked row by row (a
-    `ConfigError` naming ``source`` if malformed)."""
+    """``(inputs, targets, rows)`` of a ``.safetensors`` data file or a JSONL / Parquet / Arrow
+    table (`data.tables`), checked row by row (a `ConfigError` naming ``source`` if malformed)."""
+    if path.suffix in TABLE_SUFFIXES:
+        return _pairs(read_table(path, source), source)
     try:
         tensors = load_file(str(path))
     except Exception as exc:  # SafetensorError is not exported under a stable name
@@ -39,6 +43,12 @@ def load_tensor_pairs(
             f"data.source = {source!r} is not a valid .safetensors file "
             f"({str(exc).split('. ')[0][:80]}): write it with safetensors.torch.save_file"
         ) from None
+    return _pairs(tensors, source)
+
+
+def _pairs(
+    tensors: dict[str, torch.Tensor], source: str
+) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor, int]:
     names = sorted(k for k in tensors if k != "targets")
     if "targets" not in tensors or not names or ("inputs" in names and len(names) > 1):
         raise ConfigError(

@@ -66,6 +66,28 @@ def _distribute_params(
         module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
+def _input(
+    given: tuple[Placement, ...],
+    desired: tuple[Placement, ...],
+    module: nn.Module,
+    inputs: tuple[Any, ...],
+    mesh: DeviceMesh,
+) -> DTensor:
+    """The module's input as a DTensor laid out as the style needs (as torch's styles do)."""
+    x = inputs[0]
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, given, run_check=False)
+    return x.redistribute(placements=desired) if given != desired else x
+
+
+def _output(
+    layouts: tuple[Placement, ...], local: bool, module: nn.Module, y: DTensor, mesh: DeviceMesh
+) -> Any:
+    if tuple(y.placements) != tuple(layouts):
+        y = y.redistribute(placements=layouts)
+    return y.to_local() if local else y
+
+
 class Conv1DColwise(ColwiseParallel):
     """Column-parallel ``Conv1D``: weight (in, out) split on dim 1, bias on dim 0; the input is
     replicated, the output sharded on its last dim (gathered when ``output_layouts`` is
@@ -87,8 +109,9 @@ class Conv1DColwise(ColwiseParallel):
         _distribute_params(module, mesh, placements)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        inputs = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
-        outputs: Any = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        inputs: Any = partial(_input, self.input_layouts, self.desired_input_layouts)  # returns
+        # the new input (torch types input_fn as returning None)
+        outputs: Any = partial(_output, self.output_layouts, self.use_local_output)
         if self.chunks > 1:  # keep the chunked layout: a redistribution to Shard(-1) reorders it
             outputs = _local_output
         return distribute_module(module, device_mesh, self._partition, inputs, outputs)
@@ -108,8 +131,9 @@ class Conv1DRowwise(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
-        inputs = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
-        outputs = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        inputs: Any = partial(_input, self.input_layouts, self.desired_input_layouts)  # returns
+        # the new input (torch types input_fn as returning None)
+        outputs = partial(_output, self.output_layouts, self.use_local_output)
         return distribute_module(module, device_mesh, self._partition, inputs, outputs)
 
 
