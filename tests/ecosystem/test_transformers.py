@@ -46,19 +46,27 @@ STRATEGIES: dict[str, tuple[int, dict[str, Any]]] = {
 # Tensor parallel: a transformers model's own base_model_tp_plan (Llama publishes one), else
 # polytrain's plan for its family (parallel.tp_plans.TRANSFORMERS_PLANS): GPT-2's Conv1D, fused
 # qkv and tied wte/lm_head, BERT and ViT in Megatron's pattern, ResNet's classifier.
-TENSOR_PARALLEL = {"tp2": (2, {"parallel": {"tp": 2}})}
+TENSOR_PARALLEL: dict[str, tuple[int, dict[str, Any]]] = {
+    "tp2": (2, {"parallel": {"tp": 2}}),
+    # tp inside the stages of a pipeline over the model's layers (GPT-2: the tie spans stages)
+    "pp2-tp2": (
+        4,
+        {"parallel": {"pp": 2, "tp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
+    ),
+}
 # BatchNorm in a pipeline matches one process only with one micro-batch (docs/models.md):
 # ResNet's pipelines run one micro-batch; under dp x pp its stages' BatchNorms sync over dp.
-FULL_MATRIX = [(model, strategy) for model in MODELS for strategy in STRATEGIES] + [
-    (model, "tp2") for model in MODELS if model != "gpt2"
-]  # gpt2: test_gpt2_tensor_parallel
-# [Note: the CI matrix] The full matrix is 36 multi-process runs (about ten minutes on 2 cores),
-# half of the suite's budget (40 with the tp rows). By default every strategy runs on at least two models and every
-# model under at least two strategies, chosen where each model's trap is: GPT-2's tie across
-# pipeline stages and under ZeRO-3, BatchNorm under dp / dp x pp / parameter servers, Llama's rotary
+FULL_MATRIX = [(model, strategy) for model in MODELS for strategy in STRATEGIES]
+FULL_MATRIX += [(model, "tp2") for model in MODELS if model != "gpt2"]  # gpt2: its own test
+FULL_MATRIX += [(model, "pp2-tp2") for model in MODELS]
+# [Note: the CI matrix] The full matrix is 39 model x strategy pairs plus the GPT-2 tp test, 40
+# multi-process runs and 5 references (about fifteen minutes on 2 cores), more than half of the
+# suite's budget. By default every strategy runs on at least two models and every model under
+# at least two strategies, chosen where each model's trap is: GPT-2's tie across pipeline
+# stages and under ZeRO-3, BatchNorm under dp / dp x pp / parameter servers, Llama's rotary
 # tables and masks across stages and its own tp plan, BERT's padding mask; GPT-2 under tp has
-# its own test (fused qkv, tie and export in one run). POLYTRAIN_FULL_MATRIX=1
-# runs every pair (each was checked when the layer pipelines landed; docs/models.md).
+# its own test (fused qkv, tie and export in one run). POLYTRAIN_FULL_MATRIX=1 runs every pair
+# (run in full when the layer pipelines and the tp plans landed; docs/models.md).
 CI_MATRIX = [
     ("gpt2", "1f1b-pp2"),
     ("gpt2", "dp2-pp2"),

@@ -92,7 +92,6 @@ def _check_layer_pipeline(job: JobConfig, model: BlockModel) -> None:
     refused = {
         "pipeline.schedule = 'pipedream'": pl.schedule == "pipedream",
         "pipeline.partition = 'auto'": pl.partition == "auto",
-        f"parallel.tp = {p.tp}": p.tp > 1,
         "parallel.recompute = true": p.recompute,
     }
     bad = [k for k, v in refused.items() if v]
@@ -100,7 +99,7 @@ def _check_layer_pipeline(job: JobConfig, model: BlockModel) -> None:
         raise ConfigError(
             f"{bad[0]} with a pipeline over the layers of model.name = {job.model.name!r}: "
             "not supported for a user's model yet; use gpipe or 1f1b, a uniform or explicit "
-            "partition, tp = 1, recompute = false"
+            "partition, recompute = false"
         )
     if p.pp > len(model.layers):
         raise ConfigError(

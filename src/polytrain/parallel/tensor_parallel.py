@@ -61,8 +61,11 @@ __all__ = [
     "apply_tensor_parallel_to_stage",
     "full_tensors",
     "grad_square_sum",
+    "like_param",
     "local_tensor",
     "module_infos",
+    "parallelize",
+    "parallelize_layer_stage",
     "resolve_tp_plan",
 ]
 
@@ -208,7 +211,7 @@ def _style(style: Style, module: nn.Module) -> ParallelStyle:
     return RowwiseParallel(input_layouts=Replicate())
 
 
-def _parallelize(root: nn.Module, tp_mesh: DeviceMesh, assignment: Mapping[str, Style]) -> None:
+def parallelize(root: nn.Module, tp_mesh: DeviceMesh, assignment: Mapping[str, Style]) -> None:
     """Apply the styles, then the fix-ups a style needs outside its module: fused projections'
     split width, and tied weights put back together (parallel.tp_styles)."""
     ties = tied_uses(root)
@@ -225,7 +228,7 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Split ``model`` in place over the 1-D ``tp_mesh`` by the job's (or built-in) plan."""
     assignment = resolve_tp_plan(model_name, model, tp_mesh.size(), rows)
-    _parallelize(model, tp_mesh, assignment)
+    parallelize(model, tp_mesh, assignment)
     return model
 
 
@@ -243,8 +246,35 @@ def apply_tensor_parallel_to_stage(
     """
     assignment = resolve_tp_plan(model_name, model, tp_mesh.size(), rows)
     names = {name for name, _ in stage.named_modules()}
-    _parallelize(stage, tp_mesh, {name: s for name, s in assignment.items() if name in names})
+    parallelize(stage, tp_mesh, {name: s for name, s in assignment.items() if name in names})
     return stage
+
+
+def parallelize_layer_stage(
+    stage: nn.Module, tp_mesh: DeviceMesh, assignment: Mapping[str, Style]
+) -> None:
+    """Split a layer-pipeline stage by the whole model's ``assignment`` (resolved before the
+    stage demoted what it does not own): only modules whose weights the stage owns are split;
+    the rest run only in the stage's discarded part ([Note: layer pipeline]), replicated."""
+    owned = {
+        name
+        for name, module in stage.named_modules()
+        if any(True for _ in module.parameters(recurse=False))
+    }
+    parallelize(stage, tp_mesh, {name: s for name, s in assignment.items() if name in owned})
+
+
+def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` laid out as ``param`` (no communication from Replicate to Shard).
+
+    A vocabulary-parallel embedding's weight gradient comes back replicated (every rank holds
+    the whole (V, E) gradient) when no other use of the weight adds a sharded one, as on the
+    first stage of a pipeline whose head is on the last: tied shards must pair shard for shard.
+    """
+    if isinstance(grad, DTensor) and isinstance(param, DTensor):
+        if tuple(grad.placements) != tuple(param.placements):
+            return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
