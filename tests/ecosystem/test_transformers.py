@@ -63,13 +63,13 @@ FULL_MATRIX += [(model, "pp2-tp2") for model in MODELS]
 # multi-process runs and 5 references (about fifteen minutes on 2 cores), more than half of the
 # suite's budget. By default every strategy runs on at least two models and every model under
 # at least two strategies, chosen where each model's trap is: GPT-2's tie across pipeline
-# stages and under ZeRO-3, BatchNorm under dp / dp x pp / parameter servers, Llama's rotary
+# stages (also split by tp inside them) and under ZeRO-3, BatchNorm under dp / dp x pp / parameter servers, Llama's rotary
 # tables and masks across stages and its own tp plan, BERT's padding mask; GPT-2 under tp has
 # its own test (fused qkv, tie and export in one run). POLYTRAIN_FULL_MATRIX=1 runs every pair
 # (run in full when the layer pipelines and the tp plans landed; docs/models.md).
 CI_MATRIX = [
     ("gpt2", "1f1b-pp2"),
-    ("gpt2", "dp2-pp2"),
+    ("gpt2", "pp2-tp2"),
     ("gpt2", "zero3-dp2"),
     ("llama", "gpipe-pp2"),
     ("llama", "ps-sync"),
