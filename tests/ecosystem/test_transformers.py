@@ -46,6 +46,16 @@ STRATEGIES: dict[str, tuple[int, dict[str, Any]]] = {
 # Tensor parallel: a transformers model's own base_model_tp_plan (Llama publishes one), else
 # polytrain's plan for its family (parallel.tp_plans.TRANSFORMERS_PLANS): GPT-2's Conv1D, fused
 # qkv and tied wte/lm_head, BERT and ViT in Megatron's pattern, ResNet's classifier.
+# Recomputation of each layer inside the stages of a layer pipeline.
+RECOMPUTE: dict[str, tuple[int, dict[str, Any]]] = {
+    "1f1b-pp2-recompute": (
+        2,
+        {
+            "parallel": {**PIPE, "recompute": True},
+            "pipeline": {"schedule": "1f1b", "microbatches": 2},
+        },
+    ),
+}
 TENSOR_PARALLEL: dict[str, tuple[int, dict[str, Any]]] = {
     "tp2": (2, {"parallel": {"tp": 2}}),
     # tp inside the stages of a pipeline over the model's layers (GPT-2: the tie spans stages)
@@ -59,7 +69,8 @@ TENSOR_PARALLEL: dict[str, tuple[int, dict[str, Any]]] = {
 FULL_MATRIX = [(model, strategy) for model in MODELS for strategy in STRATEGIES]
 FULL_MATRIX += [(model, "tp2") for model in MODELS if model != "gpt2"]  # gpt2: its own test
 FULL_MATRIX += [(model, "pp2-tp2") for model in MODELS]
-# [Note: the CI matrix] The full matrix is 39 model x strategy pairs plus the GPT-2 tp test, 40
+FULL_MATRIX += [("gpt2", "1f1b-pp2-recompute"), ("llama", "1f1b-pp2-recompute")]
+# [Note: the CI matrix] The full matrix is 41 model x strategy pairs plus the GPT-2 tp test, 42
 # multi-process runs and 5 references (about fifteen minutes on 2 cores), more than half of the
 # suite's budget. By default every strategy runs on at least two models and every model under
 # at least two strategies, chosen where each model's trap is: GPT-2's tie across pipeline
@@ -88,7 +99,7 @@ EXPORTED = MODELS if FULL else ["gpt2", "llama", "resnet"]
 
 
 def sections_of(model: str, strategy: str) -> tuple[int, dict[str, Any]]:
-    world, sections = {**STRATEGIES, **TENSOR_PARALLEL}[strategy]
+    world, sections = {**STRATEGIES, **TENSOR_PARALLEL, **RECOMPUTE}[strategy]
     if model == "resnet" and "pipeline" in sections:
         sections = {**sections, "pipeline": {**sections["pipeline"], "microbatches": 1}}
     return world, sections

@@ -92,14 +92,13 @@ def _check_layer_pipeline(job: JobConfig, model: BlockModel) -> None:
     refused = {
         "pipeline.schedule = 'pipedream'": pl.schedule == "pipedream",
         "pipeline.partition = 'auto'": pl.partition == "auto",
-        "parallel.recompute = true": p.recompute,
     }
     bad = [k for k, v in refused.items() if v]
     if bad:
         raise ConfigError(
             f"{bad[0]} with a pipeline over the layers of model.name = {job.model.name!r}: "
-            "not supported for a user's model yet; use gpipe or 1f1b, a uniform or explicit "
-            "partition, recompute = false"
+            "not supported for a user's model yet; use gpipe or 1f1b and a uniform or explicit "
+            "partition"
         )
     if p.pp > len(model.layers):
         raise ConfigError(

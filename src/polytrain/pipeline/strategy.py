@@ -85,6 +85,7 @@ from polytrain.models.split import (
 )
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.batchnorm import convert_batchnorm
+from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.tensor_parallel import (
     apply_tensor_parallel_to_stage,
     full_tensors,
@@ -239,6 +240,8 @@ class PipelineStrategy(Strategy):
                 lambda: user(**sample) if isinstance(sample, dict) else user(sample),
             )
         self.layer_split = split
+        if job.parallel.recompute:  # each layer re-run in backward; names unchanged
+            apply_recompute(model)
         full = model.state_dict()
         keys = stage_keys(user, split, self.ranges, "blocks.0.")
         self._stage_keys = [[(k, full[k].shape, full[k].dtype) for k in ks] for ks in keys]
