@@ -22,6 +22,9 @@ here has none in torch 2.13:
 - ``gloo_options``: backend options carrying a timeout, the only way to give the groups a
   ``DeviceMesh`` creates a timeout other than torch's 30-minute default (``init_device_mesh``
   reads ``pg_options._timeout``; [Note: group timeouts] in comm/init.py).
+- ``strided_shard``: DTensor's ``_StridedShard`` placement, the only one that describes a fused
+  projection split so that each rank holds its share of every chunk ([q_r | k_r | v_r] of
+  GPT-2's ``c_attn``) while ``full_tensor()`` and state dicts keep the user's layout.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
@@ -51,6 +55,7 @@ __all__ = [
     "replicate",
     "set_store_server_factory",
     "storage_key",
+    "strided_shard",
 ]
 
 
@@ -117,3 +122,9 @@ def gloo_options(timeout: datetime.timedelta) -> Any:
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
     return options
+
+
+def strided_shard(dim: int, chunks: int) -> Placement:
+    """Split ``dim`` into ``chunks`` equal chunks, and each chunk over the mesh dimension: a
+    rank's local tensor is its piece of every chunk, concatenated in chunk order."""
+    return _StridedShard(dim, split_factor=chunks)

@@ -193,6 +193,10 @@ def test_batchnorm_with_micro_batched_pipeline(
         line for line in out.splitlines() if line.startswith("polytrain: warning: BatchNorm")
     ]
     assert len(warnings) == 1
+    # One micro-batch: the stages' BatchNorms are synchronised over dp, so dp x pp is accepted.
+    one = [*args[:5], "4", "--dp", "2", "--pp", "2", "--microbatches", "1", "--batch-size", "8"]
+    code, out, err = dry_run(one, capsys)
+    assert code == 0 and "warning" not in out, err
 
 
 def test_named_inputs_pass_as_keyword_arguments(named: Path) -> None:
@@ -266,9 +270,23 @@ GPT2 = "tests.helpers.hf_models:make_gpt2"
             "'transformer.ln_f' is not one of the repeated layers",
         ),
         (["--schedule", "pipedream"], "pipeline.schedule = 'pipedream' with a pipeline over"),
-        (["--tp", "2", "--pp", "1"], "ties transformer.wte.weight and lm_head.weight"),
+        (
+            ["--tp", "2", "--pp", "1", "--set", "parallel.tp_plan=['blocks.0.lm_head=colwise']"],
+            "splits a tied weight two ways: blocks.0.transformer.wte (replicated: whole), "
+            "blocks.0.lm_head (colwise: dim 0)",
+        ),
+        (
+            ["--tp", "4", "--pp", "1", "--nproc", "4"],
+            "parallel.tp = 4 does not divide the 2 attention heads of the model (GPT2LMHeadModel)",
+        ),
     ],
-    ids=["split point names no module", "split point not a layer", "pipedream", "tied under tp"],
+    ids=[
+        "split point names no module",
+        "split point not a layer",
+        "pipedream",
+        "tied split apart",
+        "heads not divisible by tp",
+    ],
 )
 def test_layer_pipeline_bad_input(
     extra: list[str], message: str, tokens: Path, capsys: pytest.CaptureFixture[str]

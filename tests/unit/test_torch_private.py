@@ -73,6 +73,13 @@ def test_storage_key_tells_storages_apart_also_on_meta() -> None:
     assert private.storage_key(m1) != private.storage_key(m2)
 
 
+def test_strided_shard_gives_each_rank_its_piece_of_every_chunk() -> None:
+    placement = private.strided_shard(0, 3)  # [q | k | v] of width 2 each, over 2 ranks
+    pieces, _ = placement._split_tensor(torch.arange(6), 2, with_padding=False)
+    assert [p.tolist() for p in pieces] == [[0, 2, 4], [1, 3, 5]]
+    assert not placement.is_replicate()  # counted as sharded by grad_square_sum
+
+
 def test_monitored_agent_hooks_the_agents_worker_check() -> None:
     hook = LocalElasticAgent.__dict__.get("_monitor_workers")
     assert callable(hook), "LocalElasticAgent._monitor_workers is gone: TolerantAgent is blind"

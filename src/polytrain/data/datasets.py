@@ -15,6 +15,7 @@ import torch
 from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
 from polytrain.data.images import load_digits_pairs
+from polytrain.data.tables import TABLE_SUFFIXES
 from polytrain.data.tensors import (
     MAX_VOCAB,
     Pairs,
@@ -158,7 +159,7 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
     if not path.is_file():
         raise ConfigError(
             f"data.source = {cfg.source!r} does not exist: give 'pydoc', 'digits' or the path "
-            "of a text, .npy, .safetensors or .npz file"
+            "of a text, .npy, .safetensors, .npz, .jsonl, .parquet or .arrow file"
         )
     if path.suffix == ".npy" and targets_beside(path).is_file():  # inputs with their labels
         return _pair_datasets(load_numpy_array_pairs(path, cfg.source), cfg)
@@ -168,7 +169,7 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
         vocab = int(tokens.max()) + 1
         spec = DataSpec(kind="tokens", vocab_size=vocab, input_shape=(block_size,))
         return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
-    if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors" or path.suffix in TABLE_SUFFIXES:
         return _pair_datasets(load_tensor_pairs(path, cfg.source), cfg)
     if path.suffix == ".npz":
         return _pair_datasets(load_numpy_pairs(path, cfg.source), cfg)

@@ -1,5 +1,5 @@
-"""A ``.safetensors`` or ``.npz`` data set: ``targets`` and one or several named input tensors,
-dtypes kept.
+"""A ``.safetensors`` or ``.npz`` data set (or a JSONL / Parquet / Arrow table, `data.tables`):
+``targets`` and one or several named input tensors, dtypes kept.
 
 ``inputs`` alone is the model's one positional input; any other names (``input_ids``,
 ``attention_mask``, ``pixel_values``, ``labels``...) are passed as keyword arguments
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from polytrain.data.tables import TABLE_SUFFIXES, read_table
 from polytrain.errors import ConfigError
 
 __all__ = ["MAX_VOCAB", "check_tensor_pairs", "load_numpy_pairs", "load_tensor_pairs"]
@@ -36,8 +37,10 @@ Pairs = tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor, int]
 
 
 def load_tensor_pairs(path: Path, source: str) -> Pairs:
-    """``(inputs, targets, rows)`` of a ``.safetensors`` data file, checked row by row (a
-    `ConfigError` naming ``source`` if malformed)."""
+    """``(inputs, targets, rows)`` of a ``.safetensors`` data file or a JSONL / Parquet / Arrow
+    table (`data.tables`), checked row by row (a `ConfigError` naming ``source`` if malformed)."""
+    if path.suffix in TABLE_SUFFIXES:
+        return check_tensor_pairs(read_table(path, source), source)
     try:
         tensors = load_file(str(path))
     except Exception as exc:  # SafetensorError is not exported under a stable name

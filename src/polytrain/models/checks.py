@@ -47,14 +47,15 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
     p = job.parallel
     ties = tied_parameters(model)
     layer_pipeline = p.pp > 1 and bool(model.layers)  # [Note: layer pipeline] in models.split
-    if ties and (p.tp > 1 or (p.pp > 1 and not layer_pipeline)):
-        axis = "parallel.pp" if p.pp > 1 else "parallel.tp"
+    # Under tensor parallel a tie is kept (parallel.tp_styles.retie) when the plan splits the
+    # shared tensor alike in every module that uses it (checked with the plan).
+    if ties and p.pp > 1 and not layer_pipeline:
         n = len(model.user_prefix)
         names = [k[n:] if k.startswith(model.user_prefix) else k for k in ties[0]]
         raise ConfigError(
-            f"the model ties {' and '.join(names)} (one shared tensor), and {axis} = "
-            f"{getattr(p, axis.split('.')[1])} would keep separate copies that drift apart: "
-            "train it with dp / zero / ps, or untie the weights in the model"
+            f"the model ties {' and '.join(names)} (one shared tensor), and parallel.pp = "
+            f"{p.pp} would keep separate copies that drift apart: train it with dp / zero / "
+            "ps / tp, or untie the weights in the model"
         )
     if layer_pipeline:
         _check_layer_pipeline(job, model)
@@ -69,16 +70,18 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
             f"named inputs (a .safetensors data set with several input tensors) with "
             f"parallel.pp = {p.pp}: pipeline stages pass one tensor; use dp / zero / ps"
         )
-    if has_batchnorm(model) and p.pp > 1 and (job.pipeline.microbatches > 1 or p.dp > 1):
+    # With one micro-batch the stages' BatchNorms are synchronised over dp ([Note: BatchNorm
+    # parity] in parallel.batchnorm); with several, no schedule can match one process.
+    if has_batchnorm(model) and p.pp > 1 and job.pipeline.microbatches > 1:
         message = (
-            f"BatchNorm with parallel.pp = {p.pp}, pipeline.microbatches = "
-            f"{job.pipeline.microbatches}, dp = {p.dp}: each micro-batch is normalised with "
-            "its own statistics, so the run cannot match one process (docs/models.md)"
+            f"BatchNorm with parallel.pp = {p.pp} and pipeline.microbatches = "
+            f"{job.pipeline.microbatches}: each micro-batch is normalised with its own "
+            "statistics, so the run cannot match one process (docs/models.md)"
         )
         if job.model.batchnorm != "local":
             raise ConfigError(
                 f"{message}; set model.batchnorm = 'local' to accept that, or use "
-                "microbatches = 1 and dp = 1"
+                "pipeline.microbatches = 1"
             )
         _warn(message)
 
@@ -89,15 +92,13 @@ def _check_layer_pipeline(job: JobConfig, model: BlockModel) -> None:
     refused = {
         "pipeline.schedule = 'pipedream'": pl.schedule == "pipedream",
         "pipeline.partition = 'auto'": pl.partition == "auto",
-        f"parallel.tp = {p.tp}": p.tp > 1,
-        "parallel.recompute = true": p.recompute,
     }
     bad = [k for k, v in refused.items() if v]
     if bad:
         raise ConfigError(
             f"{bad[0]} with a pipeline over the layers of model.name = {job.model.name!r}: "
-            "not supported for a user's model yet; use gpipe or 1f1b, a uniform or explicit "
-            "partition, tp = 1, recompute = false"
+            "not supported for a user's model yet; use gpipe or 1f1b and a uniform or explicit "
+            "partition"
         )
     if p.pp > len(model.layers):
         raise ConfigError(

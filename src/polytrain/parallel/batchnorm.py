@@ -11,9 +11,11 @@ does the same on any device with two differentiable all-reduces (count and sum, 
 
 [Note: BatchNorm parity] With equal slices the global mean and variance are exact up to
 reassociation; running statistics use the global unbiased variance, as one process would. Every
-replica runs the same module, so the all-reduce is matched on every rank. Micro-batched
-pipelines cannot do this (a micro-batch's later layers run before the next micro-batch's
-earlier ones): pre-flight says so (`models.checks`).
+replica runs the same module, so the all-reduce is matched on every rank. A pipeline with one
+micro-batch per step does the same over the dp replicas of each stage (their group is the
+stage's ``dp`` group, and every replica of a stage runs the same schedule), so dp x pp matches
+too. Micro-batched pipelines cannot (a micro-batch's later layers run before the next
+micro-batch's earlier ones): pre-flight says so (`models.checks`).
 
 Shapes: B batch, C channels, ``*`` spatial dims.
 """
@@ -79,16 +81,25 @@ class GlobalBatchNorm(nn.Module):
         return y.to(x.dtype)
 
 
-def convert_batchnorm(module: nn.Module, group: Any) -> int:
+def _owns_entries(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(
+        True for _ in module.buffers(recurse=False)
+    )
+
+
+def convert_batchnorm(module: nn.Module, group: Any, *, owned_only: bool = False) -> int:
     """Replace every BatchNorm in ``module`` by a `GlobalBatchNorm` over ``group``, in place.
 
-    Returns how many were replaced. Parameter and buffer names are unchanged.
+    Returns how many were replaced. Parameter and buffer names are unchanged. ``owned_only``
+    skips BatchNorms whose entries a layer-pipeline stage does not own (`models.split.keep_owned`
+    demoted them to plain attributes: they run only in the stage's discarded part).
     """
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, BATCHNORMS):
-            setattr(module, name, GlobalBatchNorm(child, group))
-            count += 1
+            if not owned_only or _owns_entries(child):
+                setattr(module, name, GlobalBatchNorm(child, group))
+                count += 1
         else:
-            count += convert_batchnorm(child, group)
+            count += convert_batchnorm(child, group, owned_only=owned_only)
     return count

@@ -36,12 +36,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import parallelize_module
 
 from polytrain.comm.autograd import all_gather_rows
 from polytrain.comm.mesh import Mesh
 from polytrain.errors import ConfigError
-from polytrain.parallel.tensor_parallel import module_infos, style_of
+from polytrain.parallel.tensor_parallel import module_infos, parallelize
 from polytrain.parallel.tp_plans import (
     ModuleInfo,
     PlanEntry,
@@ -122,4 +121,4 @@ def apply_hybrid(model: nn.Module, mesh: Mesh, assignment: dict[str, Style]) -> 
 
     # Registered before parallelize_module's own input hook, so it runs first.
     model.get_submodule(first).register_forward_pre_hook(gather)
-    parallelize_module(model, mesh.sub("dp"), {n: style_of(s) for n, s in assignment.items()})
+    parallelize(model, mesh.sub("dp"), assignment)

@@ -36,14 +36,24 @@ from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.mesh import Mesh
 from polytrain.errors import MeshError
 from polytrain.parallel.tp_plans import (
+    TRANSFORMERS_PLANS,
     ModuleInfo,
     PlanEntry,
     Style,
     check_plan,
+    check_ties,
     gpt_plan,
     match_plan,
     mlp_plan,
     parse_plan,
+)
+from polytrain.parallel.tp_styles import (
+    Conv1DColwise,
+    Conv1DRowwise,
+    fix_split_width,
+    is_conv1d,
+    retie,
+    tied_uses,
 )
 
 __all__ = [
@@ -51,8 +61,11 @@ __all__ = [
     "apply_tensor_parallel_to_stage",
     "full_tensors",
     "grad_square_sum",
+    "like_param",
     "local_tensor",
     "module_infos",
+    "parallelize",
+    "parallelize_layer_stage",
     "resolve_tp_plan",
     "style_of",
 ]
@@ -64,6 +77,9 @@ def module_infos(model: nn.Module) -> dict[str, ModuleInfo]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             out[name] = ModuleInfo("linear", module.in_features, module.out_features)
+        elif is_conv1d(module):
+            nx, nf = module.weight.shape
+            out[name] = ModuleInfo("conv1d", int(nx), int(nf))
         elif isinstance(module, nn.Embedding):
             out[name] = ModuleInfo("embedding", module.embedding_dim, module.num_embeddings)
         else:
@@ -89,13 +105,48 @@ def _builtin_plan(model_name: str, model: nn.Module, tp: int) -> list[PlanEntry]
     if model_name in ("mlp", "cnn", "resnet"):  # their Linear layers in order; convs replicated
         linears = [n for n, i in infos.items() if i.kind == "linear"]
         return mlp_plan(linears, {n: infos[n].out_dim for n in linears}, tp)
-    own = _own_plan(model)
+    own = _own_plan(model) or _family_plan(model, infos, tp)
     if own:
         return own
     raise MeshError(
         f"parallel.tp = {tp} for model {model_name!r}, which has no built-in tensor-parallel "
         "plan: give one as parallel.tp_plan = ['path.pattern=colwise', ...]"
     )
+
+
+def _user_module(model: nn.Module) -> nn.Module:
+    blocks = getattr(model, "blocks", None)
+    return blocks[0] if isinstance(blocks, nn.Sequential) else model
+
+
+def _base_prefix(user: nn.Module) -> str:
+    """``blocks.0.`` plus the transformers base model's attribute (``transformer.``...)."""
+    base = getattr(user, "base_model_prefix", "")
+    return "blocks.0." + (f"{base}." if base and hasattr(user, base) else "")
+
+
+def _family_plan(model: nn.Module, infos: Mapping[str, ModuleInfo], tp: int) -> list[PlanEntry]:
+    """Our plan for a transformers model family without its own (`tp_plans.TRANSFORMERS_PLANS`)."""
+    user = _user_module(model)
+    config = getattr(user, "config", None)
+    rows = TRANSFORMERS_PLANS.get(str(getattr(config, "model_type", "")), ())
+    if not rows:
+        return []
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % tp:
+        raise MeshError(
+            f"parallel.tp = {tp} does not divide the {heads} attention heads of the model "
+            f"({type(user).__name__}): choose a tp that divides {heads}"
+        )
+    vocab = getattr(config, "vocab_size", None)
+    vocab_splits = isinstance(vocab, int) and vocab % tp == 0
+    plan = []
+    for row in rows:
+        pattern = ("blocks.0." if row.on_model else _base_prefix(user)) + row.pattern
+        if row.vocab and (not vocab_splits or pattern not in infos):
+            continue
+        plan.append(PlanEntry(pattern, row.style))
+    return plan
 
 
 # transformers' plan styles that are ours (others, e.g. packed or sequence-parallel, are not)
@@ -109,14 +160,12 @@ def _own_plan(model: nn.Module) -> list[PlanEntry]:
     (``model.layers.*.self_attn.q_proj`` is ``layers.*.self_attn.q_proj`` under
     ``base_model_prefix = "model"``). A user model is ``blocks.0`` of the `BlockModel`.
     """
-    blocks = getattr(model, "blocks", None)
-    user = blocks[0] if isinstance(blocks, nn.Sequential) else model
+    user = _user_module(model)
     config = getattr(user, "config", None)
     plan = getattr(config, "base_model_tp_plan", None) or {}
     if not plan:
         return []
-    base = getattr(user, "base_model_prefix", "")
-    prefix = "blocks.0." + (f"{base}." if base and hasattr(user, base) else "")
+    prefix = _base_prefix(user)
     rows = []
     for pattern, style in plan.items():
         if style not in _HF_STYLES:
@@ -138,18 +187,42 @@ def resolve_tp_plan(
     splittable = [n for n, i in infos.items() if i.kind != "other"]
     assignment = match_plan(plan, list(infos), splittable)
     check_plan(assignment, infos, tp)
+    check_ties(assignment, infos, [[path for path, _ in g] for g in tied_uses(model)])
     return assignment
 
 
-def style_of(style: Style) -> ParallelStyle:
-    """torch's parallel style for one of our plan styles."""
+def style_of(style: Style, module: nn.Module) -> ParallelStyle:
+    """torch's parallel style for one of our plan styles, on ``module`` (Conv1D gets its own)."""
+    if is_conv1d(module):
+        if style == "qkv":
+            return Conv1DColwise(chunks=3)
+        if style == "colwise":
+            return Conv1DColwise()
+        if style == "colwise_gather":
+            return Conv1DColwise(output_layouts=Replicate())
+        if style == "rowwise":
+            return Conv1DRowwise()
+        return Conv1DRowwise(input_layouts=Replicate())  # rowwise_split
     if style == "colwise":
         return ColwiseParallel()
     if style == "colwise_gather":
         return ColwiseParallel(output_layouts=Replicate())
     if style == "rowwise":
         return RowwiseParallel()
-    return RowwiseParallel(input_layouts=Replicate())  # vocab: ids replicated, rows all-reduced
+    # vocab (ids replicated, rows all-reduced) and rowwise_split (each rank slices its inputs)
+    return RowwiseParallel(input_layouts=Replicate())
+
+
+def parallelize(root: nn.Module, tp_mesh: DeviceMesh, assignment: Mapping[str, Style]) -> None:
+    """Apply the styles, then the fix-ups a style needs outside its module: fused projections'
+    split width, and tied weights put back together (parallel.tp_styles)."""
+    ties = tied_uses(root)
+    styles = {name: style_of(s, root.get_submodule(name)) for name, s in assignment.items()}
+    if styles:
+        parallelize_module(root, tp_mesh, styles)
+    fused = [name for name, s in assignment.items() if s == "qkv"]
+    fix_split_width(root, fused, 3, tp_mesh.size())
+    retie(root, ties)
 
 
 def apply_tensor_parallel(
@@ -157,7 +230,7 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Split ``model`` in place over the 1-D ``tp_mesh`` by the job's (or built-in) plan."""
     assignment = resolve_tp_plan(model_name, model, tp_mesh.size(), rows)
-    parallelize_module(model, tp_mesh, {name: style_of(s) for name, s in assignment.items()})
+    parallelize(model, tp_mesh, assignment)
     return model
 
 
@@ -175,10 +248,35 @@ def apply_tensor_parallel_to_stage(
     """
     assignment = resolve_tp_plan(model_name, model, tp_mesh.size(), rows)
     names = {name for name, _ in stage.named_modules()}
-    mine = {name: style_of(s) for name, s in assignment.items() if name in names}
-    if mine:
-        parallelize_module(stage, tp_mesh, mine)
+    parallelize(stage, tp_mesh, {name: s for name, s in assignment.items() if name in names})
     return stage
+
+
+def parallelize_layer_stage(
+    stage: nn.Module, tp_mesh: DeviceMesh, assignment: Mapping[str, Style]
+) -> None:
+    """Split a layer-pipeline stage by the whole model's ``assignment`` (resolved before the
+    stage demoted what it does not own): only modules whose weights the stage owns are split;
+    the rest run only in the stage's discarded part ([Note: layer pipeline]), replicated."""
+    owned = {
+        name
+        for name, module in stage.named_modules()
+        if any(True for _ in module.parameters(recurse=False))
+    }
+    parallelize(stage, tp_mesh, {name: s for name, s in assignment.items() if name in owned})
+
+
+def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` laid out as ``param`` (no communication from Replicate to Shard).
+
+    A vocabulary-parallel embedding's weight gradient comes back replicated (every rank holds
+    the whole (V, E) gradient) when no other use of the weight adds a sharded one, as on the
+    first stage of a pipeline whose head is on the last: tied shards must pair shard for shard.
+    """
+    if isinstance(grad, DTensor) and isinstance(param, DTensor):
+        if tuple(grad.placements) != tuple(param.placements):
+            return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -193,7 +291,7 @@ def grad_square_sum(grads: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
     replicated = torch.zeros((), dtype=torch.float32)
     for g in grads:
         part = local_tensor(g).detach().float().pow(2).sum().cpu()
-        if isinstance(g, DTensor) and any(p.is_shard() for p in g.placements):
+        if isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements):
             sharded += part
         else:
             replicated += part

@@ -8,15 +8,22 @@ Megatron-LM's (Shoeybi et al. 2019) building blocks:
 ====================  ============  ==============================================================
 style                 module        what each of the ``tp`` ranks holds and computes
 ====================  ============  ==============================================================
-``colwise``           nn.Linear     rows ``out/tp`` of the weight; input replicated, output
+``colwise``           Linear        ``out/tp`` outputs of the weight; input replicated, output
                                     sharded on its last dim (feeds a ``rowwise`` layer)
-``colwise_gather``    nn.Linear     as ``colwise``, then the output is all-gathered (replicated):
+``colwise_gather``    Linear        as ``colwise``, then the output is all-gathered (replicated):
                                     the last layer of a model, whose output goes to the loss
-``rowwise``           nn.Linear     columns ``in/tp`` of the weight; input sharded on its last
+``rowwise``           Linear        ``in/tp`` inputs of the weight; input sharded on its last
                                     dim, partial outputs all-reduced (replicated)
+``rowwise_split``     Linear        as ``rowwise``, but the input arrives replicated and each
+                                    rank takes its slice (a head after replicated layers)
+``qkv``               Conv1D        a fused [q | k | v] projection, each chunk column-split so
+                                    a rank holds whole heads of q, k and v (GPT-2's ``c_attn``;
+                                    [Note: fused projections under tp] in parallel.tp_styles)
 ``vocab``             nn.Embedding  rows ``num_embeddings/tp`` of the table (vocabulary parallel);
                                     ids replicated, looked-up rows all-reduced
 ====================  ============  ==============================================================
+
+"Linear" is ``nn.Linear`` or transformers' ``Conv1D`` (a transposed linear, weight (in, out)).
 
 The plan text form, used in ``parallel.tp_plan``, is one ``"pattern=style"`` string per row.
 This module imports no torch: the matching and the divisibility rules are plain functions of
@@ -34,17 +41,20 @@ from polytrain.errors import ConfigError, MeshError
 
 __all__ = [
     "STYLES",
+    "TRANSFORMERS_PLANS",
+    "FamilyRow",
     "ModuleInfo",
     "PlanEntry",
     "Style",
     "check_plan",
+    "check_ties",
     "gpt_plan",
     "match_plan",
     "mlp_plan",
     "parse_plan",
 ]
 
-Style = Literal["colwise", "colwise_gather", "rowwise", "vocab"]
+Style = Literal["colwise", "colwise_gather", "rowwise", "rowwise_split", "qkv", "vocab"]
 STYLES: tuple[str, ...] = get_args(Style)
 
 
@@ -63,9 +73,9 @@ class PlanEntry:
 class ModuleInfo:
     """What the plan checks need to know about one module (no torch objects)."""
 
-    kind: Literal["linear", "embedding", "other"]
-    in_dim: int = 0  # in_features, or embedding_dim
-    out_dim: int = 0  # out_features, or num_embeddings
+    kind: Literal["linear", "conv1d", "embedding", "other"]
+    in_dim: int = 0  # in_features (a Conv1D's nx), or embedding_dim
+    out_dim: int = 0  # out_features (a Conv1D's nf), or num_embeddings
 
 
 def parse_plan(rows: Sequence[str], field: str = "parallel.tp_plan") -> list[PlanEntry]:
@@ -111,27 +121,73 @@ def match_plan(
     return out
 
 
+_KINDS: dict[str, tuple[str, ...]] = {
+    "vocab": ("embedding",),
+    "qkv": ("conv1d",),
+}
+_WHAT = {"embedding": "nn.Embedding", "conv1d": "transformers Conv1D", "linear": "nn.Linear"}
+
+
 def check_plan(assignment: Mapping[str, Style], modules: Mapping[str, ModuleInfo], tp: int) -> None:
     """Each matched module has the kind its style needs and a split dim divisible by ``tp``."""
     for name, style in assignment.items():
         info = modules[name]
-        need = "embedding" if style == "vocab" else "linear"
-        if info.kind != need:
-            what = "nn.Embedding" if need == "embedding" else "nn.Linear"
+        need = _KINDS.get(style, ("linear", "conv1d"))
+        if info.kind not in need:
+            what = " or ".join(_WHAT[k] for k in need)
             raise ConfigError(
                 f"tensor-parallel plan: module {name!r} is not an {what}, which style "
                 f"{style!r} needs; point the pattern at {what} modules only"
             )
-        if style == "rowwise":
+        if style in ("rowwise", "rowwise_split"):
             dim, label = info.in_dim, "in_features"
         elif style == "vocab":
             dim, label = info.out_dim, "num_embeddings (vocabulary)"
+        elif style == "qkv":
+            dim, label = info.out_dim // 3, "the width of each of q, k, v"
+            if info.out_dim % 3:
+                raise ConfigError(
+                    f"tensor-parallel plan: {name!r} ({style}) has {info.out_dim} outputs, not "
+                    "three equal chunks q, k, v; use colwise for it"
+                )
         else:
             dim, label = info.out_dim, "out_features"
         if dim % tp:
             raise MeshError(
                 f"parallel.tp = {tp} does not divide {label} = {dim} of {name!r} ({style}): "
                 f"choose a tp that divides {dim}, or leave {name!r} out of the plan"
+            )
+
+
+def _weight_split(info: ModuleInfo, style: Style | None) -> str:
+    """How a style cuts the module's weight tensor itself (equal for tied modules)."""
+    if style is None:
+        return "whole"
+    if style == "qkv":
+        return "chunks of dim 1"
+    rows = style in ("colwise", "colwise_gather", "vocab")  # output rows of (out, in) / (V, E)
+    if info.kind == "conv1d":  # weight (in, out): the output dim is dim 1
+        rows = not rows
+    return "dim 0" if rows else "dim 1"
+
+
+def check_ties(
+    assignment: Mapping[str, Style],
+    modules: Mapping[str, ModuleInfo],
+    ties: Sequence[Sequence[str]],
+) -> None:
+    """Modules that share one weight (GPT-2's ``wte`` and ``lm_head``) must split it alike, so
+    one distributed tensor serves both ([Note: tied weights under tp] in parallel.tp_styles)."""
+    for group in ties:
+        splits = {m: _weight_split(modules[m], assignment.get(m)) for m in group}
+        if len(set(splits.values())) > 1:
+            shown = ", ".join(
+                f"{m} ({assignment.get(m, 'replicated')}: {s})" for m, s in splits.items()
+            )
+            raise ConfigError(
+                f"tensor-parallel plan splits a tied weight two ways: {shown}; give these "
+                "modules styles that cut the shared tensor alike (e.g. vocab and colwise_gather) "
+                "or leave all of them replicated"
             )
 
 
@@ -176,3 +232,53 @@ def mlp_plan(
     elif out_features[output] % tp == 0:
         plan.append(PlanEntry(output, "colwise_gather"))
     return plan
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    """A plan row for a transformers model family. ``pattern`` is relative to the base model
+    (``config.base_model_prefix``: ``transformer``, ``bert``...) or, with ``on_model``, to the
+    whole model (its heads); ``vocab`` rows apply only when ``tp`` divides the vocabulary and
+    the module exists (a base model has no ``lm_head``)."""
+
+    pattern: str
+    style: Style
+    on_model: bool = False
+    vocab: bool = False
+
+
+# Megatron's split for transformers models that publish no ``base_model_tp_plan``, keyed by
+# ``config.model_type``: attention q, k, v column-parallel and its output projection
+# row-parallel, the MLP's first layer column- and second row-parallel (one all-reduce per
+# sub-layer forward and one backward). GPT-2's fused ``c_attn`` is split per chunk (``qkv``) and
+# its tied ``wte``/``lm_head`` share one vocabulary-split tensor. ResNet's convolutions stay
+# replicated (torch 2.13's DTensor shards a convolution only over the batch, not its channels);
+# its classifier is row-split (its 3 to 1000 classes need not divide tp). docs/models.md.
+TRANSFORMERS_PLANS: dict[str, tuple[FamilyRow, ...]] = {
+    "gpt2": (
+        FamilyRow("h.*.attn.c_attn", "qkv"),
+        FamilyRow("h.*.attn.c_proj", "rowwise"),
+        FamilyRow("h.*.mlp.c_fc", "colwise"),
+        FamilyRow("h.*.mlp.c_proj", "rowwise"),
+        FamilyRow("wte", "vocab", vocab=True),
+        FamilyRow("lm_head", "colwise_gather", on_model=True, vocab=True),
+    ),
+    "bert": (
+        FamilyRow("encoder.layer.*.attention.self.query", "colwise"),
+        FamilyRow("encoder.layer.*.attention.self.key", "colwise"),
+        FamilyRow("encoder.layer.*.attention.self.value", "colwise"),
+        FamilyRow("encoder.layer.*.attention.output.dense", "rowwise"),
+        FamilyRow("encoder.layer.*.intermediate.dense", "colwise"),
+        FamilyRow("encoder.layer.*.output.dense", "rowwise"),
+        FamilyRow("embeddings.word_embeddings", "vocab", vocab=True),
+    ),
+    "vit": (
+        FamilyRow("layers.*.attention.q_proj", "colwise"),
+        FamilyRow("layers.*.attention.k_proj", "colwise"),
+        FamilyRow("layers.*.attention.v_proj", "colwise"),
+        FamilyRow("layers.*.attention.o_proj", "rowwise"),
+        FamilyRow("layers.*.mlp.fc1", "colwise"),
+        FamilyRow("layers.*.mlp.fc2", "rowwise"),
+    ),
+    "resnet": (FamilyRow("classifier.1", "rowwise_split", on_model=True),),
+}

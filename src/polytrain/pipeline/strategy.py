@@ -85,11 +85,16 @@ from polytrain.models.split import (
     trace_sides,
 )
 from polytrain.observe.trace import Tracer
+from polytrain.parallel.batchnorm import convert_batchnorm
+from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.tensor_parallel import (
     apply_tensor_parallel_to_stage,
     full_tensors,
     grad_square_sum,
+    like_param,
     local_tensor,
+    parallelize_layer_stage,
+    resolve_tp_plan,
 )
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.layer_stage import LayerStage
@@ -180,6 +185,8 @@ class PipelineStrategy(Strategy):
             self._build_layer_stage(job, model)
         else:
             self._build_block_stage(job, model)
+        if self.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
+            convert_batchnorm(self.stage, mesh.group("dp"), owned_only=True)
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
         self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
         self._accuracy: float | None = None  # of the last evaluation, on classification data
@@ -235,15 +242,27 @@ class PipelineStrategy(Strategy):
                 lambda: user(**sample) if isinstance(sample, dict) else user(sample),
             )
         self.layer_split = split
+        if job.parallel.recompute:  # each layer re-run in backward; names unchanged
+            apply_recompute(model)
         full = model.state_dict()
         keys = stage_keys(user, split, self.ranges, "blocks.0.")
         self._stage_keys = [[(k, full[k].shape, full[k].dtype) for k in ks] for ks in keys]
         holders = tied_stages(user, split, self.ranges)
+        # The plan is resolved on the whole model, before the stage demotes what it does not own.
+        rows = job.parallel.tp_plan
+        tp_assignment = resolve_tp_plan(job.model.name, model, self.tp, rows) if self.tp > 1 else {}
         self.stage = LayerStage(model, split, self.ranges, self.stage_index).to(self.device)
-        self._setup_ties(holders)
+        mine = {id(p) for p, stages in holders if self.stage_index in stages}
+        tied_names = [n for n, p in self.stage.named_parameters() if id(p) in mine]
+        if tp_assignment:  # tensor parallel inside the stage (docs/models.md)
+            parallelize_layer_stage(self.stage, self.mesh.sub("tp"), tp_assignment)
+        self._setup_ties(holders, tied_names)
 
-    def _setup_ties(self, holders: list[tuple[nn.Parameter, set[int]]]) -> None:
-        """A process group per set of stages sharing tensors (every rank creates every one)."""
+    def _setup_ties(
+        self, holders: list[tuple[nn.Parameter, set[int]]], tied_names: list[str]
+    ) -> None:
+        """A process group per set of stages sharing tensors (every rank creates every one);
+        this stage's tied parameters by name (tensor parallel replaced them by DTensors)."""
         stage_sets = sorted({tuple(sorted(stages)) for _, stages in holders})
         pp_groups = self.mesh.dims.all_groups("pp")
         for stages in stage_sets:
@@ -252,7 +271,8 @@ class PipelineStrategy(Strategy):
                 assert self._tie_group is None, "one set of stages per model is supported"
                 self._tie_group = group
                 self._tie_counted = self.stage_index == stages[0]
-        self._tied = [p for p, stages in holders if self.stage_index in stages]
+        params = dict(self.stage.named_parameters())
+        self._tied = [params[name] for name in tied_names]
 
     def _init_runtime(self, job: JobConfig, model: BlockModel) -> None:
         s = self.stage_index
@@ -380,8 +400,9 @@ class PipelineStrategy(Strategy):
         grads = self._grads()
         if self._tie_group is not None:  # [Note: layer pipeline]: tied copies get the sum
             for param in self._tied:
-                if param.grad is not None:
-                    all_reduce_sum_(param.grad, self._tie_group)
+                if param.grad is not None:  # a tp shard pairs with the same shard (same tp rank)
+                    param.grad = like_param(param.grad, param)
+                    all_reduce_sum_(local_tensor(param.grad), self._tie_group)
         if self.dp > 1:
             with self.tracer.span("allreduce_grads", cat="comm", step=step):
                 all_reduce_mean_flat_([local_tensor(g) for g in grads], self.mesh.group("dp"))
