@@ -35,6 +35,14 @@ CASES = {
         ["--sync", "gossip", "--nproc", "4", "--tp", "2"],
         "mixes whole-model replicas",
     ),
+    "checkpoints with async gossip": (
+        [*GOSSIP, "--set", "gossip.mode=async", "--checkpoint-dir", "ck"],
+        "with gossip.mode = 'async'",
+    ),
+    "negative straggler delay": (
+        [*GOSSIP, "--set", "gossip.straggler_delay_s=-1"],
+        "gossip.straggler_delay_s = -1",
+    ),
     "hierarchical on one host": (
         ["--sync", "localsgd", "--set", "localsgd.hierarchical=true"],
         "into at least 2 hosts",
@@ -66,7 +74,14 @@ def test_flags_land_in_the_job(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, err
     job = tomllib.loads(out)
     assert job["parallel"]["sync"] == "gossip"
-    assert job["gossip"] == {"topology": "random", "peers": 2, "compress": "bf16", "seed": 0}
+    assert job["gossip"] == {
+        "topology": "random",
+        "peers": 2,
+        "compress": "bf16",
+        "seed": 0,
+        "mode": "sync",
+        "straggler_delay_s": 0.0,
+    }
     code, out, err = _run(["--sync", "localsgd", "--period", "4"], capsys)
     assert code == 0, err
     assert tomllib.loads(out)["localsgd"]["period"] == 4

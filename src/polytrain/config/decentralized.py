@@ -32,8 +32,18 @@ class GossipConfig:
         "none", "sync = 'gossip': send parameter copies in this dtype"
     )
     seed: int = option(0, "seed of the random peer draws (all ranks draw the same graph)")
+    mode: Literal["sync", "async"] = option(
+        "sync", "async: nobody waits for a peer, and the run survives dead workers but rank 0"
+    )
+    straggler_delay_s: float = option(
+        0.0, "fault injection (benchmarks, tests): the last rank sleeps this long every step"
+    )
 
     def __post_init__(self) -> None:
+        if self.straggler_delay_s < 0:
+            raise ConfigError(
+                f"gossip.straggler_delay_s = {self.straggler_delay_s}: expected >= 0 seconds"
+            )
         if self.peers < 1:
             raise ConfigError(f"gossip.peers = {self.peers}: expected at least 1 peer")
 
