@@ -22,10 +22,26 @@ CASES = {
         "not 2: use --nproc 4",
     ),
     "compress with all-reduce": (["--compress", "fp16"], "--grad-compression"),
-    "compress with localsgd": (
-        ["--sync", "localsgd", "--compress", "bf16"],
-        "parallel.sync = 'localsgd' sends none",
+    "compress with parameter servers": (
+        ["--sync", "ps", "--nproc", "3", "--batch-size", "32", "--compress", "sign"],
+        "parallel.sync = 'ps' sends none",
     ),
+    "compress with hierarchical localsgd": (
+        [
+            *("--sync", "localsgd", "--nproc", "4", "--batch-size", "32", "--compress", "bf16"),
+            *("--set", "localsgd.hierarchical=true", "--set", "localsgd.ranks_per_host=2"),
+        ],
+        "with localsgd.hierarchical",
+    ),
+    "top-k with random peers": (
+        [*GOSSIP, "--topology", "random", "--compress", "topk"],
+        "not topology 'random'",
+    ),
+    "sign with async gossip": (
+        [*GOSSIP, "--compress", "sign", "--set", "gossip.mode=async"],
+        "which asynchronous gossip has not",
+    ),
+    "top-k ratio above 1": ([*GOSSIP, "--set", "gossip.topk_ratio=2"], "gossip.topk_ratio = 2"),
     "grad compression with gossip": (
         [*GOSSIP, "--grad-compression", "powersgd"],
         "which parallel.sync = 'gossip' does not run",
@@ -78,6 +94,8 @@ def test_flags_land_in_the_job(capsys: pytest.CaptureFixture[str]) -> None:
         "topology": "random",
         "peers": 2,
         "compress": "bf16",
+        "topk_ratio": 0.01,
+        "consensus_lr": 0.5,
         "seed": 0,
         "mode": "sync",
         "straggler_delay_s": 0.0,
