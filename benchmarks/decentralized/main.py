@@ -181,12 +181,13 @@ def table(runs: dict[str, dict[str, Any]], target_at: float, steps: int) -> dict
             "time_to_target_s": reach,
             "train_time_s": run["train_time_s"],
             "max_consensus_distance": max((d for _, d in run["consensus_distance"]), default=0),
+            "curve": run["curve"],  # (step, seconds of training, validation loss)
         }
     base = rows["allreduce"]["time_to_target_s"]
     for row in rows.values():
         t = row["time_to_target_s"]
         row["speedup_vs_allreduce"] = base / t if t and base else None
-    return {"target_val_loss": target, "rows": rows}
+    return {"target_val_loss": target, "target_at": target_at, "rows": rows}
 
 
 def plot(runs: dict[str, dict[str, Any]], png: Path) -> None:
@@ -218,7 +219,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--rate", type=float, default=20.0, help="slow link, Mbit/s")
     parser.add_argument("--gpt-steps", type=int, default=60, help="0: skip the GPT part")
-    parser.add_argument("--target-at", type=float, default=0.75, help="fraction of DP's run")
+    parser.add_argument("--target-at", type=float, default=0.5, help="fraction of DP's run")
     parser.add_argument("--only", choices=["loopback", "slow", "gpt"], default=None)
     args = parser.parse_args()
     result: dict[str, Any] = {"steps": args.steps, "world": WORLD, "rate_mbit": args.rate}
