@@ -22,10 +22,26 @@ CASES = {
         "not 2: use --nproc 4",
     ),
     "compress with all-reduce": (["--compress", "fp16"], "--grad-compression"),
-    "compress with localsgd": (
-        ["--sync", "localsgd", "--compress", "bf16"],
-        "parallel.sync = 'localsgd' sends none",
+    "compress with parameter servers": (
+        ["--sync", "ps", "--nproc", "3", "--batch-size", "32", "--compress", "sign"],
+        "parallel.sync = 'ps' sends none",
     ),
+    "compress with hierarchical localsgd": (
+        [
+            *("--sync", "localsgd", "--nproc", "4", "--batch-size", "32", "--compress", "bf16"),
+            *("--set", "localsgd.hierarchical=true", "--set", "localsgd.ranks_per_host=2"),
+        ],
+        "with localsgd.hierarchical",
+    ),
+    "top-k with random peers": (
+        [*GOSSIP, "--topology", "random", "--compress", "topk"],
+        "not topology 'random'",
+    ),
+    "sign with async gossip": (
+        [*GOSSIP, "--compress", "sign", "--set", "gossip.mode=async"],
+        "which asynchronous gossip has not",
+    ),
+    "top-k ratio above 1": ([*GOSSIP, "--set", "gossip.topk_ratio=2"], "gossip.topk_ratio = 2"),
     "grad compression with gossip": (
         [*GOSSIP, "--grad-compression", "powersgd"],
         "which parallel.sync = 'gossip' does not run",
@@ -34,6 +50,14 @@ CASES = {
     "gossip with tensor parallel": (
         ["--sync", "gossip", "--nproc", "4", "--tp", "2"],
         "mixes whole-model replicas",
+    ),
+    "checkpoints with async gossip": (
+        [*GOSSIP, "--set", "gossip.mode=async", "--checkpoint-dir", "ck"],
+        "with gossip.mode = 'async'",
+    ),
+    "negative straggler delay": (
+        [*GOSSIP, "--set", "gossip.straggler_delay_s=-1"],
+        "gossip.straggler_delay_s = -1",
     ),
     "hierarchical on one host": (
         ["--sync", "localsgd", "--set", "localsgd.hierarchical=true"],
@@ -66,7 +90,16 @@ def test_flags_land_in_the_job(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, err
     job = tomllib.loads(out)
     assert job["parallel"]["sync"] == "gossip"
-    assert job["gossip"] == {"topology": "random", "peers": 2, "compress": "bf16", "seed": 0}
+    assert job["gossip"] == {
+        "topology": "random",
+        "peers": 2,
+        "compress": "bf16",
+        "topk_ratio": 0.01,
+        "consensus_lr": 0.5,
+        "seed": 0,
+        "mode": "sync",
+        "straggler_delay_s": 0.0,
+    }
     code, out, err = _run(["--sync", "localsgd", "--period", "4"], capsys)
     assert code == 0, err
     assert tomllib.loads(out)["localsgd"]["period"] == 4

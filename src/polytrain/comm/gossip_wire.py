@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["exchange", "nbytes", "weighted_average"]
+__all__ = ["all_gather_equal", "exchange", "nbytes", "weighted_average"]
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -50,3 +50,15 @@ def weighted_average(
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(buffer, group=group)
     return (buffer[:-1] / buffer[-1]).to(flat.dtype)
+
+
+def all_gather_equal(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> tuple[list[torch.Tensor], int]:
+    """Every rank's ``tensor`` (all of one shape, e.g. compressed messages of a fixed size), in
+    rank order, and the bytes this rank handed to c10d to send."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [tensor], 0
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out, nbytes(tensor)

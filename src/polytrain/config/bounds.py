@@ -29,6 +29,7 @@ UPPER_BOUNDS: dict[str, tuple[float, str]] = {
     "ps.worker_timeout_s": (1e6, "a worker timeout is seconds to minutes"),
     "ps.join_delay_s": (1e6, "a join delay is seconds"),
     "ps.straggler_delay_s": (1e6, "a straggler delay is seconds"),
+    "gossip.straggler_delay_s": (1e6, "a straggler delay is seconds"),
     "parallel.bucket_mb": (1e6, "DDP buckets are usually 1 to 100 MiB"),
     "pipeline.memory_limit_mb": (1e9, "use 0 for no limit"),
     # Sampler: torch.Generator.manual_seed(seed * 1_000_003 + step) must fit in 64 bits.

@@ -28,12 +28,34 @@ class GossipConfig:
         "ring", "sync = 'gossip': neighbour graph (random = 'peers' new peers every step)"
     )
     peers: int = option(1, "topology = 'random': peers each worker pushes to per step")
-    compress: Literal["none", "fp16", "bf16"] = option(
-        "none", "sync = 'gossip': send parameter copies in this dtype"
+    compress: Literal["none", "fp16", "bf16", "topk", "sign"] = option(
+        "none",
+        "gossip messages and local-SGD averages: fp16/bf16 copies, or top-k / 1-bit sign "
+        "with error feedback",
+    )
+    topk_ratio: float = option(0.01, "compress = 'topk': fraction of the values sent")
+    consensus_lr: float = option(
+        0.5, "gossip with compress = 'topk'/'sign' (CHOCO): step toward the neighbours' copies"
     )
     seed: int = option(0, "seed of the random peer draws (all ranks draw the same graph)")
+    mode: Literal["sync", "async"] = option(
+        "sync", "async: nobody waits for a peer, and the run survives dead workers but rank 0"
+    )
+    straggler_delay_s: float = option(
+        0.0, "fault injection (benchmarks, tests): the last rank sleeps this long every step"
+    )
 
     def __post_init__(self) -> None:
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"gossip.topk_ratio = {self.topk_ratio}: expected a value in (0, 1]")
+        if not 0 < self.consensus_lr <= 1:
+            raise ConfigError(
+                f"gossip.consensus_lr = {self.consensus_lr}: expected a value in (0, 1]"
+            )
+        if self.straggler_delay_s < 0:
+            raise ConfigError(
+                f"gossip.straggler_delay_s = {self.straggler_delay_s}: expected >= 0 seconds"
+            )
         if self.peers < 1:
             raise ConfigError(f"gossip.peers = {self.peers}: expected at least 1 peer")
 
@@ -71,15 +93,33 @@ def check_decentralized(
     sync: str, world: int, nproc: int, gossip: GossipConfig, local: LocalSGDConfig
 ) -> None:
     """What the two sections cannot check alone: against the world size and ``sync``."""
-    if sync != "gossip" and gossip.compress != "none":
+    c = gossip.compress
+    if sync not in ("gossip", "localsgd") and c != "none":
         fix = (
             "use --grad-compression for all-reduce"
             if sync == "allreduce"
-            else "use --sync gossip or --compress none"
+            else "use --sync gossip/localsgd or --compress none"
         )
         raise ConfigError(
-            f"gossip.compress = {gossip.compress!r} compresses gossip exchanges, but "
+            f"gossip.compress = {c!r} compresses gossip and local-SGD messages, but "
             f"parallel.sync = {sync!r} sends none: {fix}"
+        )
+    sparse = c in ("topk", "sign")
+    if sync == "gossip" and sparse and gossip.mode == "async":
+        raise ConfigError(
+            f"gossip.compress = {c!r} keeps copies of the neighbours' models in step with "
+            "every round (CHOCO), which asynchronous gossip has not: use --compress bf16/fp16 "
+            "or gossip.mode = 'sync'"
+        )
+    if sync == "gossip" and sparse and gossip.topology == "random":
+        raise ConfigError(
+            f"gossip.compress = {c!r} needs a fixed graph (it keeps a copy of each neighbour's "
+            "model), not topology 'random': use --topology ring/torus/exponential/complete"
+        )
+    if sync == "localsgd" and local.hierarchical and c != "none":
+        raise ConfigError(
+            f"gossip.compress = {c!r} with localsgd.hierarchical: torch's hierarchical "
+            "averager sends fp32; drop one of the two"
         )
     if sync == "gossip":
         if gossip.topology == "random" and gossip.peers >= world:

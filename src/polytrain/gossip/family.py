@@ -8,7 +8,11 @@ from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
 from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
+from polytrain.errors import ConfigError
+from polytrain.gossip.asynchronous import AsyncGossipStrategy
+from polytrain.gossip.checks import checkpoint_refusal
 from polytrain.gossip.localsgd import LocalSGDStrategy
+from polytrain.gossip.replica import ReplicaStrategy
 from polytrain.gossip.strategy import GossipStrategy
 from polytrain.models.base import BlockModel
 
@@ -16,14 +20,19 @@ __all__ = ["DECENTRALIZED"]
 
 
 def _checks(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
-    """Everything a decentralized job can get wrong is known from its config alone
-    (`polytrain.config.decentralized.check_decentralized`, run when the job is built)."""
+    """Ranges and world-size rules are checked when the job is built
+    (`polytrain.config.decentralized.check_decentralized`); here, what cannot be saved."""
+    refusal = checkpoint_refusal(job)
+    if job.checkpoint.dir and refusal:
+        raise ConfigError(refusal)
 
 
 def _build(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Batches) -> Strategy:
     """No mesh: every rank holds a full replica and talks to the ranks its graph names."""
     model = model.to(ctx.device)
-    cls = GossipStrategy if job.parallel.sync == "gossip" else LocalSGDStrategy
+    cls: type[ReplicaStrategy] = LocalSGDStrategy
+    if job.parallel.sync == "gossip":
+        cls = AsyncGossipStrategy if job.gossip.mode == "async" else GossipStrategy
     return cls(job, model, batches, ctx.device, ctx.rank, ctx.world_size)
 
 

@@ -7,6 +7,15 @@ then all replicas are averaged. The averaging is torch's: `PeriodicModelAverager
 step, across hosts every ``H``). DiLoCo (Douillard et al., 2023) treats the averaged change
 since the last world average as a pseudo-gradient of an outer SGD with Nesterov momentum.
 
+[Note: compressed averaging] With ``gossip.compress`` the world average is ours, not torch's
+(its averagers send fp32): every replica compresses its change since the last average,
+``x_i - a`` (``a``, the last average, is the same on every rank), with error feedback
+(`polytrain.gossip.compressors.ErrorFeedback`: what a message left out is added to the next
+one); fp16/bf16 changes are summed by an all-reduce, top-k and sign messages (fixed sizes) are
+all-gathered and decoded by every rank, and every replica becomes ``a + mean_i C(x_i - a)``,
+the same on all ranks. A checkpoint's `synchronize` resets the residuals to zero (on every
+rank, in the uninterrupted and the resumed run alike).
+
 [Note: averager step] torch's averagers count their own calls and average when the count is a
 multiple of the period; we set ``averager.step = t + 1`` before each call (``t`` the 0-based
 step), so the world average follows steps ``H, 2H, ...`` and a resumed run keeps the phase.
@@ -25,10 +34,13 @@ from torch.distributed.algorithms.model_averaging.averagers import (
 from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
     HierarchicalModelAverager,
 )
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from polytrain.comm.gossip_wire import nbytes
+from polytrain.comm.collectives import all_reduce_sum_
+from polytrain.comm.gossip_wire import all_gather_equal, nbytes
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
+from polytrain.gossip.compressors import CastCompressor, ErrorFeedback, build_compressor
 from polytrain.gossip.replica import ReplicaStrategy
 from polytrain.models.base import BlockModel
 
@@ -63,6 +75,13 @@ class LocalSGDStrategy(ReplicaStrategy):
             else:
                 self.averager = PeriodicModelAverager(cfg.period)
         self.model_bytes = sum(nbytes(p) for p in self.params)
+        self.feedback: ErrorFeedback | None = None
+        if job.gossip.compress != "none":  # [Note: compressed averaging]
+            self.name += f"-{job.gossip.compress}"
+            segments = [p.numel() for p in self.params]
+            compressor = build_compressor(job.gossip.compress, segments, job.gossip.topk_ratio)
+            self.feedback = ErrorFeedback(compressor, sum(segments))
+            self.last_average = parameters_to_vector(self.params).detach().float().clone()
         self.outer: torch.optim.Optimizer | None = None
         if cfg.outer == "nesterov":
             self.name += "-diloco"
@@ -87,11 +106,35 @@ class LocalSGDStrategy(ReplicaStrategy):
             self.averager.step = step + 1  # [Note: averager step]
             return
         self.averager.step = step + 1
-        self.averager.average_parameters(iter(self.params))
-        # torch's averager all-reduces one flat copy of the parameters (utils.average_parameters).
-        self.bytes_sent += self.model_bytes
+        if self.feedback is not None:
+            self._compressed_average()
+        else:
+            self.averager.average_parameters(iter(self.params))
+            # torch's averager all-reduces one flat copy of the parameters
+            # (utils.average_parameters).
+            self.bytes_sent += self.model_bytes
         if world_round and self.outer is not None:
             self._outer_step()
+
+    def _compressed_average(self) -> None:
+        """[Note: compressed averaging]."""
+        assert self.feedback is not None
+        z = parameters_to_vector(self.params)
+        packet, _ = self.feedback.compress(z.detach().float() - self.last_average)
+        compressor = self.feedback.compressor
+        if isinstance(compressor, CastCompressor):
+            total = packet.tensors[0]
+            all_reduce_sum_(total)
+            self.bytes_sent += nbytes(total)
+            mean = total.float() / self.world_size
+        else:
+            gathered, sent = all_gather_equal(packet.to_bytes())
+            self.bytes_sent += sent
+            decoded = [compressor.decode(packet.like(b)) for b in gathered]
+            mean = torch.stack(decoded).mean(dim=0)
+        self.last_average = self.last_average + mean
+        # A copy: vector_to_parameters makes the parameters views of the vector it is given.
+        vector_to_parameters(self.last_average.to(z.dtype, copy=True), self.params)
 
     def _outer_step(self) -> None:
         """DiLoCo: the averaged delta since the last world average is the outer gradient."""
@@ -103,6 +146,9 @@ class LocalSGDStrategy(ReplicaStrategy):
             p.copy_(a.detach())
 
     def after_synchronize(self) -> None:
+        if self.feedback is not None:
+            self.feedback.residual.zero_()
+            self.last_average = parameters_to_vector(self.params).detach().float().clone()
         if self.outer is not None:
             for a, p in zip(self.anchor, self.params, strict=True):
                 a.data.copy_(p.detach())

@@ -21,6 +21,7 @@ global gradient to take a norm of.
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 
 import torch
@@ -62,6 +63,7 @@ class ReplicaStrategy(Strategy):
         self.reduce = mean_over(None)  # the world ([Note: replica step rules])
         self.weight = 1.0  # push-sum weight of this replica ([Note: the average model])
         self.bytes_sent = 0  # bytes handed to c10d by `communicate` in this step
+        self.straggler = rank == world_size - 1 and job.gossip.straggler_delay_s > 0
 
     @abstractmethod
     def communicate(self, step: int) -> None:
@@ -73,6 +75,8 @@ class ReplicaStrategy(Strategy):
         return {}
 
     def _update(self, step: int) -> None:
+        if self.straggler:  # fault injection: a slow worker (gossip.straggler_delay_s)
+            time.sleep(self.job.gossip.straggler_delay_s)
         self.optimizer.step()
         with self.tracer.span("communicate", cat="comm", step=step):
             self.communicate(step)
@@ -156,16 +160,22 @@ class ReplicaStrategy(Strategy):
         return own
 
     @torch.no_grad()
+    def val_total(self, num_batches: int, rank: int, world_size: int) -> torch.Tensor:
+        """This replica's summed validation loss on slice ``rank`` of ``world_size``."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for i in range(num_batches):
+            x, y = self.batches.val(i, rank, world_size)
+            with autocast(self.device, self.job.train.dtype):
+                out = self.model(inputs_to(x, self.device))
+                total += self.model.loss(out, y.to(self.device))
+        return total
+
+    @torch.no_grad()
     def evaluate(self, num_batches: int) -> float:
         own = self._with_average()
         try:
-            self.model.eval()
-            total = torch.zeros((), device=self.device)
-            for i in range(num_batches):
-                x, y = self.batches.val(i, self.rank, self.world_size)
-                with autocast(self.device, self.job.train.dtype):
-                    out = self.model(inputs_to(x, self.device))
-                    total += self.model.loss(out, y.to(self.device))
+            total = self.val_total(num_batches, self.rank, self.world_size)
             return float(all_reduce_mean(total)) / num_batches
         finally:
             vector_to_parameters(own, self.params)

@@ -9,8 +9,19 @@ world size and ``gossip.seed``.
 each replica carries a weight ``w`` and its model is ``z = x / w``. A message is
 ``[M[i][j] * w * z, M[i][j] * w]`` (one flat tensor, the weight as its last element), the
 receiver sums what arrives with its kept share and sets ``z = x / w``. Where the matrix is
-doubly stochastic ``w`` stays 1 and is not sent. With ``gossip.compress`` the message travels in
-fp16/bf16 and is summed in fp32.
+doubly stochastic ``w`` stays 1 and is not sent. With ``gossip.compress = fp16/bf16`` the
+message travels in that dtype and is summed in fp32.
+
+[Note: CHOCO gossip] Top-k and sign cannot compress the model itself (a receiver would lose
+what was left out). With ``gossip.compress = topk/sign`` the graph is fixed and every node keeps
+*public copies*: ``h_i`` of its own model and ``h_j`` of each in-neighbour's, equal on every node
+that holds them. A round sends ``q_i = C(x_i - h_i)`` (one uint8 message per neighbour), every
+holder adds the decoded ``q`` to the copy it belongs to, and the node moves toward its
+neighbours' copies: ``x_i <- x_i + gamma * sum_j M[i][j] (h_j - h_i)`` (Koloskova et al.,
+"Decentralized Stochastic Optimization and Gossip Algorithms with Compressed Communication",
+CHOCO-SGD, ICML 2019; ``gamma = gossip.consensus_lr``). ``x_i - h_i`` is the error feedback: what
+a message left out is still there to send next round. At a checkpoint step
+(`ReplicaStrategy.synchronize`) every copy is reset to the average, on every node alike.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from polytrain.comm.gossip_wire import exchange
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
+from polytrain.gossip.compressors import Compressor, build_compressor
 from polytrain.gossip.graphs import (
     RoundPlan,
     graph_for_round,
@@ -55,10 +67,25 @@ class GossipStrategy(ReplicaStrategy):
             self.name += f"-k{g.peers}"
         if g.compress != "none":
             self.name += f"-{g.compress}"
-        self.wire_dtype = _WIRE[g.compress]
+        self.wire_dtype = _WIRE.get(g.compress, torch.float32)
         self._fixed: tuple[RoundPlan, bool] | None = None
         if g.topology != "random":  # the same graph every round: plan it once
             self._fixed = self._plan(0)
+        self.compressor: Compressor | None = None
+        if g.compress in ("topk", "sign") and self._fixed is not None:  # [Note: CHOCO gossip]
+            segments = [p.numel() for p in self.params]
+            self.compressor = build_compressor(g.compress, segments, g.topk_ratio)
+            m = mixing_matrix(graph_for_round(g.topology, world_size, 0))
+            self.in_weights = {j: m[rank][j] for j in self._fixed[0].recv}  # M[i][j]
+            self._reset_copies()
+
+    def _reset_copies(self) -> None:
+        """Every public copy = this replica (equal on all nodes at the start and after
+        `synchronize`)."""
+        assert self._fixed is not None
+        x = parameters_to_vector(self.params).detach().float()
+        self.own_copy = x.clone()
+        self.copies = {peer: x.clone() for peer in self._fixed[0].recv}
 
     def _plan(self, step: int) -> tuple[RoundPlan, bool]:
         """This rank's part of round ``step`` and whether it needs push-sum weights.
@@ -74,6 +101,9 @@ class GossipStrategy(ReplicaStrategy):
 
     @torch.no_grad()
     def communicate(self, step: int) -> None:
+        if self.compressor is not None:
+            self._choco_round()
+            return
         plan, push_sum = self._fixed or self._plan(step)
         z = parameters_to_vector(self.params)
         x = z * self.weight
@@ -89,6 +119,30 @@ class GossipStrategy(ReplicaStrategy):
             self.weight = float(mixed[-1])
             mixed = mixed[:-1] / self.weight
         vector_to_parameters(mixed.to(z.dtype), self.params)
+
+    @torch.no_grad()
+    def _choco_round(self) -> None:
+        """[Note: CHOCO gossip]: send ``C(x - h_own)``, update the copies, step toward them."""
+        assert self.compressor is not None and self._fixed is not None
+        plan = self._fixed[0]
+        z = parameters_to_vector(self.params)
+        x = z.detach().float()
+        packet = self.compressor.encode(x - self.own_copy)
+        self.own_copy += self.compressor.decode(packet)
+        message = packet.to_bytes()
+        sends = [(peer, message) for peer, _ in plan.send]
+        recvs = [(peer, torch.empty_like(message)) for peer in plan.recv]
+        self.bytes_sent += exchange(sends, recvs)
+        pull = torch.zeros_like(x)
+        for peer, buffer in recvs:
+            self.copies[peer] += self.compressor.decode(packet.like(buffer))
+            pull += self.in_weights[peer] * (self.copies[peer] - self.own_copy)
+        gamma = self.job.gossip.consensus_lr
+        vector_to_parameters((x + gamma * pull).to(z.dtype), self.params)
+
+    def after_synchronize(self) -> None:
+        if self.compressor is not None:
+            self._reset_copies()
 
     def extra_metrics(self, step: int) -> dict[str, float]:
         return {"push_sum_weight": self.weight} if self.job.gossip.topology == "random" else {}

@@ -101,16 +101,19 @@ def _failure_of(err: ChildFailedError, log_dir: Path) -> WorkerFailure:
 
 
 def tolerated_ranks(job: JobConfig) -> list[int]:
-    """Ranks whose death the job survives: PS async/ssp workers other than rank 0.
+    """Ranks whose death the job survives: PS async/ssp workers other than rank 0, and every
+    rank but 0 of asynchronous gossip.
 
     Rank 0 collects the final weights and the servers (the last ``ps.servers`` ranks) hold them;
     sync and hierarchical PS, and every other strategy, need all ranks (their steps are
     collectives). See [Note: tolerated worker deaths] in launch/tolerant.py.
     """
+    world = job.launch.nnodes * job.launch.nproc
+    if job.parallel.sync == "gossip" and job.gossip.mode == "async":
+        return list(range(1, world))  # [Note: no world collectives in async gossip]
     ps = job.ps
     if job.parallel.sync != "ps" or ps.mode not in ("async", "ssp") or ps.hierarchical:
         return []
-    world = job.launch.nnodes * job.launch.nproc
     return list(range(1, world - ps.servers))
 
 

@@ -14,8 +14,8 @@ under it (with no tolerated ranks outside PS async/ssp). It polls the worker pro
 close of the group waits torch's fixed 30 s before it SIGKILLs a process that ignores SIGTERM
 (a stopped one); shutdown uses the launcher's short grace ([Note: stopped ranks]):
 
-- a rank in ``tolerated`` that exits non-zero is reported once, as one line on stderr, and
-  ignored from then on;
+- a rank in ``tolerated`` that exits non-zero is reported once, as one line on stderr with the
+  seconds since the round's workers started, and ignored from then on;
 - any other rank that exits non-zero makes the group ``FAILED`` with that failure, exactly as
   torch would report it, so the agent stops the others and fails (or restarts, with
   ``max_restarts``) as before; a restart starts a new process context, which forgets the
@@ -24,7 +24,9 @@ close of the group waits torch's fixed 30 s before it SIGKILLs a process that ig
 - when every intolerable rank (rank 0 and the servers) has exited with success, the job is
   done; a tolerated rank still running ``DROPPED_GRACE_S`` later is a worker the servers dropped
   (hung, SIGSTOPped, sleeping: silent past ``ps.worker_timeout_s``). It can never finish, so it
-  is SIGKILLed with one line naming it. Before, the agent reported the group healthy while any
+  is SIGKILLed with one line naming it. In asynchronous gossip (every rank but 0 tolerated,
+  [Note: no world collectives in async gossip] in polytrain.gossip.asynchronous) the exported
+  weights are rank 0's replica, so a straggler still running then is ended the same way. Before, the agent reported the group healthy while any
   process lived, and ``polytrain train`` waited forever.
 
 ``launch_tolerant`` is the part of torch's ``torch.distributed.launcher.api.launch_agent`` that
@@ -89,12 +91,14 @@ class TolerantAgent(MonitoredAgent):
         self._round: PContext | None = None
         self._dead: dict[int, ProcessFailure] = {}  # global rank -> its failure, this round
         self._done_at: float | None = None  # when every intolerable rank had exited with 0
+        self._started = time.monotonic()  # when this round's workers were first seen
 
     def monitor(self, worker_group: WorkerGroup, pc: PContext | None) -> RunResult:
         if not isinstance(pc, SubprocessContext):
             return super().monitor(worker_group, pc)
         if pc is not self._round:  # a new round (first start or restart)
             self._round, self._dead, self._done_at = pc, {}, None
+            self._started = time.monotonic()
         failures: dict[int, ProcessFailure] = {}
         running = 0
         lingering: dict[int, tuple[int, Any]] = {}  # tolerated, running: rank -> local, handler
@@ -115,7 +119,8 @@ class TolerantAgent(MonitoredAgent):
                 if rank in self.tolerated:
                     self._dead[rank] = failure
                     print(
-                        f"polytrain: worker rank {rank} died ({_how(failure)}); "
+                        f"polytrain: worker rank {rank} died ({_how(failure)}) "
+                        f"{time.monotonic() - self._started:.1f} s into the run; "
                         "training continues with the others",
                         file=sys.stderr,
                         flush=True,
@@ -147,8 +152,8 @@ class TolerantAgent(MonitoredAgent):
             )
             print(
                 f"polytrain: worker rank {rank} was still running {DROPPED_GRACE_S:.0f} s "
-                "after rank 0 and the servers finished (dropped by the servers: hung or "
-                "stopped); ended it with SIGKILL",
+                "after rank 0 and any servers finished (hung, stopped or too slow to matter: "
+                "the result is rank 0's and the servers'); ended it with SIGKILL",
                 file=sys.stderr,
                 flush=True,
             )
