@@ -44,17 +44,6 @@ def _post(
     return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
-def _swap(
-    group: dist.ProcessGroup,
-    to_up: torch.Tensor | None,
-    to_down: torch.Tensor | None,
-    from_up: torch.Tensor | None,
-    from_down: torch.Tensor | None,
-) -> None:
-    for work in _post(group, to_up, to_down, from_up, from_down):
-        work.wait()
-
-
 class HaloRows:
     """The rows of the neighbouring bands, being received: `wait` before reading them."""
 
@@ -67,17 +56,70 @@ class HaloRows:
         self.works, self.sending = [], ()
 
 
+class _GradExchange:
+    """The backward exchange of one `_HaloRows`, posted side by side as autograd produces each
+    side's gradient, so it travels while the rest of the convolution's backward runs.
+
+    [Note: backward halo overlap] Forward computes the interior rows first and the border rows
+    last, so backward (newest first) reaches the border rows' convolution, and with it the
+    gradients of the received rows, before the interior's, which is most of the work. A hook on
+    each received-rows tensor posts that side's exchange the moment its gradient is ready;
+    `_HaloRows.backward`, which autograd runs after the interior's backward (its node is older),
+    only waits. Between two neighbours each direction carries one kind of message (gradients of
+    ``above`` go up, of ``below`` go down), so the two posts may happen in either order on
+    either rank.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, x: torch.Tensor, top: int, bottom: int) -> None:
+        b, c, _, w = x.shape
+        self.group = group
+        self.for_last = x.new_zeros(b, c, top, w)  # the band below's gradient of our last rows
+        self.for_first = x.new_zeros(b, c, bottom, w)  # the band above's, of our first rows
+        self.works: list[Any] = []
+        self.sending: list[torch.Tensor] = []  # alive until the sends finish
+        self.posted = {"up": False, "down": False}
+
+    def up(self, grad_above: torch.Tensor) -> None:
+        """Send the gradient of the rows from above back up; receive our last rows' gradient."""
+        if not self.posted["up"]:
+            self.posted["up"] = True
+            grad = grad_above.contiguous()
+            self.sending.append(grad)
+            self.works += _post(self.group, grad, None, None, self.for_last)
+
+    def down(self, grad_below: torch.Tensor) -> None:
+        """Send the gradient of the rows from below back down; receive our first rows'."""
+        if not self.posted["down"]:
+            self.posted["down"] = True
+            grad = grad_below.contiguous()
+            self.sending.append(grad)
+            self.works += _post(self.group, None, grad, self.for_first, None)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        self.works, self.sending = [], []
+        return self.for_first, self.for_last
+
+
 class _HaloRows(torch.autograd.Function):
     """Forward: posts the exchange and returns the (still arriving) rows from above and below,
     zeros at the image's borders; the caller computes what needs no halo, then waits
     ([Note: halo overlap] in `polytrain.parallel.spatial`). Backward: the gradients of those
-    rows go back to their owners and are added to this band's border rows."""
+    rows go back to their owners (posted early: [Note: backward halo overlap]) and are added to
+    this band's border rows."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, top: int, bottom: int, group: dist.ProcessGroup, box: list[Any]
+        ctx: Any,
+        x: torch.Tensor,
+        top: int,
+        bottom: int,
+        group: dist.ProcessGroup,
+        box: list[Any],
+        grads: _GradExchange,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.top, ctx.bottom, ctx.group, ctx.h = top, bottom, group, x.size(2)
+        ctx.top, ctx.bottom, ctx.h, ctx.grads = top, bottom, x.size(2), grads
         b, c, h, w = x.shape
         above = x.new_zeros(b, c, top, w)
         below = x.new_zeros(b, c, bottom, w)
@@ -89,18 +131,18 @@ class _HaloRows(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_above: torch.Tensor, grad_below: torch.Tensor
-    ) -> tuple[torch.Tensor, None, None, None, None]:
-        top, bottom, h = ctx.top, ctx.bottom, ctx.h
+    ) -> tuple[torch.Tensor, None, None, None, None, None]:
+        top, bottom, h, grads = ctx.top, ctx.bottom, ctx.h, ctx.grads
+        grads.up(grad_above)  # no-ops where the hooks posted already
+        grads.down(grad_below)
         b, c, _, w = grad_above.shape
         grad_x = grad_above.new_zeros(b, c, h, w)
-        for_last = grad_above.new_zeros(b, c, top, w)
-        for_first = grad_above.new_zeros(b, c, bottom, w)
-        _swap(ctx.group, grad_above.contiguous(), grad_below.contiguous(), for_first, for_last)
+        for_first, for_last = grads.wait()
         if top:
             grad_x[:, :, h - top :] += for_last
         if bottom:
             grad_x[:, :, :bottom] += for_first
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 def halo_rows(
@@ -109,5 +151,9 @@ def halo_rows(
     """``(rows from above (B, C, top, W), rows from below (B, C, bottom, W), pending)``:
     the exchange is posted, not finished; call ``pending.wait()`` before reading the rows."""
     box: list[Any] = []
-    above, below = _HaloRows.apply(x, top, bottom, group, box)
+    grads = _GradExchange(group, x, top, bottom)
+    above, below = _HaloRows.apply(x, top, bottom, group, box, grads)
+    if above.requires_grad:  # [Note: backward halo overlap]
+        above.register_hook(grads.up)
+        below.register_hook(grads.down)
     return above, below, box[0]
