@@ -355,10 +355,12 @@ def test_nearby_partitions_shift_one_boundary_fastest_first() -> None:
     ]
 
 
-def test_choose_partition_keeps_the_fastest_trial() -> None:
+def test_choose_partition_keeps_the_fastest_trial(one_thread: None) -> None:
     # The profile must pick the same optimum every time it runs, under any load: two 20 ms
     # blocks in the middle make [3, 3] twice as fast as any other split (22 ms per stage, not
-    # 42), far above scheduler noise; a tiny real model's sub-millisecond blocks flipped.
+    # 42), far above scheduler noise; a tiny real model's sub-millisecond blocks flipped. One
+    # intra-op thread, as in a worker: the profile then reads CPU time ([Note: profile clock]);
+    # with pytest's default threads it read the wall clock, and two CPU hogs flipped it.
     model = timed_blocks(
         DataSpec(kind="tokens", vocab_size=32), [0.001, 0.001, 0.02, 0.02, 0.001, 0.001]
     )
