@@ -73,25 +73,35 @@ class _GradExchange:
     def __init__(self, group: dist.ProcessGroup, x: torch.Tensor, top: int, bottom: int) -> None:
         b, c, _, w = x.shape
         self.group = group
+        self.above_shape, self.below_shape = (b, c, top, w), (b, c, bottom, w)
         self.for_last = x.new_zeros(b, c, top, w)  # the band below's gradient of our last rows
         self.for_first = x.new_zeros(b, c, bottom, w)  # the band above's, of our first rows
         self.works: list[Any] = []
         self.sending: list[torch.Tensor] = []  # alive until the sends finish
         self.posted = {"up": False, "down": False}
 
-    def up(self, grad_above: torch.Tensor) -> None:
-        """Send the gradient of the rows from above back up; receive our last rows' gradient."""
+    def up(self, grad_above: torch.Tensor | None) -> None:
+        """Send the gradient of the rows from above back up; receive our last rows' gradient
+        (None: no gradient reached those rows, zeros are sent)."""
         if not self.posted["up"]:
             self.posted["up"] = True
-            grad = grad_above.contiguous()
+            grad = (
+                self.for_last.new_zeros(self.above_shape)
+                if grad_above is None
+                else grad_above.contiguous()
+            )
             self.sending.append(grad)
             self.works += _post(self.group, grad, None, None, self.for_last)
 
-    def down(self, grad_below: torch.Tensor) -> None:
+    def down(self, grad_below: torch.Tensor | None) -> None:
         """Send the gradient of the rows from below back down; receive our first rows'."""
         if not self.posted["down"]:
             self.posted["down"] = True
-            grad = grad_below.contiguous()
+            grad = (
+                self.for_first.new_zeros(self.below_shape)
+                if grad_below is None
+                else grad_below.contiguous()
+            )
             self.sending.append(grad)
             self.works += _post(self.group, None, grad, self.for_first, None)
 
@@ -135,8 +145,8 @@ class _HaloRows(torch.autograd.Function):
         top, bottom, h, grads = ctx.top, ctx.bottom, ctx.h, ctx.grads
         grads.up(grad_above)  # no-ops where the hooks posted already
         grads.down(grad_below)
-        b, c, _, w = grad_above.shape
-        grad_x = grad_above.new_zeros(b, c, h, w)
+        b, c, _, w = grads.above_shape
+        grad_x = grads.for_last.new_zeros(b, c, h, w)
         for_first, for_last = grads.wait()
         if top:
             grad_x[:, :, h - top :] += for_last
