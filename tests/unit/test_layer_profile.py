@@ -62,7 +62,14 @@ def test_expensive_head_leaves_the_last_stage_fewer_layers() -> None:
     split = trace_sides(user, "h", lambda: user(ids))
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
-    profiles = profile_layers(model, split, (ids, targets), warmup=1, repeats=3)
+    # one intra-op thread, as on every pipeline rank: the profile then reads the process's CPU
+    # time, which other processes on a loaded machine do not inflate ([Note: profile clock])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        profiles = profile_layers(model, split, (ids, targets), warmup=1, repeats=3)
+    finally:
+        torch.set_num_threads(threads)
 
     assert len(profiles) == 4
     # the head's parameters and time are the last layer's; the embedding's the first's
