@@ -207,3 +207,25 @@ def test_local_batchnorm_misses_the_single_process_run() -> None:
     )
     with pytest.raises(AssertionError, match="differs"):
         assert_state_close(out["state"], ref["state"], atol=ATOL)
+
+
+def test_gpt2_auto_partition() -> None:
+    """``pipeline.partition = 'auto'`` over GPT-2's 4 layers on 2 stages: rank 0 profiles the
+    layers inside the model's own forward ([Note: layer profile]) and every rank cuts where it
+    says; the partition only moves layers between stages, so the run matches one process (a
+    rank cutting elsewhere would run a layer twice or not at all and miss)."""
+    four = {"args": {"n_layer": 4}}
+    steps = {"steps": 2, "global_batch_size": 8}
+    ref = run_job(hf_job("gpt2", data_file("gpt2"), model=four, train=steps), timeout_s=300)
+    job = hf_job(
+        "gpt2",
+        data_file("gpt2"),
+        2,
+        model=four,
+        train=steps,
+        parallel=PIPE,
+        pipeline={"schedule": "1f1b", "microbatches": 2, "partition": "auto"},
+    )
+    out = run_job(job, timeout_s=300)
+    assert len(ref["state"]) == len(out["state"]) and any(".h.3." in k for k in ref["state"])
+    assert_matches(out, ref)

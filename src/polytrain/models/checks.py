@@ -89,16 +89,10 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
 def _check_layer_pipeline(job: JobConfig, model: BlockModel) -> None:
     """What a pipeline over a user model's layers does not offer yet (one line each)."""
     p, pl = job.parallel, job.pipeline
-    refused = {
-        "pipeline.schedule = 'pipedream'": pl.schedule == "pipedream",
-        "pipeline.partition = 'auto'": pl.partition == "auto",
-    }
-    bad = [k for k, v in refused.items() if v]
-    if bad:
+    if pl.schedule == "pipedream":  # weight stashing swaps whole blocks' weights (LayerStage)
         raise ConfigError(
-            f"{bad[0]} with a pipeline over the layers of model.name = {job.model.name!r}: "
-            "not supported for a user's model yet; use gpipe or 1f1b and a uniform or explicit "
-            "partition"
+            f"pipeline.schedule = 'pipedream' with a pipeline over the layers of model.name = "
+            f"{job.model.name!r}: not supported for a user's model yet; use gpipe or 1f1b"
         )
     if p.pp > len(model.layers):
         raise ConfigError(

@@ -28,6 +28,8 @@ from torch import nn
 from polytrain.errors import ConfigError
 
 __all__ = [
+    "POST",
+    "PRE",
     "LayerSplit",
     "counts_from_split_points",
     "keep_owned",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -40,10 +40,14 @@ from polytrain.pipeline.partition import (
 from polytrain.pipeline.saved_tensors import count_saved_bytes, storage_keys
 
 __all__ = [
+    "OptimizerFactory",
     "check_partition",
+    "choose_counts",
     "choose_partition",
     "leaves_no_trace",
     "profile_blocks",
+    "profile_clock",
+    "update_seconds",
 ]
 
 _MIB = 1024.0 * 1024.0
@@ -100,7 +104,7 @@ class _BlockRun:
         self.out = self.value = None
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
+def profile_clock(device: torch.device) -> Callable[[], float]:
     """[Note: profile clock] On a CPU with one intra-op thread, the process's CPU time: it
     leaves out the time other processes on a shared machine take from us, which wall time
     would charge to whichever block was running. Otherwise (CUDA, or several threads whose CPU
@@ -118,7 +122,7 @@ def _median_times(
     Interleaving the blocks spreads any drift in the machine's load (other processes, clock
     changes) over every block alike, so it skews their ratios, which drive the search, less.
     """
-    clock = _clock(device)
+    clock = profile_clock(device)
     forward: list[list[float]] = [[] for _ in runs]
     backward: list[list[float]] = [[] for _ in runs]
     for round_index in range(warmup + repeats):
@@ -142,17 +146,21 @@ def _median_times(
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-def _update_seconds(
-    block: nn.Module, optimizer: OptimizerFactory, device: torch.device, warmup: int, repeats: int
+def update_seconds(
+    parameters: Iterable[nn.Parameter],
+    optimizer: OptimizerFactory,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
 ) -> float:
-    """Median time of one optimizer step over copies of ``block``'s trainable parameters."""
-    params = [nn.Parameter(p.detach().clone()) for p in block.parameters() if p.requires_grad]
+    """Median time of one optimizer step over copies of the trainable ``parameters``."""
+    params = [nn.Parameter(p.detach().clone()) for p in parameters if p.requires_grad]
     if not params:
         return 0.0
     for p in params:
         p.grad = torch.ones_like(p)
     opt = optimizer(params)
-    clock, times = _clock(device), []
+    clock, times = profile_clock(device), []
     for i in range(warmup + repeats):
         _sync(device)
         t0 = clock()
@@ -222,7 +230,7 @@ def profile_blocks(
         trainable = sum(_nbytes(p) for p in params if p.requires_grad)
         update_s = 0.0
         if optimizer is not None and device.type != "meta":
-            update_s = _update_seconds(block, optimizer, device, warmup, repeats)
+            update_s = update_seconds(params, optimizer, device, warmup, repeats)
         profiles.append(
             BlockProfile(
                 forward_s=forward_s,
@@ -281,14 +289,37 @@ def choose_partition(
 ) -> list[int]:
     """Blocks per stage for ``job.pipeline.partition`` (``uniform``, ``auto`` or a list).
 
+    ``auto`` profiles ``model``'s blocks on ``sample`` (one micro-batch: per-replica batch /
+    micro-batches rows) where it lives; see `choose_counts` for the collective.
+    """
+    return choose_counts(
+        job,
+        model.num_blocks,
+        num_stages,
+        partial(_profile, job, model, sample),
+        verbose=verbose,
+        measure=measure,
+    )
+
+
+def choose_counts(
+    job: JobConfig,
+    num_blocks: int,
+    num_stages: int,
+    profile: Callable[[], list[BlockProfile]],
+    *,
+    verbose: bool = False,
+    measure: Measure | None = None,
+) -> list[int]:
+    """Units (blocks, or a user model's layers) per stage for ``job.pipeline.partition``.
+
     Collectives: none for ``uniform`` or an explicit list (pure functions of the config). For
     ``auto`` it is a collective over the default process group, so every rank must call it
-    with the same ``num_stages``: global rank 0 profiles ``model`` on ``sample`` (one
-    micro-batch: per-replica batch / micro-batches rows) and searches, then broadcasts the
-    counts as int64 tensors (and, if the search failed, its error message as bytes, so every
-    rank raises the same `PartitionError`). Timings differ between ranks, so letting each rank
-    search on its own could split the pipeline differently on different ranks. ``verbose``
-    prints the tables (pass it on global rank 0 only).
+    with the same ``num_stages``: global rank 0 runs ``profile()`` (one `BlockProfile` per
+    unit) and searches, then broadcasts the counts as int64 tensors (and, if the search failed,
+    its error message as bytes, so every rank raises the same `PartitionError`). Timings differ
+    between ranks, so letting each rank search on its own could split the pipeline differently
+    on different ranks. ``verbose`` prints the tables (pass it on global rank 0 only).
 
     [Note: partition trials] With ``measure`` and ``pipeline.partition_trials = k > 1``, rank 0
     also proposes up to ``k - 1`` neighbours of the optimum (`nearby_partitions`: one boundary
@@ -300,7 +331,6 @@ def choose_partition(
     bandwidth and cores: on the partition benchmark the first stage's backward ran 1-2 ms per
     micro-batch slower inside the pipeline); the trials see it.
     """
-    num_blocks = model.num_blocks
     setting = job.pipeline.partition
     if isinstance(setting, list):
         return check_counts(setting, num_blocks, num_stages)
@@ -312,7 +342,7 @@ def choose_partition(
     error = ""
     if is_main_rank():
         try:
-            profiles = _profile(job, model, sample)
+            profiles = profile()
             result = _search(job, profiles, num_stages)
             candidates = [result.counts]
             if trials > 1:

@@ -97,9 +97,10 @@ from polytrain.parallel.tensor_parallel import (
     resolve_tp_plan,
 )
 from polytrain.pipeline.checks import check_pipeline_job
+from polytrain.pipeline.layer_profile import profile_job_layers
 from polytrain.pipeline.layer_stage import LayerStage
-from polytrain.pipeline.partition import block_ranges, check_counts, uniform_counts
-from polytrain.pipeline.profile import choose_partition, leaves_no_trace
+from polytrain.pipeline.partition import block_ranges
+from polytrain.pipeline.profile import choose_counts, choose_partition, leaves_no_trace
 from polytrain.pipeline.runtime import (
     GRAD,
     Feed,
@@ -223,17 +224,7 @@ class PipelineStrategy(Strategy):
         user = model.blocks[0]
         list_path = model.layers[0].rpartition(".")[0]
         num_layers = len(model.layers)
-        setting = job.pipeline.partition
-        if job.pipeline.split_points:
-            counts = counts_from_split_points(
-                user, model.layers, job.pipeline.split_points, self.num_stages
-            )
-        elif isinstance(setting, list):
-            counts = check_counts(setting, num_layers, self.num_stages)
-        else:
-            counts = uniform_counts(num_layers, self.num_stages)
-        self.ranges = block_ranges(counts)
-        x, _ = self.batches.train(0, self.dp_rank, self.dp, 0, self.per_step)
+        x, y = self.batches.train(0, self.dp_rank, self.dp, 0, self.per_step)
         sample = inputs_to(x, self.device)
         with leaves_no_trace(model, self.device):  # the tracing forward changes no buffer
             split = trace_sides(
@@ -242,6 +233,19 @@ class PipelineStrategy(Strategy):
                 lambda: user(**sample) if isinstance(sample, dict) else user(sample),
             )
         self.layer_split = split
+        if job.pipeline.split_points:
+            counts = counts_from_split_points(
+                user, model.layers, job.pipeline.split_points, self.num_stages
+            )
+        else:  # uniform, explicit, or `auto` ([Note: layer profile] in pipeline.layer_profile)
+            counts = choose_counts(
+                job,
+                num_layers,
+                self.num_stages,
+                partial(profile_job_layers, job, model, split, (sample, y.to(self.device))),
+                verbose=self.mesh.rank == 0,
+            )
+        self.ranges = block_ranges(counts)
         if job.parallel.recompute:  # each layer re-run in backward; names unchanged
             apply_recompute(model)
         full = model.state_dict()
