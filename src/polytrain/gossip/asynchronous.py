@@ -36,13 +36,12 @@ from polytrain.config.job import JobConfig
 from polytrain.core.step import mean_over
 from polytrain.data.sampler import Batches
 from polytrain.gossip.checks import checkpoint_refusal
+from polytrain.gossip.compressors import WIRE_DTYPES
 from polytrain.gossip.graphs import graph_for_round, mixing_matrix, round_plan
 from polytrain.gossip.replica import ReplicaStrategy
 from polytrain.models.base import BlockModel
 
 __all__ = ["AsyncGossipStrategy"]
-
-_WIRE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class AsyncGossipStrategy(ReplicaStrategy):
@@ -67,7 +66,7 @@ class AsyncGossipStrategy(ReplicaStrategy):
         self.name = f"gossip-async-{g.topology}-w{world_size}"
         if g.compress != "none":
             self.name += f"-{g.compress}"
-        self.wire_dtype = _WIRE[g.compress]
+        self.wire_dtype = WIRE_DTYPES[g.compress]
         self.numel = sum(p.numel() for p in self.params)
         others = [r for r in range(world_size) if r != rank]
         if g.topology == "random":  # anyone may be drawn: a thread to and from everyone

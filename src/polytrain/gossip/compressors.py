@@ -23,12 +23,14 @@ here is flat, ``(n,)``; ``segments`` are the lengths of the parameter tensors la
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "WIRE_DTYPES",
     "CastCompressor",
     "Compressor",
     "ErrorFeedback",
@@ -37,6 +39,9 @@ __all__ = [
     "TopKCompressor",
     "build_compressor",
 ]
+
+# The dtype a gossip message travels in for each `gossip.compress` that only casts.
+WIRE_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 _SHIFTS = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0], dtype=torch.uint8)
 
@@ -65,14 +70,16 @@ class Packet:
         return Packet(out)
 
 
-class Compressor:
+class Compressor(ABC):
     """Encode a flat fp32 vector into a `Packet` of fixed shapes, and decode one."""
 
+    @abstractmethod
     def encode(self, x: torch.Tensor) -> Packet:
-        raise NotImplementedError
+        """The packet for ``x``."""
 
+    @abstractmethod
     def decode(self, packet: Packet) -> torch.Tensor:
-        raise NotImplementedError
+        """The flat fp32 vector ``packet`` stands for."""
 
 
 class TopKCompressor(Compressor):

@@ -32,7 +32,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from polytrain.comm.gossip_wire import exchange
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
-from polytrain.gossip.compressors import Compressor, build_compressor
+from polytrain.gossip.compressors import WIRE_DTYPES, Compressor, build_compressor
 from polytrain.gossip.graphs import (
     RoundPlan,
     graph_for_round,
@@ -44,8 +44,6 @@ from polytrain.gossip.replica import ReplicaStrategy
 from polytrain.models.base import BlockModel
 
 __all__ = ["GossipStrategy"]
-
-_WIRE = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class GossipStrategy(ReplicaStrategy):
@@ -67,7 +65,7 @@ class GossipStrategy(ReplicaStrategy):
             self.name += f"-k{g.peers}"
         if g.compress != "none":
             self.name += f"-{g.compress}"
-        self.wire_dtype = _WIRE.get(g.compress, torch.float32)
+        self.wire_dtype = WIRE_DTYPES.get(g.compress, torch.float32)
         self._fixed: tuple[RoundPlan, bool] | None = None
         if g.topology != "random":  # the same graph every round: plan it once
             self._fixed = self._plan(0)
