@@ -13,12 +13,7 @@ comm/gossip_async.py and [Note: no world collectives in async gossip] in gossip/
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +22,7 @@ import torch
 from polytrain.comm.gossip_async import _step_of, with_step
 from polytrain.config import job_from_dict
 from polytrain.launch.local import tolerated_ranks
-from polytrain.testing import scaled
-from tests.integration.test_ps_cli_fault import ENV, last_step, worker_of_rank
+from tests.helpers.cli_runs import last_step, train_and_signal
 
 STEPS = 150
 DELAY_S = 0.3  # rank 2 would need 45 s for the run: it is killed long before
@@ -63,38 +57,21 @@ def test_async_gossip_tolerates_every_rank_but_0() -> None:
 @pytest.mark.slow
 def test_async_gossip_survives_a_killed_worker(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    launcher = subprocess.Popen(
+    metrics = out / "metrics.jsonl"
+    run = train_and_signal(
         [
-            *(sys.executable, "-m", "polytrain.cli.app", "train", "--model", "mlp"),
-            *("--sync", "gossip", "--nproc", "3", "--topology", "ring"),
+            *("--model", "mlp", "--sync", "gossip", "--nproc", "3", "--topology", "ring"),
             *("--steps", str(STEPS), "--batch-size", "12", "--no-progress"),
             *("--out-dir", str(out), "--set", "observe.log_every=1"),
             *("--set", "gossip.mode=async", "--set", f"gossip.straggler_delay_s={DELAY_S}"),
         ],
-        cwd=tmp_path,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        tmp_path,
+        metrics,
+        rank=2,
     )
-    try:
-        metrics = out / "metrics.jsonl"
-        deadline = time.monotonic() + scaled(60)
-        while last_step(metrics) < 5:
-            assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "rank 0 never reached step 5"
-            time.sleep(0.05)
-        victim = worker_of_rank(launcher.pid, 2)
-        assert victim is not None, "rank 2 not found among the launcher's children"
-        os.kill(victim, signal.SIGKILL)
-        killed_at = last_step(metrics)
-        stdout, stderr = launcher.communicate(timeout=scaled(120))
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
+    stdout, stderr, killed_at = run.stdout, run.stderr, run.signalled_at_step
     assert killed_at < STEPS - 20
-    assert launcher.returncode == 0, stderr
+    assert run.returncode == 0, stderr
     assert last_step(metrics) == STEPS
     assert "final loss" in stdout
     # The launcher names the rank and the time; the survivors, in their logs, how far it got.

@@ -9,17 +9,12 @@ process forever; now it ends it with one line naming it and exits 0.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_ps_cli_fault import ENV, last_step, worker_of_rank
+from tests.helpers.cli_runs import last_step, train_and_signal
 
 pytestmark = pytest.mark.slow
 
@@ -29,42 +24,24 @@ STEPS = 300
 def test_a_stopped_async_worker_is_ended_and_the_run_exits(tmp_path: Path) -> None:
     # Issue 11, case 3.
     out = tmp_path / "run"
-    launcher = subprocess.Popen(
+    run = train_and_signal(
         [
-            *(sys.executable, "-m", "polytrain.cli.app", "train", "--model", "mlp"),
-            *("--sync", "ps", "--ps-mode", "async", "--ps-servers", "1", "--nproc", "4"),
-            *("--steps", str(STEPS), "--batch-size", "12", "--no-progress"),
+            *("--model", "mlp", "--sync", "ps", "--ps-mode", "async", "--ps-servers", "1"),
+            *("--nproc", "4", "--steps", str(STEPS), "--batch-size", "12", "--no-progress"),
             *("--out-dir", str(out), "--set", "observe.log_every=1"),
             *("--set", "ps.worker_timeout_s=3", "--save-final", str(tmp_path / "w.safetensors")),
         ],
-        cwd=tmp_path,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        tmp_path,
+        out / "metrics.jsonl",
+        rank=2,
+        sig=signal.SIGSTOP,
+        start_timeout_s=120,
+        end_timeout_s=300,  # before the fix the launcher never returned
     )
-    victim = None
-    try:
-        deadline = time.monotonic() + 300
-        while last_step(out / "metrics.jsonl") < 5:
-            assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "rank 0 never reached step 5"
-            time.sleep(0.05)
-        victim = worker_of_rank(launcher.pid, 2)
-        assert victim is not None
-        os.kill(victim, signal.SIGSTOP)
-        stopped = time.monotonic()
-        stdout, stderr = launcher.communicate(timeout=300)  # before: never returned
-        print(f"figure: launcher exited {time.monotonic() - stopped:.1f} s after the SIGSTOP")
-        assert "final loss" in stdout
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
-        if victim is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(victim, signal.SIGKILL)  # never leave a stopped process behind
-    assert launcher.returncode == 0, stderr
+    print(f"figure: launcher exited {run.exit_after_s:.1f} s after the SIGSTOP")
+    stderr = run.stderr
+    assert "final loss" in run.stdout
+    assert run.returncode == 0, stderr
     assert last_step(out / "metrics.jsonl") == STEPS
     assert (tmp_path / "w.safetensors").is_file()
     notes = [line for line in stderr.splitlines() if "worker rank 2" in line]

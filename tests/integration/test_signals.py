@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_ps_cli_fault import worker_of_rank
+from tests.helpers.cli_runs import worker_of_rank
 from tests.integration.test_restart import start, wait_for
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,107 @@
+"""Run ``polytrain train`` as a user does and signal one of its workers mid-run.
+
+The fault tests of the launcher (a SIGKILLed async PS worker or gossip peer, a SIGSTOPped
+worker, a killed server) share one shape: start the command, wait until rank 0 has logged a
+step, find the worker of a given rank among the launcher's children (by its ``RANK``
+environment variable in /proc), send it a signal, and wait for the launcher to exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from polytrain.testing import scaled
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def worker_of_rank(launcher: int, rank: int) -> int | None:
+    """Pid of the launcher's child process whose environment has ``RANK=<rank>``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == launcher and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def last_step(metrics: Path) -> int:
+    """The largest step in a ``metrics.jsonl`` (-1 while there is none)."""
+    if not metrics.exists():
+        return -1
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line]
+    return max(steps, default=-1)
+
+
+@dataclass(frozen=True)
+class SignalledRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    signalled_at_step: int  # rank 0's last logged step when the signal was sent
+    exit_after_s: float  # from the signal to the launcher's exit
+
+
+def train_and_signal(
+    args: Sequence[str],
+    cwd: Path,
+    metrics: Path,
+    *,
+    rank: int,
+    sig: signal.Signals = signal.SIGKILL,
+    after_step: int = 5,
+    start_timeout_s: float = 60,
+    end_timeout_s: float = 120,
+) -> SignalledRun:
+    """Run ``polytrain train ARGS``; send ``sig`` to worker ``rank`` once rank 0 has logged
+    ``after_step`` (read from ``metrics``, so pass ``observe.log_every=1``); wait for the end.
+
+    Both timeouts are scaled for a loaded machine. Nothing is left behind: the launcher is
+    killed if it outlives the test, and a stopped worker is killed after the run.
+    """
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "polytrain.cli.app", "train", *args],
+        cwd=cwd,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    victim = None
+    try:
+        deadline = time.monotonic() + scaled(start_timeout_s)
+        while last_step(metrics) < after_step:
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, f"rank 0 never reached step {after_step}"
+            time.sleep(0.05)
+        victim = worker_of_rank(launcher.pid, rank)
+        assert victim is not None, f"rank {rank} not found among the launcher's children"
+        os.kill(victim, sig)
+        sent = time.monotonic()
+        at_step = last_step(metrics)
+        stdout, stderr = launcher.communicate(timeout=scaled(end_timeout_s))
+        exit_after = time.monotonic() - sent
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+        if victim is not None and sig == signal.SIGSTOP:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)  # never leave a stopped process behind
+    return SignalledRun(launcher.returncode, stdout, stderr, at_step, exit_after)
