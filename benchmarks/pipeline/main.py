@@ -64,6 +64,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from polytrain.core.strategy import StepOutput, step_result
     from polytrain.data import Batches, build_datasets
     from polytrain.models.registry import block_size_of, build_model
+    from polytrain.pipeline.family import pipeline_strategy
     from polytrain.pipeline.strategy import PipelineStrategy
     from polytrain.topology import ParallelDims
     from polytrain.trainer.loop import train
@@ -79,7 +80,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     def ours(schedule: str, track: bool = False) -> PipelineStrategy:
         job = _job(world, schedule, m, total_steps)
         model = build_model(job.model, spec, job.train.seed)
-        strategy = PipelineStrategy(job, model, build_mesh(dims), batches, ctx.device)
+        strategy = pipeline_strategy(job, model, build_mesh(dims), batches, ctx.device)
         strategy.runtime.track_activations = track
         return strategy
 

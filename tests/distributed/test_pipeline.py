@@ -135,7 +135,7 @@ def _pipedream_rank(rank: int, world_size: int, jobs: list[JobConfig]) -> list[d
     from polytrain.core.optim import lr_at
     from polytrain.core.strategy import step_result
     from polytrain.data.sampler import Batches
-    from polytrain.pipeline.strategy import PipelineStrategy
+    from polytrain.pipeline.pipedream import PipeDreamStrategy
     from polytrain.trainer.build import build_strategy
 
     ctx = init_distributed()
@@ -145,7 +145,7 @@ def _pipedream_rank(rank: int, world_size: int, jobs: list[JobConfig]) -> list[d
         batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
         model = build_model(job.model, spec, job.train.seed)
         strategy = build_strategy(job, ctx, model, batches)
-        assert isinstance(strategy, PipelineStrategy) and strategy.stash is not None
+        assert isinstance(strategy, PipeDreamStrategy)
         losses, val_losses = [], []
         for step in range(job.train.steps):
             strategy.set_lr(lr_at(step, job.optim, job.train.steps))

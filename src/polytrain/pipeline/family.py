@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from polytrain.comm.init import DistContext
-from polytrain.comm.mesh import build_mesh
+from polytrain.comm.mesh import Mesh, build_mesh
 from polytrain.config.job import JobConfig
 from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
@@ -14,11 +16,12 @@ from polytrain.models.base import BlockModel
 from polytrain.models.blocks import disable_inplace
 from polytrain.parallel.family import check_tp_plan
 from polytrain.pipeline.checks import check_pipeline_job
+from polytrain.pipeline.pipedream import PipeDreamStrategy
 from polytrain.pipeline.profile import check_partition
 from polytrain.pipeline.strategy import PipelineStrategy
 from polytrain.topology import ParallelDims
 
-__all__ = ["PIPELINE", "build_pipeline", "check_pipeline"]
+__all__ = ["PIPELINE", "build_pipeline", "check_pipeline", "pipeline_strategy"]
 
 
 def check_pipeline(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
@@ -43,7 +46,15 @@ def build_pipeline(
     mesh = build_mesh(dims, ctx.device.type)
     model = model.to(ctx.device)
     disable_inplace(model)  # [Note: in-place ops at boundaries] in models.blocks
-    return PipelineStrategy(job, model, mesh, batches, ctx.device)
+    return pipeline_strategy(job, model, mesh, batches, ctx.device)
+
+
+def pipeline_strategy(
+    job: JobConfig, model: BlockModel, mesh: Mesh, batches: Batches, device: torch.device
+) -> PipelineStrategy:
+    """This rank's stage: PipeDream's stream, or a synchronous schedule's flushes."""
+    cls = PipeDreamStrategy if job.pipeline.schedule == "pipedream" else PipelineStrategy
+    return cls(job, model, mesh, batches, device)
 
 
 PIPELINE = StrategyFamily(

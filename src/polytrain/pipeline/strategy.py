@@ -1,7 +1,8 @@
-"""`PipelineStrategy`: the training loop's view of a pipeline (GPipe, 1F1B, PipeDream).
+"""`PipelineStrategy`: the training loop's view of a pipeline with flushes (GPipe, 1F1B).
 
-GPipe (Huang et al. 2019), PipeDream-flush / 1F1B (Narayanan et al. 2021) and PipeDream with
-weight stashing (Narayanan et al. SOSP 2019); see docs/pipeline.md.
+GPipe (Huang et al. 2019) and PipeDream-flush / 1F1B (Narayanan et al. 2021); PipeDream with
+weight stashing (Narayanan et al. SOSP 2019) is the subclass `pipeline.pipedream.
+PipeDreamStrategy`, which replaces the step and keeps the rest; see docs/pipeline.md.
 
 Each rank holds one stage of one pipeline replica: mesh coordinate ``pp`` is the stage, ``dp``
 the replica. Replica ``r`` trains on data-parallel slice ``r`` of the global batch, cut into
@@ -36,10 +37,8 @@ that spans the whole world may share the default group.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -50,7 +49,6 @@ from polytrain.comm.collectives import (
     all_reduce_max_,
     all_reduce_mean_flat_,
     all_reduce_sum_,
-    all_reduce_sum_async_,
     barrier,
 )
 from polytrain.comm.mesh import Mesh
@@ -66,10 +64,7 @@ from polytrain.config.job import JobConfig
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import (
     StepRules,
-    apply_update,
     finish_step,
-    nonfinite_flag,
-    nonfinite_outcome,
     sum_over,
 )
 from polytrain.core.strategy import StepOutput, Strategy
@@ -106,15 +101,14 @@ from polytrain.pipeline.runtime import (
     Feed,
     StageRuntime,
     WeightStash,
-    crossing_updates,
 )
-from polytrain.pipeline.schedule import Action, ActionKind, build, lower, stash_bound, validate
+from polytrain.pipeline.schedule import Action, build, lower, validate
 from polytrain.pipeline.stage import StageModule, build_stage
 
-__all__ = ["PipelineStrategy"]
+__all__ = ["SYNC_ONLY", "PipelineStrategy"]
 
 EVAL = "eval"
-_SYNC_ONLY = " (synchronous schedules only)"
+SYNC_ONLY = " (synchronous schedules only)"
 _PLACEHOLDER = torch.empty(0)  # a layer pipeline's first-stage "input": the inputs are context
 PARTITION_TRIAL_ROUNDS = 3  # timed steps per candidate ([Note: partition trials])
 
@@ -122,26 +116,6 @@ PARTITION_TRIAL_ROUNDS = 3  # timed steps per candidate ([Note: partition trials
 def _sync_index(step: int, offset: int, microbatch: int) -> tuple[int, int]:
     """(step, micro-batch of the step) of micro-batch ``microbatch`` of one flush."""
     return step, offset + microbatch
-
-
-def _stream_index(first_step: int, per_step: int, microbatch: int) -> tuple[int, int]:
-    """(step, micro-batch of the step) of micro-batch ``microbatch`` of a PipeDream stream."""
-    return first_step + microbatch // per_step, microbatch % per_step
-
-
-@dataclass
-class _Stream:
-    """A PipeDream micro-batch stream from step ``first_step`` to the end of training."""
-
-    first_step: int
-    program: list[Action]
-    ends: list[int]  # program index after each step's slice
-    next_step: int
-
-    def slice(self, step: int) -> tuple[list[Action], bool]:
-        r = step - self.first_step
-        start = self.ends[r - 1] if r else 0
-        return self.program[start : self.ends[r]], r == len(self.ends) - 1
 
 
 class PipelineStrategy(Strategy):
@@ -193,6 +167,10 @@ class PipelineStrategy(Strategy):
         self._accuracy: float | None = None  # of the last evaluation, on classification data
         self.modules = [self.stage]
         self.rules = StepRules.of(job)
+        self._data_step = -1
+        self._data: dict[int, tuple[Inputs, torch.Tensor]] = {}
+        suffix = (f"-dp{self.dp}" if self.dp > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
+        self.name = f"{self.schedule_name}-pp{self.num_stages}-m{self.microbatches}{suffix}"
         self._init_runtime(job, model)
 
     def _build_block_stage(self, job: JobConfig, model: BlockModel) -> None:
@@ -279,17 +257,20 @@ class PipelineStrategy(Strategy):
         self._tied = [params[name] for name in tied_names]
 
     def _init_runtime(self, job: JobConfig, model: BlockModel) -> None:
-        s = self.stage_index
-        pipedream = self.schedule_name == "pipedream"
-        params = dict(self.stage.named_parameters())
-        # PipeDream updates after every micro-batch, or once per step (PipeDream-2BW).
-        per_micro = job.pipeline.pipedream_update == "microbatch"
-        self.update_every = 1 if per_micro else self.per_step
-        bound = stash_bound(s, self.num_stages, self.update_every)
-        self.stash = WeightStash(params, bound) if pipedream else None
-        self.runtime = StageRuntime(
+        """The stage's runtime and this stage's program of the synchronous schedule
+        (`pipeline.pipedream.PipeDreamStrategy` overrides it with its stream)."""
+        self.runtime = self._make_runtime(model)
+        self._program = self._stage_program(self.schedule_name, self.microbatches, check=True)
+
+    def _make_runtime(
+        self,
+        model: BlockModel,
+        stash: WeightStash | None = None,
+        after_backward: Callable[[int], None] | None = None,
+    ) -> StageRuntime:
+        return StageRuntime(
             self.stage,
-            s,
+            self.stage_index,
             self.num_stages,
             self._p2p(),
             prev_rank=self.prev_rank,
@@ -298,18 +279,9 @@ class PipelineStrategy(Strategy):
             tracer=self.tracer,
             device=self.device,
             autocast_dtype=self._dtype,
-            stash=self.stash,
-            after_backward=self._pipedream_update if pipedream else None,
+            stash=stash,
+            after_backward=after_backward,
         )
-        self._program: list[Action] = []
-        if not pipedream:
-            self._program = self._stage_program(self.schedule_name, self.microbatches, check=True)
-        self._stream: _Stream | None = None
-        self._bad_grad = torch.zeros((), device=self.device)  # PipeDream: a non-finite update seen
-        self._data_step = -1
-        self._data: dict[int, tuple[Inputs, torch.Tensor]] = {}
-        suffix = (f"-dp{self.dp}" if self.dp > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
-        self.name = f"{self.schedule_name}-pp{self.num_stages}-m{self.microbatches}{suffix}"
 
     def _stage_program(
         self, schedule: str, num_microbatches: int, *, check: bool = False
@@ -392,8 +364,6 @@ class PipelineStrategy(Strategy):
 
     def train_step(self, step: int) -> StepOutput:
         self.stage.train()
-        if self.stash is not None:
-            return self._pipedream_step(step)
         self.optimizer.zero_grad(set_to_none=True)
         m, accum = self.microbatches, self.accum
         loss = torch.zeros((), device=self.device)
@@ -420,7 +390,7 @@ class PipelineStrategy(Strategy):
             optimizer=self.optimizer,
             grad_norm=self._global_norm,
             tracer=self.tracer,
-            hint=_SYNC_ONLY,
+            hint=SYNC_ONLY,
         )
 
     def _feed(self, where: Callable[[int], tuple[int, int]], scale: float, step: int) -> Feed:
@@ -453,77 +423,6 @@ class PipelineStrategy(Strategy):
             counted = [g for g in grads if id(g) not in tied]
         squares = grad_square_sum(counted, self.mesh)  # tp shards summed, replicas counted once
         return all_reduce_sum_(squares, self.mesh.group("pp")).sqrt()
-
-    # -- PipeDream -----------------------------------------------------------------------------
-
-    def _start_stream(self, step: int) -> _Stream:
-        per_step = self.per_step
-        num_steps = max(self.job.train.steps - step, 1)
-        program = self._stage_program("pipedream", num_steps * per_step)
-        assert self.stash is not None
-        self.stash.crossing = crossing_updates(program, self.update_every)
-        position = {a: n for n, a in enumerate(program)}
-        s = self.stage_index
-        ends: list[int] = []
-        for r in range(num_steps - 1):
-            end = position[Action(s, ActionKind.B, (r + 1) * per_step - 1)] + 1
-            ends.append(end + (1 if s > 0 else 0))  # SEND_B follows its B
-        ends.append(len(program))
-        return _Stream(step, program, ends, step)
-
-    def _pipedream_step(self, step: int) -> StepOutput:
-        if self._stream is None or self._stream.next_step != step:
-            assert self._stream is None or self.runtime.in_flight == 0, "stream restarted mid-way"
-            self._stream = self._start_stream(step)
-        stream = self._stream
-        actions, last = stream.slice(step)
-        per_step = self.per_step
-        first = stream.first_step
-        scale = 1.0 / self.update_every  # the update's gradient is its micro-batches' mean
-        feed = self._feed(partial(_stream_index, first, per_step), scale, step)
-        loss = self.runtime.run(actions, feed)
-        if last:
-            self.runtime.finish()
-            self._stream = None
-        else:
-            # Every send of the slice has a matching receive in the peers' slices, except the
-            # last activation (the next step's micro-batch): wait for all sends before it.
-            pending = self.runtime.pending
-            pending.wait_first(
-                self.runtime.last_send_f if self.next_rank is not None else len(pending)
-            )
-            stream.next_step = step + 1
-        bad, self._bad_grad = self._bad_grad, torch.zeros((), device=self.device)
-        # Not waited for here: a world collective would end the stream's overlap every step
-        # ([Note: deferred step results] in core.strategy).
-        wait = all_reduce_sum_async_(torch.stack([loss.float(), bad]), None)
-
-        def complete() -> StepOutput:
-            stats = wait()
-            value, bad = float(stats[0]) / self.dp / (scale * per_step), float(stats[1]) > 0
-            if not math.isfinite(value) or bad:  # the update is applied: no skip (checks.py)
-                return nonfinite_outcome(step, value, bad, self.rules, hint=_SYNC_ONLY)
-            return StepOutput(loss=value)
-
-        return StepOutput(loss=math.nan, complete=complete)
-
-    def _pipedream_update(self, microbatch: int) -> None:
-        """After every ``update_every``-th backward: apply the accumulated gradient."""
-        assert self.stash is not None
-        if (microbatch + 1) % self.update_every:
-            return
-        with self.tracer.span("optimizer", cat="optim", microbatch=microbatch):
-            grads = self._grads()
-            if self.dp > 1:
-                all_reduce_mean_flat_(grads, self.mesh.group("dp"))
-            # Reported (and the run stopped) at the end of this step.
-            flag = nonfinite_flag(self.stage.parameters(), self.device)
-            self._bad_grad = torch.maximum(self._bad_grad, flag)
-            # Clipped per stage: a global norm would need a collective across stages that run
-            # asynchronously ([Note: pipeline and data parallel]).
-            apply_update(list(self.stage.parameters()), self.rules, optimizer=self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.stash.version += 1
 
     # -- evaluation and weights ----------------------------------------------------------------
 
