@@ -18,6 +18,7 @@ PURE = [
     "errors.py",
     "pipeline/schedule",
     "pipeline/partition.py",
+    "pipeline/stage_costs.py",
     "planner",
     "ps/sharding.py",
     "ps/consistency.py",
