@@ -1,4 +1,4 @@
-"""Collectives that autograd differentiates through (for statistics computed across replicas)."""
+"""Collectives that autograd differentiates through (rows gathered across ranks: hybrid, spatial)."""
 
 from __future__ import annotations
 
