@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,19 +25,61 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def worker_of_rank(launcher: int, rank: int) -> int | None:
-    """Pid of the launcher's child process whose environment has ``RANK=<rank>``."""
+def start_train(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    """``polytrain train ARGS`` as a user starts it (this checkout on the path), pipes for
+    its output."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "polytrain.cli.app", "train", *args],
+        cwd=cwd,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` for ``timeout`` seconds on an idle machine, ``scaled`` to this one."""
+    deadline = time.monotonic() + scaled(timeout)
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _children(launcher: int) -> Iterator[tuple[int, Path]]:
+    """(pid, /proc entry) of every process whose parent is ``launcher``."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == launcher:
+            yield int(entry.name), entry
+
+
+def workers_of(launcher: int) -> list[int]:
+    """Pids of the worker processes the launcher started."""
+    found = []
+    for pid, entry in _children(launcher):
+        with contextlib.suppress(OSError):
+            if b"polytrain.trainer.worker" in (entry / "cmdline").read_bytes():
+                found.append(pid)
+    return sorted(found)
+
+
+def worker_of_rank(launcher: int, rank: int) -> int | None:
+    """Pid of the launcher's child process whose environment has ``RANK=<rank>``."""
+    for pid, entry in _children(launcher):
+        try:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
+        if f"RANK={rank}".encode() in environ:
+            return pid
     return None
 
 
@@ -75,14 +117,7 @@ def train_and_signal(
     Both timeouts are scaled for a loaded machine. Nothing is left behind: the launcher is
     killed if it outlives the test, and a stopped worker is killed after the run.
     """
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "polytrain.cli.app", "train", *args],
-        cwd=cwd,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    launcher = start_train(*args, cwd=cwd)
     victim = None
     try:
         deadline = time.monotonic() + scaled(start_timeout_s)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from polytrain.launch.local import loopback_port
-from tests.integration.test_restart import start, wait_for, workers_of
+from tests.helpers.cli_runs import start_train, wait_for, workers_of
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def test_a_loopback_endpoint_listens_on_loopback_only(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = start(
+    proc = start_train(
         *("--model", "tests.helpers.faults:slow", "--set", "model.block_size=16"),
         *("--steps", "400", "--nproc", "2", "--no-progress", "--nnodes", "1"),
         *("--rdzv-endpoint", f"127.0.0.1:{port}", "--out-dir", str(tmp_path / "run")),

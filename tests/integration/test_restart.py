@@ -13,8 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,39 +21,9 @@ from safetensors.torch import load_file
 
 from polytrain.config import job_from_dict, load_job
 from polytrain.testing import run_job, scaled
+from tests.helpers.cli_runs import start_train, wait_for, workers_of
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-
-
-def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "polytrain.cli.app", "train", *args],
-        cwd=cwd,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def workers_of(launcher: int) -> list[int]:
-    """Pids of the worker processes whose parent is ``launcher``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == launcher and "polytrain.trainer.worker" in cmdline:
-            found.append(int(entry.name))
-    return sorted(found)
 
 
 def listening(pids: list[int]) -> list[str]:
@@ -64,19 +32,9 @@ def listening(pids: list[int]) -> list[str]:
     return [line.split()[3] for line in out.splitlines() if any(f"pid={p}," in line for p in pids)]
 
 
-def wait_for(predicate: object, timeout: float, what: str) -> None:
-    """Poll ``predicate`` for ``timeout`` seconds on an idle machine, ``scaled`` to this one."""
-    deadline = time.monotonic() + scaled(timeout)
-    while time.monotonic() < deadline:
-        if callable(predicate) and predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) -> None:
     run_dir, ckpt, final = tmp_path / "run", tmp_path / "ckpt", tmp_path / "final.safetensors"
-    proc = start(
+    proc = start_train(
         *("--model", "tests.helpers.faults:slow", "--set", "model.block_size=16"),
         *("--steps", "60", "--nproc", "2", "--no-progress", "--max-restarts", "1"),
         *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"),
@@ -114,7 +72,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path: Path) 
 
 def test_nan_stop_is_one_line_naming_the_step(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    proc = start(
+    proc = start_train(
         *("--model", "tests.helpers.faults:nan_loss_rank1_step3", "--set", "model.block_size=16"),
         *("--steps", "6", "--nproc", "2", "--no-progress"),
         *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"),

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli_runs import worker_of_rank
-from tests.integration.test_restart import start, wait_for
+from tests.helpers.cli_runs import start_train, wait_for, worker_of_rank
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +24,7 @@ def test_a_signal_to_the_launcher_is_one_line_naming_the_checkpoint(
 ) -> None:
     # Issue 11, case 8: before, a 40-line traceback and exit 1.
     ckpt = tmp_path / "ckpt"
-    proc = start(
+    proc = start_train(
         *SLOW,
         *("--steps", "400", "--nproc", "2", "--no-progress"),
         *("--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"),
@@ -55,7 +54,7 @@ def test_a_stopped_rank_is_named_about_the_timeout_after_the_stop(tmp_path: Path
     # stopped one (torch's SIGTERM grace, which a stopped process never acts on): 45 s for
     # --timeout 10. The bound below scales with --timeout and is loose (CPU contention).
     timeout = 6
-    proc = start(
+    proc = start_train(
         *SLOW,
         *("--steps", "400", "--nproc", "2", "--no-progress", "--timeout", str(timeout)),
         *("--out-dir", str(tmp_path / "run"), "--set", "observe.log_every=1"),

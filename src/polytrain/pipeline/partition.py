@@ -27,6 +27,7 @@ from polytrain.pipeline.stage_costs import (
     PartitionResult,
     StageCosts,
     block_ranges,
+    check_stage_count,
     in_flight_microbatches,
     optimizer_state_factor,
 )
@@ -49,14 +50,14 @@ __all__ = [
 
 def uniform_counts(num_blocks: int, num_stages: int) -> list[int]:
     """Blocks per stage as even as possible; the earlier stages take the remainder."""
-    _check_stage_count(num_blocks, num_stages)
+    check_stage_count(num_blocks, num_stages)
     base, extra = divmod(num_blocks, num_stages)
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
 def check_counts(counts: Sequence[int], num_blocks: int, num_stages: int) -> list[int]:
     """Validate an explicit ``pipeline.partition`` list and return it as a list."""
-    _check_stage_count(num_blocks, num_stages)
+    check_stage_count(num_blocks, num_stages)
     counts = list(counts)
     if len(counts) != num_stages:
         raise PartitionError(
@@ -77,35 +78,10 @@ def check_counts(counts: Sequence[int], num_blocks: int, num_stages: int) -> lis
 
 def all_partitions(num_blocks: int, num_stages: int) -> Iterator[list[int]]:
     """Every way to cut ``num_blocks`` into ``num_stages`` non-empty contiguous stages."""
-    _check_stage_count(num_blocks, num_stages)
+    check_stage_count(num_blocks, num_stages)
     for cuts in itertools.combinations(range(1, num_blocks), num_stages - 1):
         bounds = (0, *cuts, num_blocks)
         yield [bounds[s + 1] - bounds[s] for s in range(num_stages)]
-
-
-def _costs(
-    profiles: Sequence[BlockProfile],
-    num_stages: int,
-    schedule: str,
-    num_microbatches: int,
-    recompute: bool,
-    link_bytes_per_s: float | None,
-    link_latency_s: float,
-    update_every: int,
-) -> StageCosts:
-    _check_stage_count(len(profiles), num_stages)
-    if update_every < 1:
-        raise PartitionError(f"update_every = {update_every}: expected at least 1 micro-batch")
-    return StageCosts(
-        profiles,
-        num_stages,
-        schedule=schedule,
-        num_microbatches=num_microbatches,
-        recompute=recompute,
-        link_bytes_per_s=link_bytes_per_s,
-        link_latency_s=link_latency_s,
-        update_every=update_every,
-    )
 
 
 def _min_max(
@@ -164,15 +140,15 @@ def search_partition(
     which sets how many weight versions it stashes. Raises `PartitionError` naming the stage that cannot fit when no
     partition respects ``memory_limit_bytes`` (None: no limit).
     """
-    costs = _costs(
+    costs = StageCosts(
         profiles,
         num_stages,
-        schedule,
-        num_microbatches,
-        recompute,
-        link_bytes_per_s,
-        link_latency_s,
-        update_every,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        recompute=recompute,
+        link_bytes_per_s=link_bytes_per_s,
+        link_latency_s=link_latency_s,
+        update_every=update_every,
     )
     limit = memory_limit_bytes
 
@@ -214,15 +190,15 @@ def evaluate_partition(
 ) -> PartitionResult:
     """Predicted time and memory of a given partition (e.g. the uniform one)."""
     counts = check_counts(counts, len(profiles), len(counts))
-    costs = _costs(
+    costs = StageCosts(
         profiles,
         len(counts),
-        schedule,
-        num_microbatches,
-        recompute,
-        link_bytes_per_s,
-        link_latency_s,
-        update_every,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        recompute=recompute,
+        link_bytes_per_s=link_bytes_per_s,
+        link_latency_s=link_latency_s,
+        update_every=update_every,
     )
     return costs.result(counts, memory_limit_bytes)
 
@@ -245,8 +221,15 @@ def nearby_partitions(
     The candidates `choose_partition` times inside the pipeline ([Note: partition trials]): where
     the profile errs, the measured best is usually the optimum with one boundary shifted.
     """
-    costs = _costs(
-        profiles, len(counts), schedule, num_microbatches, recompute, None, 0.0, update_every
+    costs = StageCosts(
+        profiles,
+        len(counts),
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        recompute=recompute,
+        link_bytes_per_s=None,
+        link_latency_s=0.0,
+        update_every=update_every,
     )
     best = list(counts)
     scored: list[tuple[float, list[int]]] = []
@@ -324,13 +307,3 @@ def _size(num_bytes: float) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.1f} {unit}"
     return f"{num_bytes:.0f} B"
-
-
-def _check_stage_count(num_blocks: int, num_stages: int) -> None:
-    if num_stages < 1:
-        raise PartitionError(f"parallel.pp = {num_stages}: expected at least one stage")
-    if num_stages > num_blocks:
-        raise PartitionError(
-            f"parallel.pp = {num_stages} stages but the model has only {num_blocks} blocks: "
-            f"use at most {num_blocks} stages or a deeper model"
-        )

@@ -48,6 +48,7 @@ __all__ = [
     "PartitionResult",
     "StageCosts",
     "block_ranges",
+    "check_stage_count",
     "in_flight_microbatches",
     "optimizer_state_factor",
 ]
@@ -178,6 +179,9 @@ class StageCosts:
         link_latency_s: float,
         update_every: int,
     ) -> None:
+        check_stage_count(len(profiles), num_stages)
+        if update_every < 1:
+            raise PartitionError(f"update_every = {update_every}: expected at least 1 micro-batch")
         self.profiles = list(profiles)
         self.num_stages = num_stages
         self.schedule = schedule
@@ -262,4 +266,15 @@ class StageCosts:
             schedule=self.schedule,
             num_microbatches=self.num_microbatches,
             memory_limit_bytes=memory_limit_bytes,
+        )
+
+
+def check_stage_count(num_blocks: int, num_stages: int) -> None:
+    """At least one stage, and at most one per block."""
+    if num_stages < 1:
+        raise PartitionError(f"parallel.pp = {num_stages}: expected at least one stage")
+    if num_stages > num_blocks:
+        raise PartitionError(
+            f"parallel.pp = {num_stages} stages but the model has only {num_blocks} blocks: "
+            f"use at most {num_blocks} stages or a deeper model"
         )
