@@ -22,14 +22,38 @@ neighbours' copies: ``x_i <- x_i + gamma * sum_j M[i][j] (h_j - h_i)`` (Koloskov
 CHOCO-SGD, ICML 2019; ``gamma = gossip.consensus_lr``). ``x_i - h_i`` is the error feedback: what
 a message left out is still there to send next round. At a checkpoint step
 (`ReplicaStrategy.synchronize`) every copy is reset to the average, on every node alike.
+
+[Note: overlapped gossip] With ``gossip.overlap`` a round's messages travel while the next
+step computes: Overlap SGP with a delay of one round (Assran et al., ICML 2019, Algorithm 2
+with ``tau = 1``). Node ``i`` holds a push-sum numerator ``y_i = w_i z_i`` (``z_i`` the
+parameters, ``w_i`` the weight; always carried, since the mass in flight makes even a doubly
+stochastic matrix leave ``sum_i w_i != n`` between rounds). Round ``t``, after the local step
+``z_i <- z_i - lr * g_i`` (on ``z``, as in the blocking mode):
+
+    wait for the messages of round t - 1 (posted a step ago, sent while this step computed)
+    post  [M[j][i] w_i z_i, M[j][i] w_i] to each out-neighbour j   (non-blocking)
+    y_i <- M[i][i] w_i z_i + sum_j m_ij^(t-1),   w_i <- M[i][i] w_i + sum_j mw_ij^(t-1)
+    z_i <- y_i / w_i
+
+where ``m_ij^(t-1)`` is what ``j`` pushed to ``i`` in round ``t - 1`` (zero in round 0). The
+next step's forward and backward run on this ``z_i`` while round ``t``'s messages are in
+flight, on a process group of their own (so the step's small loss all-reduce is not queued
+behind them). Nothing is lost: a message is in flight for exactly one step and the sum of
+``y`` and ``w`` over nodes and messages in flight is preserved. At the last step, and before
+a checkpoint's average or an export (`settle`), the messages in flight are waited for and added
+(``y_i += m``, ``w_i += mw``), so the final replicas hold all the mass. Evaluation between steps
+uses the nodes' values without what is in flight.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from polytrain.comm.gossip_wire import exchange
+from polytrain.comm.gossip_wire import PendingExchange, exchange, start_exchange
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
 from polytrain.gossip.compressors import WIRE_DTYPES, Compressor, build_compressor
@@ -65,6 +89,14 @@ class GossipStrategy(ReplicaStrategy):
             self.name += f"-k{g.peers}"
         if g.compress != "none":
             self.name += f"-{g.compress}"
+        self.overlap = g.overlap  # [Note: overlapped gossip]
+        self._pending: PendingExchange | None = None
+        self._wire_group: dist.ProcessGroup | None = None
+        if self.overlap:
+            self.name += "-overlap"
+            if dist.is_initialized():  # collective: every rank builds the strategy
+                self._wire_group = dist.new_group()
+        self.wait_s = 0.0  # seconds this step spent blocked on the exchange
         self.wire_dtype = WIRE_DTYPES.get(g.compress, torch.float32)
         self._fixed: tuple[RoundPlan, bool] | None = None
         if g.topology != "random":  # the same graph every round: plan it once
@@ -99,17 +131,23 @@ class GossipStrategy(ReplicaStrategy):
 
     @torch.no_grad()
     def communicate(self, step: int) -> None:
+        self.wait_s = 0.0
         if self.compressor is not None:
             self._choco_round()
             return
         plan, push_sum = self._fixed or self._plan(step)
+        if self.overlap:
+            self._overlapped_round(step, plan)
+            return
         z = parameters_to_vector(self.params)
         x = z * self.weight
         if push_sum:  # [Note: push-sum on the wire]
             x = torch.cat([x, x.new_tensor([self.weight])])
         sends = [(peer, (x * share).to(self.wire_dtype)) for peer, share in plan.send]
         recvs = [(peer, torch.empty_like(x, dtype=self.wire_dtype)) for peer in plan.recv]
+        start = time.perf_counter()
         self.bytes_sent += exchange(sends, recvs)
+        self.wait_s += time.perf_counter() - start
         mixed = x * plan.keep
         for _, buffer in recvs:
             mixed += buffer.float()
@@ -117,6 +155,52 @@ class GossipStrategy(ReplicaStrategy):
             self.weight = float(mixed[-1])
             mixed = mixed[:-1] / self.weight
         vector_to_parameters(mixed.to(z.dtype), self.params)
+
+    def _numerator(self) -> tuple[torch.Tensor, torch.dtype]:
+        """``[w z, w]`` of this replica (fp32 math as in the blocking mode) and ``z``'s dtype."""
+        z = parameters_to_vector(self.params)
+        x = z * self.weight
+        return torch.cat([x, x.new_tensor([self.weight])]), z.dtype
+
+    def _set_numerator(self, x: torch.Tensor, dtype: torch.dtype) -> None:
+        self.weight = float(x[-1])
+        vector_to_parameters((x[:-1] / self.weight).to(dtype), self.params)
+
+    def _wait_pending(self) -> list[tuple[int, torch.Tensor]]:
+        if self._pending is None:
+            return []
+        start = time.perf_counter()
+        arrived = self._pending.wait()
+        self.wait_s += time.perf_counter() - start
+        self._pending = None
+        return arrived
+
+    @torch.no_grad()
+    def _overlapped_round(self, step: int, plan: RoundPlan) -> None:
+        """[Note: overlapped gossip]: mix in last round's messages, post this round's."""
+        x, dtype = self._numerator()
+        arrived = self._wait_pending()  # at most one exchange in flight
+        sends = [(peer, (x * share).to(self.wire_dtype)) for peer, share in plan.send]
+        recvs = [(peer, torch.empty_like(x, dtype=self.wire_dtype)) for peer in plan.recv]
+        self._pending = start_exchange(sends, recvs, self._wire_group)
+        self.bytes_sent += self._pending.bytes_sent
+        mixed = x * plan.keep
+        for _, buffer in arrived:
+            mixed += buffer.float()
+        self._set_numerator(mixed, dtype)
+        if step + 1 == self.job.train.steps:
+            self.settle()
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Wait for the round in flight and add its messages ([Note: overlapped gossip])."""
+        arrived = self._wait_pending()
+        if not arrived:
+            return
+        x, dtype = self._numerator()
+        for _, buffer in arrived:
+            x += buffer.float()
+        self._set_numerator(x, dtype)
 
     @torch.no_grad()
     def _choco_round(self) -> None:
@@ -130,7 +214,9 @@ class GossipStrategy(ReplicaStrategy):
         message = packet.to_bytes()
         sends = [(peer, message) for peer, _ in plan.send]
         recvs = [(peer, torch.empty_like(message)) for peer in plan.recv]
+        start = time.perf_counter()
         self.bytes_sent += exchange(sends, recvs)
+        self.wait_s += time.perf_counter() - start
         pull = torch.zeros_like(x)
         for peer, buffer in recvs:
             self.copies[peer] += self.compressor.decode(packet.like(buffer))
@@ -143,4 +229,7 @@ class GossipStrategy(ReplicaStrategy):
             self._reset_copies()
 
     def extra_metrics(self, step: int) -> dict[str, float]:
-        return {"push_sum_weight": self.weight} if self.job.gossip.topology == "random" else {}
+        out = {"exchange_wait_s": self.wait_s}
+        if self.job.gossip.topology == "random" or self.overlap:
+            out["push_sum_weight"] = self.weight
+        return out
