@@ -19,6 +19,7 @@ __all__ = [
     "nbytes",
     "start_exchange",
     "weighted_average",
+    "wire_group",
 ]
 
 
@@ -81,6 +82,13 @@ def start_exchange(
     works = list(dist.batch_isend_irecv(ops)) if ops else []
     sent = [t for _, t in tensors]
     return PendingExchange(works, sent, list(recvs), sum(nbytes(t) for t in sent))
+
+
+def wire_group() -> dist.ProcessGroup | None:
+    """Collective: a process group over the whole world for gossip messages alone (its own
+    connections and, on NCCL, its own stream), so messages in flight do not queue the step's
+    collectives behind them; None outside a distributed run."""
+    return dist.new_group() if dist.is_initialized() else None
 
 
 def weighted_average(

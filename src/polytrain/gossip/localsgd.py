@@ -10,7 +10,7 @@ since the last world average as a pseudo-gradient of an outer SGD with Nesterov 
 [Note: compressed averaging] With ``gossip.compress`` the world average is ours, not torch's
 (its averagers send fp32): every replica compresses its change since the last average,
 ``x_i - a`` (``a``, the last average, is the same on every rank), with error feedback
-(`polytrain.gossip.compressors.ErrorFeedback`: what a message left out is added to the next
+(`polytrain.comm.compressors.ErrorFeedback`: what a message left out is added to the next
 one); fp16/bf16 changes are summed by an all-reduce, top-k and sign messages (fixed sizes) are
 all-gathered and decoded by every rank, and every replica becomes ``a + mean_i C(x_i - a)``,
 the same on all ranks. A checkpoint's `synchronize` resets the residuals to zero (on every
@@ -46,11 +46,11 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from polytrain.comm.collectives import all_reduce_sum_
+from polytrain.comm.compressors import CastCompressor, ErrorFeedback, build_compressor
 from polytrain.comm.gossip_wire import all_gather_equal, nbytes
 from polytrain.config.job import JobConfig
 from polytrain.core.modules import module_of
 from polytrain.data.sampler import Batches
-from polytrain.gossip.compressors import CastCompressor, ErrorFeedback, build_compressor
 from polytrain.gossip.replica import ReplicaStrategy
 from polytrain.models.base import BlockModel
 

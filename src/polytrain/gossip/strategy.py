@@ -50,13 +50,12 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from polytrain.comm.gossip_wire import PendingExchange, exchange, start_exchange
+from polytrain.comm.compressors import WIRE_DTYPES, Compressor, build_compressor
+from polytrain.comm.gossip_wire import PendingExchange, exchange, start_exchange, wire_group
 from polytrain.config.job import JobConfig
 from polytrain.data.sampler import Batches
-from polytrain.gossip.compressors import WIRE_DTYPES, Compressor, build_compressor
 from polytrain.gossip.graphs import (
     RoundPlan,
     graph_for_round,
@@ -91,11 +90,10 @@ class GossipStrategy(ReplicaStrategy):
             self.name += f"-{g.compress}"
         self.overlap = g.overlap  # [Note: overlapped gossip]
         self._pending: PendingExchange | None = None
-        self._wire_group: dist.ProcessGroup | None = None
+        self._wire_group = None
         if self.overlap:
             self.name += "-overlap"
-            if dist.is_initialized():  # collective: every rank builds the strategy
-                self._wire_group = dist.new_group()
+            self._wire_group = wire_group()  # collective: every rank builds the strategy
         self.wait_s = 0.0  # seconds this step spent blocked on the exchange
         self.wire_dtype = WIRE_DTYPES.get(g.compress, torch.float32)
         self._fixed: tuple[RoundPlan, bool] | None = None
