@@ -74,9 +74,13 @@ class ReplicaStrategy(Strategy):
         """Fields a subclass adds to the step's record."""
         return {}
 
+    def before_local_step(self) -> None:  # an optional hook
+        """Called just before the local optimizer step (the parameters are still the old ones)."""
+
     def _update(self, step: int) -> None:
         if self.straggler:  # fault injection: a slow worker (gossip.straggler_delay_s)
             time.sleep(self.job.gossip.straggler_delay_s)
+        self.before_local_step()
         self.optimizer.step()
         with self.tracer.span("communicate", cat="comm", step=step):
             self.communicate(step)

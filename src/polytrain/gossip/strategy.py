@@ -27,15 +27,19 @@ a message left out is still there to send next round. At a checkpoint step
 step computes: Overlap SGP with a delay of one round (Assran et al., ICML 2019, Algorithm 2
 with ``tau = 1``). Node ``i`` holds a push-sum numerator ``y_i = w_i z_i`` (``z_i`` the
 parameters, ``w_i`` the weight; always carried, since the mass in flight makes even a doubly
-stochastic matrix leave ``sum_i w_i != n`` between rounds). Round ``t``, after the local step
-``z_i <- z_i - lr * g_i`` (on ``z``, as in the blocking mode):
+stochastic matrix leave ``sum_i w_i != n`` between rounds). Round ``t``: the local step moves
+the numerator, as SGP's ``x_i <- x_i - lr * g(z_i)``: with ``d_i`` the optimizer's update of
+``z_i`` (``-lr * g_i`` for plain SGD), ``y_i = w_i z_i + d_i``; then
 
     wait for the messages of round t - 1 (posted a step ago, sent while this step computed)
-    post  [M[j][i] w_i z_i, M[j][i] w_i] to each out-neighbour j   (non-blocking)
-    y_i <- M[i][i] w_i z_i + sum_j m_ij^(t-1),   w_i <- M[i][i] w_i + sum_j mw_ij^(t-1)
+    post  [M[j][i] y_i, M[j][i] w_i] to each out-neighbour j   (non-blocking)
+    y_i <- M[i][i] y_i + sum_j m_ij^(t-1),   w_i <- M[i][i] w_i + sum_j mw_ij^(t-1)
     z_i <- y_i / w_i
 
-where ``m_ij^(t-1)`` is what ``j`` pushed to ``i`` in round ``t - 1`` (zero in round 0). The
+where ``m_ij^(t-1)`` is what ``j`` pushed to ``i`` in round ``t - 1`` (zero in round 0). (Had
+the update moved ``z`` instead, ``y_i = w_i (z_i + d_i)``, the network's average would advance
+by ``w_i d_i`` a step: with a quarter to a half of the mass in flight, ``w_i`` settles near
+0.6 on a ring of 4 and the learning rate would shrink by as much.) The
 next step's forward and backward run on this ``z_i`` while round ``t``'s messages are in
 flight, on a process group of their own (so the step's small loss all-reduce is not queued
 behind them). Nothing is lost: a message is in flight for exactly one step and the sum of
@@ -90,10 +94,11 @@ class GossipStrategy(ReplicaStrategy):
             self.name += f"-{g.compress}"
         self.overlap = g.overlap  # [Note: overlapped gossip]
         self._pending: PendingExchange | None = None
-        self._wire_group = None
+        self._before: torch.Tensor | None = None  # the parameters before the local step
+        # collective (every rank builds the strategy): the overlapped rounds' own group
+        self._wire_group = wire_group() if self.overlap else None
         if self.overlap:
             self.name += "-overlap"
-            self._wire_group = wire_group()  # collective: every rank builds the strategy
         self.wait_s = 0.0  # seconds this step spent blocked on the exchange
         self.wire_dtype = WIRE_DTYPES.get(g.compress, torch.float32)
         self._fixed: tuple[RoundPlan, bool] | None = None
@@ -173,10 +178,18 @@ class GossipStrategy(ReplicaStrategy):
         self._pending = None
         return arrived
 
+    def before_local_step(self) -> None:
+        if self.overlap:  # the update moves the numerator ([Note: overlapped gossip])
+            self._before = parameters_to_vector(self.params).detach()
+
     @torch.no_grad()
     def _overlapped_round(self, step: int, plan: RoundPlan) -> None:
         """[Note: overlapped gossip]: mix in last round's messages, post this round's."""
-        x, dtype = self._numerator()
+        z = parameters_to_vector(self.params)
+        before = z if self._before is None else self._before
+        y = before * self.weight + (z - before)  # w z_before + d
+        x, dtype = torch.cat([y, y.new_tensor([self.weight])]), z.dtype
+        self._before = None
         arrived = self._wait_pending()  # at most one exchange in flight
         sends = [(peer, (x * share).to(self.wire_dtype)) for peer, share in plan.send]
         recvs = [(peer, torch.empty_like(x, dtype=self.wire_dtype)) for peer in plan.recv]
