@@ -6,9 +6,11 @@ how close does each end to data parallel's validation loss, and how soon does ea
 target validation loss, on loopback and on 4 hosts joined by ``tbf``-limited links?
 
 Peers, all in this script on the same job and 4 workers, one process per rank:
-- ``allreduce``: polytrain data parallel (DDP);
-- ``gossip-<topology>[-<compress>]``: ring, torus (2 x 2), exponential, one random peer;
-  compression bf16, 1-bit sign or top-k (CHOCO, [Note: CHOCO gossip]);
+- ``allreduce[-topk|-sign]``: polytrain data parallel (DDP), optionally with the top-k / 1-bit
+  sign gradient hook ([Note: sparse gradient hook]);
+- ``gossip-<topology>[-<compress>][-overlap|-async]``: ring, torus (2 x 2), exponential, one
+  random peer; compression bf16, 1-bit sign or top-k (CHOCO, [Note: CHOCO gossip]); rounds
+  overlapped with the next step ([Note: overlapped gossip]) or asynchronous;
 - ``localsgd-h<H>[-<compress>]``: world average every H steps, optionally compressed with
   error feedback ([Note: compressed averaging]).
 
@@ -16,7 +18,9 @@ Settings: ``loopback`` (the four processes on this host's loopback) and ``slow``
 its own network namespace, every host's link limited to ``--rate`` Mbit/s in both directions
 by ``tc tbf``: `polytrain.testing.cluster`, set up and torn down here; needs root). Part 2, the
 default job (char GPT tiny, AdamW): validation loss of every topology and local SGD against
-all-reduce after the same samples, at loopback.
+all-reduce after the same samples, at loopback. Part 3 (``overlap``): GPT tiny on the four
+hosts at ``--overlap-rate`` Mbit/s, blocking against overlapped ring gossip: step time and the
+seconds per step blocked on the exchange (``exchange_wait_s``).
 
 Bytes: the step records' ``bytes_sent`` (sizes of the tensors handed to c10d); for all-reduce
 the fp32 gradients DDP all-reduces once a step (the model's parameter bytes). Time to target =
