@@ -6,9 +6,11 @@ how close does each end to data parallel's validation loss, and how soon does ea
 target validation loss, on loopback and on 4 hosts joined by ``tbf``-limited links?
 
 Peers, all in this script on the same job and 4 workers, one process per rank:
-- ``allreduce``: polytrain data parallel (DDP);
-- ``gossip-<topology>[-<compress>]``: ring, torus (2 x 2), exponential, one random peer;
-  compression bf16, 1-bit sign or top-k (CHOCO, [Note: CHOCO gossip]);
+- ``allreduce[-topk|-sign]``: polytrain data parallel (DDP), optionally with the top-k / 1-bit
+  sign gradient hook ([Note: sparse gradient hook]);
+- ``gossip-<topology>[-<compress>][-overlap|-async]``: ring, torus (2 x 2), exponential, one
+  random peer; compression bf16, 1-bit sign or top-k (CHOCO, [Note: CHOCO gossip]); rounds
+  overlapped with the next step ([Note: overlapped gossip]) or asynchronous;
 - ``localsgd-h<H>[-<compress>]``: world average every H steps, optionally compressed with
   error feedback ([Note: compressed averaging]).
 
@@ -16,7 +18,9 @@ Settings: ``loopback`` (the four processes on this host's loopback) and ``slow``
 its own network namespace, every host's link limited to ``--rate`` Mbit/s in both directions
 by ``tc tbf``: `polytrain.testing.cluster`, set up and torn down here; needs root). Part 2, the
 default job (char GPT tiny, AdamW): validation loss of every topology and local SGD against
-all-reduce after the same samples, at loopback.
+all-reduce after the same samples, at loopback. Part 3 (``overlap``): GPT tiny on the four
+hosts at ``--overlap-rate`` Mbit/s, blocking against overlapped ring gossip: step time and the
+seconds per step blocked on the exchange (``exchange_wait_s``).
 
 Bytes: the step records' ``bytes_sent`` (sizes of the tensors handed to c10d); for all-reduce
 the fp32 gradients DDP all-reduces once a step (the model's parameter bytes). Time to target =
@@ -60,12 +64,21 @@ LOOPBACK_MODES = [
 ]
 SLOW_MODES = [
     "allreduce",
+    "allreduce-sign",
+    "allreduce-topk",
     "gossip-ring",
+    "gossip-ring-overlap",
+    "gossip-ring-bf16",
+    "gossip-ring-bf16-overlap",
+    "gossip-ring-async",
     "gossip-ring-sign",
     "localsgd-h4",
     "localsgd-h8",
     "localsgd-h4-sign",
 ]
+# Does the overlapped exchange hide behind compute where the two are of one size? GPT tiny
+# (3.3 MB of fp32 parameters, a ring hands two copies a step to c10d) on a faster link.
+OVERLAP_MODES = ["gossip-ring", "gossip-ring-overlap", "allreduce"]
 GPT_MODES = [
     "allreduce",
     "gossip-ring",
@@ -89,12 +102,19 @@ def job_dict(mode: str, model: str, steps: int, eval_every: int) -> dict[str, An
         data["train"]["global_batch_size"] = 64
         data["optim"] = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "schedule": "constant"}
     parts = mode.split("-")
-    if parts[0] == "gossip":
+    if parts[0] == "allreduce" and len(parts) > 1:  # DDP with a compression hook
+        data["parallel"] = {"grad_compression": parts[1], "grad_topk_ratio": 0.1}
+    elif parts[0] == "gossip":
         topology = "random" if parts[1] == "random1" else parts[1]
         gossip: dict[str, Any] = {"topology": topology, "peers": 1}
-        if len(parts) > 2:
-            gossip["compress"] = parts[2]
-            gossip["topk_ratio"] = 0.1
+        for part in parts[2:]:
+            if part == "overlap":  # [Note: overlapped gossip]
+                gossip["overlap"] = True
+            elif part == "async":
+                gossip["mode"] = "async"
+            else:
+                gossip["compress"] = part
+                gossip["topk_ratio"] = 0.1
         data["parallel"] = {"sync": "gossip"}
         data["gossip"] = gossip
     elif parts[0] == "localsgd":
@@ -115,10 +135,12 @@ def worker(spec_path: str) -> None:
     result = train(job_from_dict(spec["job"]))
     if result.state_dict is None:
         return
-    elapsed, curve, sent, distance = 0.0, [], [], []
+    elapsed, curve, sent, distance, waited = 0.0, [], [], [], []
     for record in result.history:
         elapsed += record["step_time_s"]
         sent.append(record.get("bytes_sent", float("nan")))
+        if "exchange_wait_s" in record:
+            waited.append(record["exchange_wait_s"])
         if "consensus_distance" in record:
             distance.append((record["step"], record["consensus_distance"]))
         if "val_loss" in record:
@@ -130,6 +152,7 @@ def worker(spec_path: str) -> None:
         "model_bytes": sum(t.numel() * t.element_size() for t in result.state_dict.values()),
         "train_time_s": elapsed,
         "consensus_distance": distance,
+        "exchange_wait_s": sum(waited) / len(waited) if waited else None,
     }
     Path(spec["out"]).write_text(json.dumps(out))
 
@@ -180,6 +203,9 @@ def table(runs: dict[str, dict[str, Any]], target_at: float, steps: int) -> dict
             "val_loss_vs_allreduce": run["curve"][-1][2] / dp["curve"][-1][2],
             "time_to_target_s": reach,
             "train_time_s": run["train_time_s"],
+            "step_time_s": run["train_time_s"] / steps,
+            # sync gossip: seconds per step the training thread was blocked on the exchange
+            "exchange_wait_s": run.get("exchange_wait_s"),
             "max_consensus_distance": max((d for _, d in run["consensus_distance"]), default=0),
             "curve": run["curve"],  # (step, seconds of training, validation loss)
         }
@@ -220,7 +246,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=20.0, help="slow link, Mbit/s")
     parser.add_argument("--gpt-steps", type=int, default=60, help="0: skip the GPT part")
     parser.add_argument("--target-at", type=float, default=0.5, help="fraction of DP's run")
-    parser.add_argument("--only", choices=["loopback", "slow", "gpt"], default=None)
+    parser.add_argument("--overlap-rate", type=float, default=200.0, help="Mbit/s")
+    parser.add_argument("--overlap-steps", type=int, default=30)
+    parser.add_argument("--only", choices=["loopback", "slow", "gpt", "overlap"], default=None)
     args = parser.parse_args()
     result: dict[str, Any] = {"steps": args.steps, "world": WORLD, "rate_mbit": args.rate}
     old = HERE / "results.json"
@@ -248,6 +276,19 @@ def main() -> None:
             with Cluster(WORLD, link=LinkSpec(rate_mbit=args.rate)) as cluster:
                 runs = sweep(SLOW_MODES, "mlp", args.steps, cluster)
             result["slow"] = table(runs, args.target_at, args.steps)
+    if args.only in (None, "overlap") and not unavailable_reason():
+        with Cluster(WORLD, link=LinkSpec(rate_mbit=args.overlap_rate)) as cluster:
+            runs = sweep(OVERLAP_MODES, "gpt", args.overlap_steps, cluster)
+        rows = {}
+        for mode, run in runs.items():
+            rows[mode] = {
+                "step_time_s": run["train_time_s"] / args.overlap_steps,
+                "exchange_wait_s": run["exchange_wait_s"],
+                "bytes_per_worker_per_step": run["bytes_per_step"],
+                "val_loss": run["curve"][-1][2],
+            }
+        result["overlap"] = {"rate_mbit": args.overlap_rate, "steps": args.overlap_steps}
+        result["overlap"]["rows"] = rows
     if args.only in (None, "gpt") and args.gpt_steps:
         runs = sweep(GPT_MODES, "gpt", args.gpt_steps)
         dp = runs["allreduce"]["curve"][-1][2]

@@ -201,3 +201,28 @@ def test_compressed_messages_with_error_feedback(sync: str, compress: str) -> No
         assert hist[1]["consensus_distance"] < 1e-6 < hist[0]["consensus_distance"]
     assert max_abs_diff(out["state"], reference()["state"]) < 0.2
     assert hist[-1]["loss"] == pytest.approx(reference()["losses"][-1], rel=0.01)
+
+
+def test_diloco_checkpoint_holds_anchor_and_outer_momentum(tmp_path: Path) -> None:
+    """DiLoCo saved after step 3 of 6 (between the outer steps after steps 2 and 4): resuming
+    reproduces the uninterrupted run bitwise only if the anchor and the outer momentum were
+    saved and restored ([Note: DiLoCo state]): a fresh anchor (the initial model) and zero
+    momentum would make the outer step after step 4 another one."""
+
+    def job(ckpt: Path, resume: bool = False) -> JobConfig:
+        return small_job(
+            train={"steps": 6},
+            parallel={"sync": "localsgd"},
+            localsgd={"period": 2, "outer": "nesterov"},
+            checkpoint={"dir": str(ckpt), "every": 3, "keep": 5, "resume": resume},
+            launch={"nproc": 2},
+        )
+
+    full = run_job(job(tmp_path / "a"))
+    assert full["strategy"] == "localsgd-h2-w2-diloco"
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(step_dir(tmp_path / "b", 6))
+    resumed = run_job(job(tmp_path / "b", resume=True))
+    assert resumed["start"] == 3
+    assert_state_close(resumed["state"], full["state"], atol=0.0)
+    assert resumed["losses"] == full["losses"][3:]

@@ -59,6 +59,18 @@ CASES = {
         [*GOSSIP, "--set", "gossip.straggler_delay_s=-1"],
         "gossip.straggler_delay_s = -1",
     ),
+    "overlap with local SGD": (
+        ["--sync", "localsgd", "--overlap"],
+        "not parallel.sync = 'localsgd'",
+    ),
+    "overlap with async gossip": (
+        [*GOSSIP, "--overlap", "--set", "gossip.mode=async"],
+        "gossip.mode = 'async'",
+    ),
+    "overlap with sign gossip": (
+        [*GOSSIP, "--overlap", "--compress", "sign"],
+        "gossip.overlap = true with gossip.compress = 'sign'",
+    ),
     "hierarchical on one host": (
         ["--sync", "localsgd", "--set", "localsgd.hierarchical=true"],
         "into at least 2 hosts",
@@ -85,7 +97,7 @@ def test_bad_decentralized_invocation(name: str, capsys: pytest.CaptureFixture[s
 
 
 def test_flags_land_in_the_job(capsys: pytest.CaptureFixture[str]) -> None:
-    args = [*GOSSIP, "--topology", "random", "--peers", "2", "--compress", "bf16"]
+    args = [*GOSSIP, "--topology", "random", "--peers", "2", "--compress", "bf16", "--overlap"]
     code, out, err = _run(args, capsys)
     assert code == 0, err
     job = tomllib.loads(out)
@@ -98,6 +110,7 @@ def test_flags_land_in_the_job(capsys: pytest.CaptureFixture[str]) -> None:
         "consensus_lr": 0.5,
         "seed": 0,
         "mode": "sync",
+        "overlap": True,
         "straggler_delay_s": 0.0,
     }
     code, out, err = _run(["--sync", "localsgd", "--period", "4"], capsys)

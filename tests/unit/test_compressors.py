@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polytrain.gossip.compressors import (
+from polytrain.comm.compressors import (
     Compressor,
     ErrorFeedback,
     SignCompressor,

@@ -66,6 +66,7 @@ FLAG_FIELDS: dict[str, str] = {
     "topology": "gossip.topology",
     "peers": "gossip.peers",
     "compress": "gossip.compress",
+    "overlap": "gossip.overlap",
     "period": "localsgd.period",
     "checkpoint_dir": "checkpoint.dir",
     "checkpoint_every": "checkpoint.every",

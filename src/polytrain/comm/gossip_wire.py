@@ -12,7 +12,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_equal", "exchange", "nbytes", "weighted_average"]
+__all__ = [
+    "PendingExchange",
+    "all_gather_equal",
+    "exchange",
+    "nbytes",
+    "start_exchange",
+    "weighted_average",
+    "wire_group",
+]
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -30,12 +38,57 @@ def exchange(
     Peers are global ranks. At most one message per direction and peer per call, so the order
     of posting cannot mismatch two messages of one pair.
     """
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group) for peer, t in sends]
-    ops += [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf in recvs]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
+    pending = start_exchange(sends, recvs, group)
+    pending.wait()
+    return pending.bytes_sent
+
+
+class PendingExchange:
+    """An exchange posted by `start_exchange` and not yet waited for.
+
+    Holds the send tensors until `wait` (c10d reads them while the messages are in flight, so
+    they must stay alive and unchanged) and the receive buffers it fills.
+    """
+
+    def __init__(
+        self,
+        works: list[dist.Work],
+        sends: list[torch.Tensor],
+        recvs: list[tuple[int, torch.Tensor]],
+        bytes_sent: int,
+    ) -> None:
+        self._works, self._sends, self.recvs, self.bytes_sent = works, sends, recvs, bytes_sent
+
+    def wait(self) -> list[tuple[int, torch.Tensor]]:
+        """Block until every message of the exchange is sent and received; the filled
+        ``(peer, buffer)`` receives, in the order they were given."""
+        for work in self._works:
             work.wait()
-    return sum(nbytes(t) for _, t in sends)
+        self._works, self._sends = [], []
+        return self.recvs
+
+
+def start_exchange(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    recvs: Sequence[tuple[int, torch.Tensor]],
+    group: dist.ProcessGroup | None = None,
+) -> PendingExchange:
+    """Post the sends and receives of `exchange` without waiting: the messages travel while the
+    caller computes, and `PendingExchange.wait` completes them. At most one exchange per group
+    should be outstanding (two would match one pair's messages by posting order alone)."""
+    tensors = [(peer, t.contiguous()) for peer, t in sends]
+    ops = [dist.P2POp(dist.isend, t, peer, group) for peer, t in tensors]
+    ops += [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf in recvs]
+    works = list(dist.batch_isend_irecv(ops)) if ops else []
+    sent = [t for _, t in tensors]
+    return PendingExchange(works, sent, list(recvs), sum(nbytes(t) for t in sent))
+
+
+def wire_group() -> dist.ProcessGroup | None:
+    """Collective: a process group over the whole world for gossip messages alone (its own
+    connections and, on NCCL, its own stream), so messages in flight do not queue the step's
+    collectives behind them; None outside a distributed run."""
+    return dist.new_group() if dist.is_initialized() else None
 
 
 def weighted_average(

@@ -41,6 +41,11 @@ class GossipConfig:
     mode: Literal["sync", "async"] = option(
         "sync", "async: nobody waits for a peer, and the run survives dead workers but rank 0"
     )
+    overlap: bool = option(
+        False,
+        "sync gossip: send a step's parameters while the next step computes and mix them in "
+        "one step late (Overlap SGP)",
+    )
     straggler_delay_s: float = option(
         0.0, "fault injection (benchmarks, tests): the last rank sleeps this long every step"
     )
@@ -116,6 +121,18 @@ def check_decentralized(
             f"gossip.compress = {c!r} needs a fixed graph (it keeps a copy of each neighbour's "
             "model), not topology 'random': use --topology ring/torus/exponential/complete"
         )
+    if gossip.overlap:
+        if sync != "gossip" or gossip.mode != "sync":
+            raise ConfigError(
+                f"gossip.overlap = true overlaps synchronous gossip rounds, not parallel.sync = "
+                f"{sync!r} with gossip.mode = {gossip.mode!r}: use --sync gossip with "
+                "gossip.mode = 'sync', or drop --overlap"
+            )
+        if sparse:
+            raise ConfigError(
+                f"gossip.overlap = true with gossip.compress = {c!r}: CHOCO's copies must be "
+                "in step every round; use --compress none/fp16/bf16 or drop --overlap"
+            )
     if sync == "localsgd" and local.hierarchical and c != "none":
         raise ConfigError(
             f"gossip.compress = {c!r} with localsgd.hierarchical: torch's hierarchical "

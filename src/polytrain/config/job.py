@@ -168,10 +168,13 @@ class ParallelConfig:
         "or periodic model averaging",
     )
     bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
-    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = option(
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd", "topk", "sign"] = option(
         "none",
-        "compress gradients for the all-reduce: to this dtype, or rank-1 PowerSGD with error "
-        "feedback",
+        "compress gradients for the all-reduce: to this dtype, rank-1 PowerSGD, or top-k / "
+        "1-bit sign packets all-gathered (the last three with error feedback)",
+    )
+    grad_topk_ratio: float = option(
+        0.01, "grad_compression = 'topk': fraction of each gradient bucket's values sent"
     )
     sufficient_factor: Literal["auto", "on", "off"] = option(
         "off", "sufficient-factor (late multiply) exchange for large linear layers"
@@ -215,6 +218,17 @@ class ParallelConfig:
             )
         if self.zero not in (0, 2, 3):
             raise ConfigError(f"parallel.zero = {self.zero!r}: expected one of 0, 2, 3")
+        if not 0 < self.grad_topk_ratio <= 1:
+            raise ConfigError(
+                f"parallel.grad_topk_ratio = {self.grad_topk_ratio}: expected a value in (0, 1] "
+                "(the fraction of each gradient bucket sent)"
+            )
+        if self.zero and self.grad_compression not in ("none", "bf16", "fp16"):
+            raise ConfigError(
+                f"parallel.grad_compression = {self.grad_compression!r} is a DDP hook, and ZeRO "
+                f"{self.zero} (FSDP2) reduce-scatters without DDP: use --grad-compression "
+                "bf16/fp16 (FSDP2's reduce dtype) or --zero 0"
+            )
         if self.tp > 1 and self.grad_compression != "none":
             raise ConfigError(
                 f"parallel.grad_compression = {self.grad_compression!r} is a DDP hook, and a "

@@ -1,20 +1,23 @@
-"""A module view of parameters held outside any model module."""
+"""A module view of parameters (and other state tensors) held outside any model module."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 __all__ = ["module_of"]
 
 
-def module_of(params: Mapping[str, nn.Parameter]) -> nn.Module:
+def module_of(params: Mapping[str, torch.Tensor]) -> nn.Module:
     """A module whose ``state_dict`` keys are the given dotted names (``blocks.3.fc.weight``).
 
     For a strategy whose rank holds parameters outside any model module (a parameter server's
-    shard): exposing this as ``modules`` makes the shard checkpointable; loading writes into the
-    given parameters in place (they may be views of one flat buffer).
+    shard) or state tensors of its own (DiLoCo's anchor and outer momentum): exposing this as
+    ``modules`` makes them checkpointable; loading writes into the given tensors in place (they
+    may be views of one flat buffer). A ``nn.Parameter`` is registered as a parameter, any
+    other tensor as a (persistent) buffer.
     """
     root = nn.Module()
     for name, param in params.items():
@@ -26,5 +29,8 @@ def module_of(params: Mapping[str, nn.Parameter]) -> nn.Module:
                 child = nn.Module()
                 node.add_module(part, child)
             node = child
-        node.register_parameter(leaf, param)
+        if isinstance(param, nn.Parameter):
+            node.register_parameter(leaf, param)
+        else:
+            node.register_buffer(leaf, param)
     return root

@@ -31,12 +31,12 @@ import sys
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from polytrain.comm.compressors import WIRE_DTYPES
 from polytrain.comm.gossip_async import Departure, Mailboxes, with_step
 from polytrain.config.job import JobConfig
 from polytrain.core.step import mean_over
 from polytrain.data.sampler import Batches
 from polytrain.gossip.checks import checkpoint_refusal
-from polytrain.gossip.compressors import WIRE_DTYPES
 from polytrain.gossip.graphs import graph_for_round, mixing_matrix, round_plan
 from polytrain.gossip.replica import ReplicaStrategy
 from polytrain.models.base import BlockModel

@@ -10,11 +10,20 @@ since the last world average as a pseudo-gradient of an outer SGD with Nesterov 
 [Note: compressed averaging] With ``gossip.compress`` the world average is ours, not torch's
 (its averagers send fp32): every replica compresses its change since the last average,
 ``x_i - a`` (``a``, the last average, is the same on every rank), with error feedback
-(`polytrain.gossip.compressors.ErrorFeedback`: what a message left out is added to the next
+(`polytrain.comm.compressors.ErrorFeedback`: what a message left out is added to the next
 one); fp16/bf16 changes are summed by an all-reduce, top-k and sign messages (fixed sizes) are
 all-gathered and decoded by every rank, and every replica becomes ``a + mean_i C(x_i - a)``,
 the same on all ranks. A checkpoint's `synchronize` resets the residuals to zero (on every
 rank, in the uninterrupted and the resumed run alike).
+
+[Note: DiLoCo state] The anchor (the model after the last outer step) and the outer
+momentum are the same on every rank (every rank takes the same outer step on the same average).
+They are exposed to the checkpointer as a second module of ``modules`` (`module_of`: the anchor
+as parameters ``diloco.anchor.<name>``, the momentum buffers, pre-created as SGD's
+``momentum_buffer`` state, as buffers ``diloco.outer_momentum.<name>``), saved next to the
+model and loaded in place. A checkpoint's `synchronize` averages the replicas but leaves them
+alone, so the next world average's outer gradient is still ``anchor - average``, in the
+uninterrupted and the resumed run alike.
 
 [Note: averager step] torch's averagers count their own calls and average when the count is a
 multiple of the period; we set ``averager.step = t + 1`` before each call (``t`` the 0-based
@@ -37,10 +46,11 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from polytrain.comm.collectives import all_reduce_sum_
+from polytrain.comm.compressors import CastCompressor, ErrorFeedback, build_compressor
 from polytrain.comm.gossip_wire import all_gather_equal, nbytes
 from polytrain.config.job import JobConfig
+from polytrain.core.modules import module_of
 from polytrain.data.sampler import Batches
-from polytrain.gossip.compressors import CastCompressor, ErrorFeedback, build_compressor
 from polytrain.gossip.replica import ReplicaStrategy
 from polytrain.models.base import BlockModel
 
@@ -85,16 +95,26 @@ class LocalSGDStrategy(ReplicaStrategy):
         self.outer: torch.optim.Optimizer | None = None
         if cfg.outer == "nesterov":
             self.name += "-diloco"
-            self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
-            self.outer = torch.optim.SGD(
-                self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
-            )
-            # The outer momentum and anchor are not in the checkpointer's view of this rank.
-            self.checkpointable = False
-            self.checkpoint_refusal = (
-                "localsgd.outer = 'nesterov' keeps an outer optimizer the checkpoint does not "
-                "hold: set localsgd.outer = 'none' or drop --checkpoint-dir"
-            )
+            self._build_outer(model)
+
+    def _build_outer(self, model: BlockModel) -> None:
+        """DiLoCo's outer optimizer and its state as a module the checkpoint saves ([Note:
+        DiLoCo state])."""
+        cfg = self.job.localsgd
+        self.anchor = [torch.nn.Parameter(p.detach().clone()) for p in self.params]
+        self.outer = torch.optim.SGD(
+            self.anchor, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True
+        )
+        state: dict[str, torch.Tensor] = {}
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        for name, anchor in zip(names, self.anchor, strict=True):
+            momentum = torch.zeros_like(anchor.detach())
+            # A zero buffer is what SGD's first step would start from (dampening 0): its first
+            # step sets it to the gradient, as the clone it would make does.
+            self.outer.state[anchor]["momentum_buffer"] = momentum
+            state[f"diloco.anchor.{name}"] = anchor
+            state[f"diloco.outer_momentum.{name}"] = momentum
+        self.modules = [model, module_of(state)]
 
     def _world_round(self, step: int) -> bool:
         return (step + 1) % self.period == 0
@@ -149,6 +169,3 @@ class LocalSGDStrategy(ReplicaStrategy):
         if self.feedback is not None:
             self.feedback.residual.zero_()
             self.last_average = parameters_to_vector(self.params).detach().float().clone()
-        if self.outer is not None:
-            for a, p in zip(self.anchor, self.params, strict=True):
-                a.data.copy_(p.detach())

@@ -74,9 +74,13 @@ class ReplicaStrategy(Strategy):
         """Fields a subclass adds to the step's record."""
         return {}
 
+    def before_local_step(self) -> None:  # an optional hook
+        """Called just before the local optimizer step (the parameters are still the old ones)."""
+
     def _update(self, step: int) -> None:
         if self.straggler:  # fault injection: a slow worker (gossip.straggler_delay_s)
             time.sleep(self.job.gossip.straggler_delay_s)
+        self.before_local_step()
         self.optimizer.step()
         with self.tracer.span("communicate", cat="comm", step=step):
             self.communicate(step)
@@ -135,9 +139,14 @@ class ReplicaStrategy(Strategy):
         distance = (local - self.average_vector()).norm().reshape(1)
         return float(all_reduce_mean(distance))
 
+    def settle(self) -> None:  # an optional hook
+        """Complete any exchange still in flight into this replica (overlapped gossip), before
+        the replicas are averaged or exported."""
+
     @torch.no_grad()
     def synchronize(self) -> None:
         """Collective: every replica and optimizer state becomes the exact average."""
+        self.settle()
         vector_to_parameters(self.average_vector(), self.params)
         self.weight = 1.0
         state = [
@@ -182,6 +191,7 @@ class ReplicaStrategy(Strategy):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self.settle()
         own = self._with_average()
         try:
             return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -5,7 +5,8 @@ Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Train
 optional hooks halve the bytes on the wire by all-reducing bf16 or fp16 copies of the buckets,
 or, across hosts, reduce inside each host first (parallel/hierarchical.py),
 or replace each gradient matrix by a rank-1 PowerSGD approximation with error feedback (Vogels et
-al., "PowerSGD", NeurIPS 2019; torch's own hook).
+al., "PowerSGD", NeurIPS 2019; torch's own hook), or send top-k / 1-bit sign packets with error
+feedback, all-gathered and decoded ([Note: sparse gradient hook] in `polytrain.comm.compression`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from polytrain.comm.compression import compress_hook
+from polytrain.comm.compression import SentBytes, SparseHookState, compress_hook, sparse_hook
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import ParallelConfig
 from polytrain.parallel.hierarchical import apply_hierarchical
@@ -25,8 +26,11 @@ from polytrain.parallel.hierarchical import apply_hierarchical
 __all__ = ["apply_data_parallel"]
 
 
-def apply_data_parallel(module: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> DDP:
-    """Wrap ``module`` in DDP over the mesh's ``dp`` axis."""
+def apply_data_parallel(
+    module: nn.Module, mesh: Mesh, cfg: ParallelConfig, sent: SentBytes | None = None
+) -> DDP:
+    """Wrap ``module`` in DDP over the mesh's ``dp`` axis; our compression hooks add the bytes
+    they hand to c10d to ``sent`` (torch's PowerSGD hook does not count)."""
     device = next(module.parameters()).device
     ddp = DDP(
         module,
@@ -42,9 +46,12 @@ def apply_data_parallel(module: nn.Module, mesh: Mesh, cfg: ParallelConfig) -> D
             process_group=mesh.group("dp"), matrix_approximation_rank=1, start_powerSGD_iter=2
         )
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    elif cfg.grad_compression in ("topk", "sign"):
+        sparse = SparseHookState(mesh.group("dp"), cfg.grad_compression, cfg.grad_topk_ratio, sent)
+        ddp.register_comm_hook(sparse, sparse_hook)
     elif cfg.grad_compression != "none":
         dtype = torch.bfloat16 if cfg.grad_compression == "bf16" else torch.float16
-        ddp.register_comm_hook(mesh.group("dp"), compress_hook(dtype))
+        ddp.register_comm_hook(mesh.group("dp"), compress_hook(dtype, sent))
     elif cfg.hierarchical != "off":
         done = apply_hierarchical(ddp, mesh, cfg)
         if mesh.rank == 0 and done != "flat":  # rank 0's stderr goes to the run's log

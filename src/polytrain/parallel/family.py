@@ -8,8 +8,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from polytrain._torch_private import ddp_ignore
+from polytrain.comm.compression import SentBytes
 from polytrain.comm.init import DistContext
 from polytrain.comm.mesh import build_mesh
 from polytrain.comm.p2p import new_group_of
@@ -81,6 +83,7 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
     if p.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
         convert_batchnorm(model, mesh.group("dp"))
     wrapped: torch.nn.Module = model
+    sent = SentBytes()  # what our compression hooks hand to c10d (the step's bytes_sent)
     if p.tp > 1:
         apply_tensor_parallel(model, mesh.sub("tp"), job.model.name, p.tp_plan)
         name = f"tp{p.tp}"
@@ -95,14 +98,14 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
     elif p.spatial > 1:  # [Note: spatial gradient scale] in parallel.spatial
         halo = new_group_of([list(range(ctx.world_size))], ctx.rank)
         count = apply_spatial(model, halo, mesh.group("dp"), mesh.coord("dp"), p.spatial)
-        wrapped = apply_data_parallel(model, mesh, p)
+        wrapped = apply_data_parallel(model, mesh, p, sent)
         name = f"spatial{p.spatial}-conv{count}"
         batch = "whole"
     elif p.dp > 1 and p.hybrid:  # [Note: hybrid activation redistribution]
         assignment = check_hybrid_plan(job, model)
         ddp_ignore(model, hybrid_ignored(model, assignment))
         apply_hybrid(model, mesh, assignment)
-        wrapped = apply_data_parallel(model, mesh, p)
+        wrapped = apply_data_parallel(model, mesh, p, sent)
         name = f"hybrid-dp{p.dp}-mp{len(assignment)}"
         batch = "gather"
     elif p.dp > 1:
@@ -117,9 +120,11 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
             name += f"-sf{len(sf.chosen)}"
             rest = bool(sf.allreduce_params)
         if rest:
-            wrapped = apply_data_parallel(model, mesh, p)
+            wrapped = apply_data_parallel(model, mesh, p, sent)
     strategy = SPMDStrategy(job, wrapped, model, mesh, batches, ctx.device, name)
     strategy.batch = batch
+    if p.grad_compression in ("bf16", "fp16", "topk", "sign") and isinstance(wrapped, DDP):
+        strategy.sent = sent
     return strategy
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Literal
 
@@ -22,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from polytrain.comm.collectives import all_reduce_sum_
+from polytrain.comm.compression import SentBytes
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import JobConfig
 from polytrain.core.optim import build_optimizer
@@ -66,6 +68,9 @@ class SPMDStrategy(Strategy):
         # output covers the whole batch, [Note: hybrid activation redistribution]); "whole",
         # the whole batch (spatial parallelism: each rank then keeps its band of image rows).
         self.batch: Literal["replica", "gather", "whole"] = "replica"
+        # Set where our DDP compression hook counts the bytes it hands to c10d: each step's
+        # record then carries them as ``bytes_sent``.
+        self.sent: SentBytes | None = None
 
     def _batch(
         self, get: Callable[[int, int], tuple[Inputs, torch.Tensor]]
@@ -103,7 +108,7 @@ class SPMDStrategy(Strategy):
                 with self.tracer.span("backward", microbatch=micro, step=step):
                     loss.backward()
             total += loss.detach()
-        return finish_step(
+        out = finish_step(
             step,
             total,
             self.model.parameters(),
@@ -112,6 +117,9 @@ class SPMDStrategy(Strategy):
             optimizer=self.optimizer,
             grad_norm=grad_norm,
         )
+        if self.sent is None:
+            return out
+        return replace(out, metrics={**out.metrics, "bytes_sent": float(self.sent.take())})
 
     @torch.no_grad()
     def evaluate(self, num_batches: int) -> float:

@@ -94,7 +94,7 @@ class TopKCompressor(Compressor):
 
     def decode(self, packet: Packet) -> torch.Tensor:
         values, indices = packet.tensors
-        out = torch.zeros(self.n, dtype=values.dtype)
+        out = torch.zeros(self.n, dtype=values.dtype, device=values.device)
         out[indices.long()] = values
         return out
 
@@ -111,18 +111,19 @@ class SignCompressor(Compressor):
 
     def encode(self, x: torch.Tensor) -> Packet:
         x = x.float()
-        sums = torch.zeros(len(self.segments)).index_add_(0, self.index, x.abs())
-        scales = sums / torch.tensor(self.segments, dtype=torch.float32)
+        index = self.index.to(x.device)
+        sums = x.new_zeros(len(self.segments)).index_add_(0, index, x.abs())
+        scales = sums / torch.tensor(self.segments, dtype=torch.float32, device=x.device)
         bits = (x >= 0).to(torch.uint8)
         bits = torch.cat([bits, bits.new_zeros((-self.n) % 8)]).view(-1, 8)
-        packed = (bits << _SHIFTS).sum(dim=1, dtype=torch.uint8)
+        packed = (bits << _SHIFTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
         return Packet([packed, scales])
 
     def decode(self, packet: Packet) -> torch.Tensor:
         packed, scales = packet.tensors
-        bits = (packed.unsqueeze(1) >> _SHIFTS) & 1
+        bits = (packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1
         signs = bits.reshape(-1)[: self.n].float() * 2 - 1
-        return signs * scales[self.index]
+        return signs * scales[self.index.to(scales.device)]
 
 
 class CastCompressor(Compressor):
@@ -153,9 +154,9 @@ class ErrorFeedback:
     """A compressor that carries what it left out into the next message ([Note: error
     feedback])."""
 
-    def __init__(self, compressor: Compressor, n: int) -> None:
+    def __init__(self, compressor: Compressor, n: int, device: torch.device | None = None) -> None:
         self.compressor = compressor
-        self.residual = torch.zeros(n)
+        self.residual = torch.zeros(n, device=device)
 
     def compress(self, x: torch.Tensor) -> tuple[Packet, torch.Tensor]:
         """The packet for ``x + residual`` and its decoded value (what receivers will see)."""
