@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from polytrain.cli.app import main
+from tests.helpers.cli import assert_usage_error, run_main
 
 CASES = {
     "unknown flag": (["--stepz", "3"], "No such option: --stepz"),
@@ -85,21 +85,14 @@ def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
 
 
 def run_full(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "--dry-run", *args])
-    captured = capsys.readouterr()
-    return int(exc.value.code or 0), captured.out, captured.err
+    return run_main(["train", "--dry-run", *args], capsys)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_invocation(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     args, expected = CASES[name]
     code, err = run(args, capsys)
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("polytrain: error: ")
-    assert expected in lines[0]
+    assert_usage_error(code, err, expected)
 
 
 def test_invalid_toml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

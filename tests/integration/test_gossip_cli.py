@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import tomllib
 
-from polytrain.cli.app import main
+from tests.helpers.cli import assert_usage_error, run_main
 
 GOSSIP = ["--sync", "gossip", "--nproc", "4", "--batch-size", "32"]
 
@@ -79,21 +79,14 @@ CASES = {
 
 
 def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "--dry-run", *args])
-    captured = capsys.readouterr()
-    return int(exc.value.code or 0), captured.out, captured.err
+    return run_main(["train", "--dry-run", *args], capsys)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_decentralized_invocation(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     args, expected = CASES[name]
     code, _, err = _run(args, capsys)
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("polytrain: error: ")
-    assert expected in lines[0]
+    assert_usage_error(code, err, expected)
 
 
 def test_flags_land_in_the_job(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import tomllib
 
-from polytrain.cli.app import main
+from tests.helpers.cli import assert_usage_error, run_main
 
 CASES = {
     "ratio 0": (
@@ -30,21 +30,14 @@ CASES = {
 
 
 def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "--dry-run", "--model", "mlp", *args])
-    captured = capsys.readouterr()
-    return int(exc.value.code or 0), captured.out, captured.err
+    return run_main(["train", "--dry-run", "--model", "mlp", *args], capsys)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_gradient_compression(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     args, expected = CASES[name]
     code, _, err = _run(args, capsys)
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("polytrain: error: ")
-    assert expected in lines[0]
+    assert_usage_error(code, err, expected)
 
 
 def test_topk_ratio_lands_in_the_job(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from polytrain.cli.app import main
+from tests.helpers.cli import assert_usage_error, run_main
 
 PIPE = ["--model", "mlp", "--nproc", "2", "--pp", "2"]  # mlp tiny: 4 blocks
 
@@ -42,14 +43,8 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_pipeline_input(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     args, expected = CASES[name]
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "--dry-run", *args])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("polytrain: error: ")
-    assert expected in lines[0], lines[0]
+    code, _, err = run_main(["train", "--dry-run", *args], capsys)
+    assert_usage_error(code, err, expected)
 
 
 def test_good_pipeline_job_passes(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,16 +7,11 @@ from datetime import datetime, timezone
 
 import pytest
 
-from polytrain.cli.app import main
 from polytrain.cli.plan import parse_deadline, parse_devices
 from polytrain.errors import PlanError
+from tests.helpers.cli import run_main
 
-
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    out = capsys.readouterr()
-    return int(exc.value.code or 0), out.out, out.err
+_run = run_main
 
 
 def test_plan_json_answers_pais_question(capsys: pytest.CaptureFixture[str]) -> None:
