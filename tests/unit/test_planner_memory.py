@@ -66,3 +66,20 @@ def test_recomputation_keeps_block_inputs_only() -> None:
     plain, rec = _mem(Layout()), _mem(Layout(recompute=True))
     assert rec.activations == 4 * 100.0 * 8 + 1000.0 * 8
     assert rec.activations < plain.activations
+
+
+def test_tensor_parallel_keeps_unsplit_tensors_whole() -> None:
+    """[Note: tensor-parallel shards]: 3 MB split by a dimension of 12, 1 MB whole (LayerNorms,
+    row-parallel biases): tp 2 and 4 split the 3 MB only; tp 8 does not divide 12, so the
+    plan leaves that part whole too (the runtime's vocabulary rule)."""
+    block = BlockStats("b", P, 4 * P, 1e9, 1000.0, 100.0, tp_shards=((3.0 * P, 12), (1.0 * P, 1)))
+    assert block.bytes_per_tp_rank(1) == 4 * P
+    assert block.bytes_per_tp_rank(2) == 1.5 * P + P
+    assert block.bytes_per_tp_rank(4) == 0.75 * P + P
+    assert block.bytes_per_tp_rank(8) == 4 * P
+    assert block.params_per_tp_rank(2) == P * 2.5 / 4
+    stats = ModelStats("toy", (block,) * 2, dtype_bytes=4, optimizer_state_per_param=2)
+    m = memory_per_rank(stats, Layout(tp=2), [stats.blocks], 8.0)
+    assert (m.weights, m.grads, m.optimizer) == (5 * P, 5 * P, 10 * P)
+    z = memory_per_rank(stats, Layout(dp=2, tp=2, zero=2), [stats.blocks], 8.0)
+    assert z.weights == 2.5 * P  # ZeRO shards this rank's tp share over dp

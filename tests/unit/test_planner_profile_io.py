@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ def _profile() -> HostProfile:
         startup_s=3.0,
         baseline_bytes=3e8,
         matmul_concurrent={1: 5e10, 4: 2.5e10},
+        step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11)},
     )
 
 
@@ -58,3 +60,13 @@ def test_missing_and_malformed_files_say_what_to_do(tmp_path: Path) -> None:
     bad.write_text("not json")
     with pytest.raises(PlanError, match="not a polytrain profile"):
         load_profile(bad)
+
+
+def test_a_profile_saved_before_step_costs_loads_without_them(tmp_path: Path) -> None:
+    path = save_profile(_profile(), tmp_path / "p.json")
+    data = json.loads(path.read_text())
+    del data["step_costs"]  # what a profile written before this field looks like
+    path.write_text(json.dumps(data))
+    old = load_profile(path)
+    assert old.step_costs == {}
+    assert old.matmul_concurrent == _profile().matmul_concurrent

@@ -1,9 +1,10 @@
 """`polytrain calibrate`: measure this host once and keep the numbers (`HostProfile`).
 
 What the cost model needs and cannot read from a data sheet: achieved (not peak) matmul FLOP/s
-per dtype and size, memory bandwidth, the latency and bandwidth of gloo collectives and p2p by
-message size and world size, what starting a process group costs, and how much memory a worker
-holds before it builds a model. Everything runs with the thread count a worker uses (one intra-op
+per dtype and size (alone and with N processes at once), memory bandwidth, the latency and
+bandwidth of gloo collectives and p2p by message size and world size, what starting a process
+group costs, how much memory a worker holds before it builds a model, and the end of a step
+(non-finite check, clip, optimizer update) per tensor and per byte ([Note: per-step costs]). Everything runs with the thread count a worker uses (one intra-op
 thread per process: the launcher sets ``OMP_NUM_THREADS=1``).
 
 Collectives run on `polytrain.testing`'s gloo harness (file:// rendezvous, spawned processes),
@@ -17,6 +18,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +28,9 @@ import polytrain.pipeline
 import polytrain.ps  # noqa: F401  (with the two above: what a worker imports, for its baseline)
 from polytrain.comm.collectives import barrier
 from polytrain.comm.probe import COLLECTIVES, time_collective
+from polytrain.config.job import OptimConfig
+from polytrain.core.optim import build_optimizer
+from polytrain.core.step import clip_gradients_, nonfinite_flag
 from polytrain.errors import PlanError
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.planner.profile_io import (
@@ -60,10 +65,13 @@ class CalibrationPlan:
     message_bytes: tuple[int, ...] = tuple(4 * _KB * 4**i for i in range(8))  # 4 KB .. 64 MB
     world_sizes: tuple[int, ...] = (2, 3, 4)
     budget_s: float = 0.5  # per (operation, size): at most ~this long once two calls are in
+    # (tensors, fp32 values each) of the end-of-step probes: many small to few large tensors
+    step_shapes: tuple[tuple[int, int], ...] = ((256, 64), (64, 4096), (4, 1 << 20))
 
     @staticmethod
     def quick() -> CalibrationPlan:
         return CalibrationPlan(
+            step_shapes=((64, 64), (4, 16384)),
             matmul_sizes=(64, 128, 256),
             copy_bytes=8 * 2**20,
             message_bytes=(4 * _KB, 64 * _KB, 1024 * _KB),
@@ -122,6 +130,50 @@ def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> float:
     return 2.0 * nbytes / _timed(lambda: dst.copy_(src), device, budget_s)  # read + write
 
 
+STEP_PARTS = ("check", "clip", "adamw", "sgd")
+
+
+def _fit_per_tensor_and_byte(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares of ``seconds = a tensors + b bytes`` through (tensors, bytes, seconds)
+    points, both coefficients kept >= 0 (a negative one is noise: refit with the other alone)."""
+    stt = sum(n * n for n, _, _ in points)
+    sbb = sum(b * b for _, b, _ in points)
+    stb = sum(n * b for n, b, _ in points)
+    sty = sum(n * y for n, _, y in points)
+    sby = sum(b * y for _, b, y in points)
+    det = stt * sbb - stb * stb
+    a = (sty * sbb - sby * stb) / det if det else 0.0
+    b = (sby * stt - sty * stb) / det if det else 0.0
+    if a < 0 or not det:
+        return 0.0, max(sby / sbb, 0.0) if sbb else 0.0
+    if b < 0:
+        return max(sty / stt, 0.0) if stt else 0.0, 0.0
+    return a, b
+
+
+def _step_costs(
+    shapes: tuple[tuple[int, int], ...], device: torch.device, budget_s: float
+) -> dict[str, tuple[float, float]]:
+    """[Note: per-step costs] Each part of `core.step.finish_step`'s end of step, timed alone on
+    synthetic fp32 parameters with gradients (the library's own functions and optimizers,
+    default settings), fitted per tensor and per byte over ``shapes``."""
+    points: dict[str, list[tuple[float, float, float]]] = {part: [] for part in STEP_PARTS}
+    for count, numel in shapes:
+        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
+        for prm in params:
+            prm.grad = torch.randn_like(prm) * 1e-3
+        nbytes = float(count * numel * 4)
+        timed: dict[str, Callable[[], object]] = {
+            "check": partial(nonfinite_flag, params, device),
+            "clip": partial(clip_gradients_, params, 1.0),
+        }
+        for name in ("adamw", "sgd"):
+            timed[name] = build_optimizer(params, OptimConfig(name=name)).step
+        for part, fn in timed.items():
+            points[part].append((float(count), nbytes, _timed(fn, device, budget_s)))
+    return {part: _fit_per_tensor_and_byte(pts) for part, pts in points.items()}
+
+
 def _rank_collectives(
     rank: int,
     world: int,
@@ -171,6 +223,8 @@ def calibrate(
                 tell(f"matmul {dtype} {n}")
         mem_bw = _mem_bw(plan.copy_bytes, device, plan.budget_s)
         tell("memory bandwidth")
+        step_costs = _step_costs(plan.step_shapes, device, plan.budget_s)
+        tell("end of step: check, clip, optimizers")
     finally:
         torch.set_num_threads(old_threads)
 
@@ -211,12 +265,13 @@ def calibrate(
         baseline_bytes=baseline,
         threads=threads,
         matmul_concurrent=concurrent,
+        step_costs=step_costs,
     )
 
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 2 + len(plan.world_sizes)
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 3 + len(plan.world_sizes)
 
 
 def cached_profile(

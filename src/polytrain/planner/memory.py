@@ -95,7 +95,9 @@ def _stage(
     stage_index: int,
 ) -> MemoryEstimate:
     tp, dp = layout.tp, layout.dp
-    p_bytes = sum(b.param_bytes for b in blocks) / tp
+    # tensor parallel splits the sharded tensors and leaves the rest whole on every rank
+    # ([Note: tensor-parallel shards] in planner/types.py)
+    p_bytes = sum(b.bytes_per_tp_rank(tp) for b in blocks)
     weights = p_bytes / dp if layout.zero >= 2 else p_bytes  # FSDP2 keeps only the shard
     # FSDP2 without gradient sync (accumulation micro-steps) keeps unsharded gradients
     grads = p_bytes / dp if layout.zero >= 2 and layout.grad_accum == 1 else p_bytes
@@ -124,7 +126,7 @@ def _stage(
     buffers = 0.0
     if layout.zero == 3:
         # the gathered parameters of the current and the prefetched block
-        largest = max(b.param_bytes for b in blocks) / tp
+        largest = max(b.bytes_per_tp_rank(tp) for b in blocks)
         buffers += 2 * largest
     if layout.zero == 2:
         buffers += p_bytes  # all blocks' gathered parameters, kept from forward to backward

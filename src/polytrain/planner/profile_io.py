@@ -66,6 +66,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "baseline_bytes": profile.baseline_bytes,
         "threads": profile.threads,
         "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
+        "step_costs": {part: list(pair) for part, pair in profile.step_costs.items()},
     }
 
 
@@ -91,6 +92,12 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         baseline_bytes=float(data.get("baseline_bytes", 0.0)),
         threads=int(data.get("threads", 1)),
         matmul_concurrent={int(n): float(v) for n, v in data.get("matmul_concurrent", {}).items()},
+        # absent in profiles saved before the per-step costs were calibrated: {} makes the
+        # cost model use its memory-bound update (`Env.optimizer_s`), as it did then
+        step_costs={
+            str(part): (float(pair[0]), float(pair[1]))
+            for part, pair in data.get("step_costs", {}).items()
+        },
     )
 
 

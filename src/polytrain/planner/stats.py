@@ -32,12 +32,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
+from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
+from polytrain.parallel.tensor_parallel import module_infos, resolve_tp_plan
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
 from polytrain.planner.types import BlockStats, ModelStats
 
-__all__ = ["model_stats", "optimizer_state_per_param", "stats_of"]
+__all__ = ["model_stats", "optimizer_state_per_param", "stats_of", "tp_shards"]
 
 _PROBE_BATCH = 2  # samples in the counting pass; per-sample figures divide by it
 
@@ -88,6 +90,42 @@ def _heads(model: nn.Module) -> int:
     return math.gcd(*counts) if counts else 0
 
 
+def tp_shards(
+    model: BlockModel, model_name: str, plan_rows: list[str]
+) -> list[tuple[tuple[float, int], ...]]:
+    """Per block, the (bytes, divisor) pairs of [Note: tensor-parallel shards]: what the
+    runtime's tensor-parallel plan (`parallel.tensor_parallel.resolve_tp_plan`, resolved at
+    tp = 1 so that every conditional row is in) splits, and by which dimension. Column-parallel
+    layers split weight and bias by their outputs, row-parallel ones the weight by its inputs
+    and leave the bias whole (torch's ``RowwiseParallel``), ``qkv`` by the width of each chunk,
+    ``vocab`` by the vocabulary; modules no row matches stay whole (divisor 1). A plan row that
+    applies only when tp divides a dimension (the vocabulary rows) is the same rule. A model
+    without a plan gets ``()`` per block (everything split: the old estimate)."""
+    try:
+        styles = resolve_tp_plan(model_name, model, 1, plan_rows)
+    except (ConfigError, MeshError):
+        return [() for _ in model.blocks]
+    infos = module_infos(model)
+    out = []
+    for index, block in enumerate(model.blocks):
+        pairs: list[tuple[float, int]] = []
+        for sub, module in block.named_modules():
+            path = f"blocks.{index}" + (f".{sub}" if sub else "")
+            style, info = styles.get(path), infos.get(path)
+            for pname, param in module.named_parameters(recurse=False):
+                divisor = 1
+                if style is not None and info is not None:
+                    if style in ("rowwise", "rowwise_split"):
+                        divisor = info.in_dim if pname == "weight" else 1
+                    elif style == "qkv":
+                        divisor = info.out_dim // 3
+                    else:  # colwise, colwise_gather, vocab: the output rows
+                        divisor = info.out_dim
+                pairs.append((float(param.numel() * param.element_size()), max(divisor, 1)))
+        out.append(tuple(pairs))
+    return out
+
+
 def _params_and_bytes(block: nn.Module) -> tuple[int, int]:
     params = list(block.parameters())
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
@@ -101,6 +139,9 @@ def stats_of(
     name: str = "model",
     tokens_per_sample: int = 1,
     optimizer_state: int = 2,
+    optimizer: str = "adamw",
+    grad_clip: bool = True,
+    shards: list[tuple[tuple[float, int], ...]] | None = None,
 ) -> ModelStats:
     """Per-block statistics from one forward pass over ``inputs`` (B samples, any device).
 
@@ -134,6 +175,8 @@ def stats_of(
                 output_bytes=y.numel() * y.element_size() / batch,
                 linears=tuple(linears.shapes),
                 rows_per_sample=max(linears.rows // batch, 1),
+                tensors=len(list(block.parameters())),
+                tp_shards=shards[index] if shards else (),
             )
         )
         h = y.detach()
@@ -145,6 +188,8 @@ def stats_of(
         tokens_per_sample=tokens_per_sample,
         optimizer_state_per_param=optimizer_state,
         tp_divisor=_heads(model),
+        optimizer=optimizer,
+        grad_clip=grad_clip,
     )
 
 
@@ -218,6 +263,9 @@ def model_stats(
         name=f"{job.model.name}-{job.model.size}",
         tokens_per_sample=tokens,
         optimizer_state=optimizer_state_per_param(job),
+        optimizer=job.optim.name,
+        grad_clip=job.optim.grad_clip > 0,
+        shards=tp_shards(model, job.model.name, list(job.parallel.tp_plan)),
     )
     if not measure:
         return stats

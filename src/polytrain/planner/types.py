@@ -30,6 +30,26 @@ class BlockStats:
     # (fan_in, fan_out) of the block's Linear layers, for sufficient-factor pricing; () = unknown
     linears: tuple[tuple[int, int], ...] = ()
     rows_per_sample: int = 1  # rows a Linear sees per sample (tokens per sequence for a GPT)
+    tensors: int = 0  # parameter tensors (the optimizer's per-tensor costs); 0 = unknown
+    # [Note: tensor-parallel shards] (bytes, divisor) pairs covering param_bytes: tensor
+    # parallel of degree tp splits a pair's bytes tp ways iff tp divides its divisor, else every
+    # rank holds them whole (divisor 1: LayerNorms, row-parallel biases, position tables).
+    # () = unknown: everything is split.
+    tp_shards: tuple[tuple[float, int], ...] = ()
+
+    def bytes_per_tp_rank(self, tp: int) -> float:
+        """Parameter bytes one of ``tp`` tensor-parallel ranks holds of this block."""
+        if tp <= 1:
+            return float(self.param_bytes)
+        if not self.tp_shards:
+            return self.param_bytes / tp
+        return sum(b / tp if d % tp == 0 else b for b, d in self.tp_shards)
+
+    def params_per_tp_rank(self, tp: int) -> float:
+        """Parameters one of ``tp`` tensor-parallel ranks holds (the same split as the bytes)."""
+        if self.param_bytes <= 0:
+            return self.params / max(tp, 1)
+        return self.params * self.bytes_per_tp_rank(tp) / self.param_bytes
 
 
 @dataclass(frozen=True)
@@ -42,6 +62,8 @@ class ModelStats:
     tokens_per_sample: int = 1
     optimizer_state_per_param: int = 2  # AdamW: exp_avg + exp_avg_sq; SGD momentum: 1
     tp_divisor: int = 0  # a tensor-parallel degree must divide this (attention heads); 0 = any
+    optimizer: str = "adamw"  # optim.name: which calibrated update cost applies
+    grad_clip: bool = True  # optim.grad_clip > 0: the step clips by the global norm
 
     @property
     def params(self) -> int:
@@ -105,6 +127,11 @@ class HostProfile:
     threads: int = 1  # intra-op threads per process the numbers were measured with
     # processes computing at once -> fp32 FLOP/s of each (cores are shared past the core count)
     matmul_concurrent: dict[int, float] = field(default_factory=dict)
+    # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
+    # byte) of one process alone: "adamw", "sgd" (optimizer.step + zero_grad), "clip" (the
+    # global-norm clip), "check" (the non-finite check). {} = not calibrated: the cost model
+    # falls back to the memory-bound update alone.
+    step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

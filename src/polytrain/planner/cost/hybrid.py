@@ -11,6 +11,7 @@ whether a group crosses hosts. Derivation: docs/planner.md "Hybrids".
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.dp import dp_backward
@@ -75,9 +76,32 @@ def _block_times(
     return fwd, bwd, tp_s
 
 
-def _optimizer(layout: Layout, stats: ModelStats, env: Env, params: float) -> float:
-    shard = params / layout.tp / (layout.dp if layout.zero >= 2 else 1)
-    return env.optimizer_s(shard, stats.optimizer_state_per_param, stats.dtype_bytes)
+def _optimizer(layout: Layout, stats: ModelStats, env: Env, blocks: Sequence[BlockStats]) -> float:
+    """The end of step on one rank holding ``blocks`` (its stage): non-finite check, clip and
+    update over its tensors and bytes (the tp shard; 1/dp of it under ZeRO-2/3), plus the
+    step's small reductions (`_step_reduce_s`)."""
+    shard = sum(b.params_per_tp_rank(layout.tp) for b in blocks)
+    shard /= layout.dp if layout.zero >= 2 else 1
+    update = env.optimizer_s(
+        shard,
+        stats.optimizer_state_per_param,
+        stats.dtype_bytes,
+        tensors=sum(b.tensors for b in blocks),
+        optimizer=stats.optimizer,
+        clip=stats.grad_clip,
+    )
+    return update + _step_reduce_s(layout, stats, env)
+
+
+def _step_reduce_s(layout: Layout, stats: ModelStats, env: Env) -> float:
+    """`core.step.finish_step`'s collectives: one all-reduce of [loss, non-finite flag] (two
+    floats) over the replicas, and, when clipping sharded gradients (tensor parallel, ZeRO,
+    pipeline stages), one more of the squared norm over the shards' group. Latency-bound."""
+    ranks = layout.dp * layout.tp * layout.pp
+    loss = env.collective_s("all_reduce", 8.0, ranks, 1)
+    sharded = layout.tp > 1 or layout.zero >= 2 or layout.pp > 1
+    norm = env.collective_s("all_reduce", 4.0, ranks, 1) if stats.grad_clip and sharded else 0.0
+    return loss + norm
 
 
 def _spmd(
@@ -90,7 +114,7 @@ def _spmd(
     )
     compute = (sum(fwd) + sum(bwd)) * layout.grad_accum
     tp_s *= layout.grad_accum
-    grad_bytes = [b.param_bytes / layout.tp for b in blocks]
+    grad_bytes = [b.bytes_per_tp_rank(layout.tp) for b in blocks]
     dp, stride = layout.dp, layout.tp
     if layout.zero:
         # FSDP2 gathers every micro-step; with accumulation it reduce-scatters on the last only
@@ -112,7 +136,7 @@ def _spmd(
         # no_sync micro-steps first, then the last one overlaps its all-reduce (DDP)
         step = (sum(fwd) + sum(bwd)) * (layout.grad_accum - 1) + sum(fwd) + b_end + sf_s
         exposed += sf_s
-    opt = _optimizer(layout, stats, env, stats.params)
+    opt = _optimizer(layout, stats, env, blocks)
     step += opt
     return step, {
         "compute": compute - tp_s,
@@ -156,14 +180,13 @@ def _pipeline(
     # the next step (StepOutput.complete) and hides behind it.
     dp_s = max(
         env.collective_s(
-            "all_reduce", sum(b.param_bytes for b in blocks) / layout.tp, layout.dp, layout.tp
+            "all_reduce", sum(b.bytes_per_tp_rank(layout.tp) for b in blocks), layout.dp, layout.tp
         )
         for blocks in stages
     )
     if layout.schedule == "pipedream":
         dp_s = max(0.0, dp_s - timing.per_step)
-    params = max(sum(b.params for b in blocks) for blocks in stages)
-    opt = _optimizer(layout, stats, env, params * layout.tp)
+    opt = max(_optimizer(layout, stats, env, blocks) for blocks in stages)
     step = timing.per_step * runs + dp_s + opt
     tp_s = tp_total * layout.microbatches * runs
     return step, {
@@ -187,9 +210,15 @@ def _input_bytes(block: BlockStats) -> float:
 def _ps(
     layout: Layout, stats: ModelStats, env: Env, replica_samples: float
 ) -> tuple[float, dict[str, float]]:
+    # The servers wait on the network while the workers compute: only workers share the cores.
+    env = replace(env, computing=min(layout.dp, env.cluster.per_host))
     compute = sum(
         env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
     )
+    # a worker checks and clips its gradient before it pushes (core.step.apply_update)
+    tensors = sum(b.tensors for b in stats.blocks)
+    parts = ("check", "clip") if stats.grad_clip else ("check",)
+    compute += env.step_cost_s(parts, tensors, float(stats.param_bytes))
     step, comm = ps_step(
         env,
         layout.ps_mode,
@@ -200,6 +229,8 @@ def _ps(
         float(stats.params),
         stats.optimizer_state_per_param,
         stats.dtype_bytes,
+        tensors=tensors,
+        optimizer=stats.optimizer,
     )
     return step, {
         "compute": compute,
