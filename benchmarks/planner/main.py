@@ -29,7 +29,7 @@ from polytrain.config.job import JobConfig
 from polytrain.planner.calibrate import CalibrationPlan, cached_profile
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout, ModelStats
-from polytrain.planner.validate import Trial, TrialSpec, run_trials, spearman
+from polytrain.planner.validate import Trial, TrialSpec, held_state_bytes, run_trials, spearman
 
 HERE = Path(__file__).resolve().parent
 
@@ -162,11 +162,11 @@ def measured_figures(trial: dict[str, Any], layout: Layout) -> dict[str, float]:
     workers, servers = ranks[:n], ranks[n:]
     out = {
         "step_s": trial["measured_step_s"],
-        "states": max(sum(r["state_bytes"].values()) for r in workers),
+        "states": max(held_state_bytes(r) for r in workers),
         "peak": max(r["peak_memory_mb"] for r in workers) * 2**20,
     }
     if servers:
-        out["server_states"] = max(sum(r["state_bytes"].values()) for r in servers)
+        out["server_states"] = max(held_state_bytes(r) for r in servers)
     return out
 
 
