@@ -16,7 +16,7 @@ from polytrain.errors import PlanError
 from polytrain.planner.catalog import device, device_names
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.cost import Env, predict
-from polytrain.planner.types import HostProfile, Layout, ModelStats, Prediction
+from polytrain.planner.types import HostProfile, Layout, ModelStats, Prediction, launch_shape
 
 __all__ = [
     "Plan",
@@ -99,7 +99,8 @@ def device_counts(cluster: Cluster, lo: int, hi: int) -> list[int]:
         for h in range(1, cluster.hosts + 1)
         if lo <= h * cluster.per_host <= hi
     }
-    return sorted(out)
+    # a count the launcher cannot start with the same nproc on every node is not a plan
+    return sorted(n for n in out if launch_shape(n, cluster.per_host) is not None)
 
 
 def _divisors(n: int) -> list[int]:

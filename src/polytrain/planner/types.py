@@ -12,7 +12,29 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BlockStats", "Curve", "HostProfile", "Layout", "ModelStats", "Prediction"]
+from polytrain.errors import PlanError
+
+__all__ = [
+    "BlockStats",
+    "Curve",
+    "HostProfile",
+    "Layout",
+    "ModelStats",
+    "Prediction",
+    "launch_shape",
+]
+
+
+def launch_shape(devices: int, per_host: int) -> tuple[int, int] | None:
+    """(``launch.nproc``, ``launch.nnodes``) that run ``devices`` ranks on hosts of
+    ``per_host`` (0 = one host): as few hosts as hold them, the same process count on each (the
+    launcher starts ``nproc`` on every node); None when no even split exists (5 on hosts of 4)."""
+    if not per_host or devices <= per_host:
+        return devices, 1
+    nodes = -(-devices // per_host)
+    if devices % nodes:
+        return None
+    return devices // nodes, nodes
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,8 @@ class Layout:
     ps_servers: int = 0
     ps_mode: str = "sync"
     sufficient_factor: bool = False  # late multiply for Linear layers (plain data parallel)
+    # blocks per pipeline stage the cost model priced (set by `cost.predict`); () = uniform
+    partition: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """Short name, e.g. ``dp4``, ``dp2-tp2-zero3``, ``pp4-1f1b-m8-dp2``, ``ps-async-w3-s1``."""
@@ -174,7 +198,21 @@ class Layout:
     def devices(self) -> int:
         return self.dp * self.tp * self.pp + (self.ps_servers if self.sync == "ps" else 0)
 
-    def overrides(self) -> dict[str, Any]:
+    def overrides(self, per_host: int = 0) -> dict[str, Any]:
+        """The `JobConfig` fields of this layout. ``per_host``: devices per host of the cluster
+        it was planned for (0 = all on one host). A layout larger than a host runs on as few
+        nodes as hold it with the same ``launch.nproc`` on each (`launch_shape`: 16 ranks on
+        hosts of 8 are 8 x 2 nodes, not ``nproc = 16``); one with no such split is a
+        `PlanError` (the search does not offer it). A multi-node layout still needs
+        ``launch.rdzv_endpoint`` from the user."""
+        shape = launch_shape(self.devices, per_host)
+        if shape is None:
+            raise PlanError(
+                f"layout {self.describe()} has {self.devices} ranks, which no number of hosts "
+                f"of {per_host} holds with the same process count on each: plan for "
+                f"{per_host} or a multiple of it"
+            )
+        nproc, nnodes = shape
         out: dict[str, Any] = {
             "parallel.dp": self.dp,
             "parallel.tp": self.tp,
@@ -183,11 +221,14 @@ class Layout:
             "parallel.sync": self.sync,
             "parallel.recompute": self.recompute,
             "train.grad_accum": self.grad_accum,
-            "launch.nproc": self.devices,
+            "launch.nproc": nproc,
+            "launch.nnodes": nnodes,
         }
         if self.pp > 1:
             out["pipeline.schedule"] = self.schedule
             out["pipeline.microbatches"] = self.microbatches
+            if self.partition:  # what the cost model priced is what runs
+                out["pipeline.partition"] = list(self.partition)
         if self.sufficient_factor:
             out["parallel.sufficient_factor"] = "auto"  # the layers where factors are cheaper
         if self.sync == "ps":

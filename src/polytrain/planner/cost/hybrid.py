@@ -45,6 +45,8 @@ def predict(layout: Layout, stats: ModelStats, env: Env, global_batch: int) -> P
         step, breakdown = _spmd(layout, stats, env, mb_samples)
     breakdown["memory_" + "total"] = mem.total
     why = "" if fits else f"out of memory ({_gib(mem.total)} > {_gib(env.cluster.device.memory)})"
+    if layout.pp > 1:  # the stages priced here are the ones `overrides` makes the runtime run
+        layout = replace(layout, partition=tuple(len(s) for s in stages))
     return Prediction(layout, step, mem.total, breakdown, fits, why)
 
 
