@@ -186,7 +186,11 @@ def plan_command(
         str | None, typer.Option(help="time or cost (default: cost with --deadline, else time)")
     ] = None,
     allow_async: Annotated[
-        bool, typer.Option(help="also price PipeDream and async/SSP parameter servers")
+        bool,
+        typer.Option(
+            help="also price PipeDream, async/SSP parameter servers, gossip and local SGD "
+            "(they do not reproduce the single-process run)"
+        ),
     ] = False,
     json_: Annotated[bool, typer.Option("--json", help="print JSON for tools")] = False,
     top: Annotated[int, typer.Option(help="plans to show")] = 8,
@@ -223,6 +227,7 @@ def plan_command(
         budget=budget,
         bucket_bytes=job.parallel.bucket_mb * 2**20,
         allow_async=allow_async,
+        localsgd_period=job.localsgd.period,
         profile=saved_profile() if clu.device.key == "cpu" else None,  # this host's, if calibrated
     )
     result = search(request)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
+from polytrain.gossip.graphs import graph_for_round
 from polytrain.pipeline.schedule import build, peak_activations
 from polytrain.planner.types import BlockStats, Layout, ModelStats
 
@@ -133,4 +134,11 @@ def _stage(
     if layout.pp > 1:
         out = max(b.output_bytes for b in blocks) * mb_samples
         buffers += 2 * out  # a received activation and a received gradient
+    if layout.sync == "gossip":
+        # the flat model, its weighted copy and one receive buffer per in-neighbour
+        graph = graph_for_round(layout.topology, layout.dp, 0)
+        in_degree = max((len(graph.in_neighbours(i)) for i in range(layout.dp)), default=0)
+        buffers += (in_degree + 2) * p_bytes
+    if layout.sync == "localsgd":
+        buffers += p_bytes  # torch's averager all-reduces one flat copy of the parameters
     return MemoryEstimate(weights, grads, optimizer, activations, buffers)

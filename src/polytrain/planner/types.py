@@ -164,7 +164,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     zero: int = 0
-    sync: str = "allreduce"  # allreduce | ps (| gossip | localsgd when they exist)
+    sync: str = "allreduce"  # allreduce | ps | gossip | localsgd
     schedule: str = "1f1b"  # pipeline schedule when pp > 1
     microbatches: int = 1
     recompute: bool = False
@@ -174,11 +174,17 @@ class Layout:
     sufficient_factor: bool = False  # late multiply for Linear layers (plain data parallel)
     # blocks per pipeline stage the cost model priced (set by `cost.predict`); () = uniform
     partition: tuple[int, ...] = ()
+    topology: str = "ring"  # sync = "gossip": the peer graph (gossip.topology)
+    period: int = 8  # sync = "localsgd": local steps between averages (localsgd.period)
 
     def describe(self) -> str:
         """Short name, e.g. ``dp4``, ``dp2-tp2-zero3``, ``pp4-1f1b-m8-dp2``, ``ps-async-w3-s1``."""
         if self.sync == "ps":
             return f"ps-{self.ps_mode}-w{self.dp}-s{self.ps_servers}"
+        if self.sync == "gossip":
+            return f"gossip-{self.topology}-w{self.dp}"
+        if self.sync == "localsgd":
+            return f"localsgd-h{self.period}-w{self.dp}"
         parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == 1 and self.pp == 1) else []
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
@@ -234,6 +240,10 @@ class Layout:
         if self.sync == "ps":
             out["ps.servers"] = self.ps_servers
             out["ps.mode"] = self.ps_mode
+        if self.sync == "gossip":
+            out["gossip.topology"] = self.topology
+        if self.sync == "localsgd":
+            out["localsgd.period"] = self.period
         return out
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from polytrain.planner.cost.common import Env
+from polytrain.planner.cost.decentralized import gossip_exchange_s, localsgd_average_s
 from polytrain.planner.cost.dp import dp_backward
 from polytrain.planner.cost.pipeline import pipeline_step
 from polytrain.planner.cost.ps import ps_step
@@ -39,6 +40,8 @@ def predict(layout: Layout, stats: ModelStats, env: Env, global_batch: int) -> P
     fits = mem.total <= env.cluster.device.memory
     if layout.sync == "ps":
         step, breakdown = _ps(layout, stats, env, replica_samples)
+    elif layout.sync in ("gossip", "localsgd"):
+        step, breakdown = _decentralized(layout, stats, env, replica_samples)
     elif layout.pp > 1:
         step, breakdown = _pipeline(layout, stats, env, stages, mb_samples)
     else:
@@ -240,4 +243,27 @@ def _ps(
         "dp_comm": comm,
         "bubble": 0.0,
         "optimizer": 0.0,
+    }
+
+
+def _decentralized(
+    layout: Layout, stats: ModelStats, env: Env, replica_samples: float
+) -> tuple[float, dict[str, float]]:
+    """Whole-model replicas: local compute, the end of step, then the exchange (gossip round or
+    local SGD's amortized average), nothing overlapped; see cost/decentralized.py."""
+    compute = sum(
+        env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
+    )
+    opt = _optimizer(layout, stats, env, stats.blocks)
+    model_bytes = float(stats.param_bytes)  # the flat fp32 model (gossip.compress = "none")
+    if layout.sync == "gossip":
+        comm = gossip_exchange_s(env, layout.topology, layout.dp, model_bytes)
+    else:
+        comm = localsgd_average_s(env, layout.dp, model_bytes, layout.period)
+    return compute + opt + comm, {
+        "compute": compute,
+        "tp_comm": 0.0,
+        "dp_comm": comm,
+        "bubble": 0.0,
+        "optimizer": opt,
     }
