@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -189,6 +191,30 @@ def _rank_collectives(
     return out
 
 
+_WORKER_IMPORTS = (
+    "import torch, polytrain.trainer.worker, polytrain.parallel, polytrain.pipeline, "
+    "polytrain.ps, polytrain.gossip.strategy, polytrain.gossip.localsgd; "
+    "from polytrain.observe.metrics import peak_memory_mb; "
+    "print(peak_memory_mb(torch.device('cpu')))"
+)
+
+
+def _fresh_worker_baseline() -> float:
+    """Peak resident bytes of a fresh interpreter that imported what a training worker imports
+    (`polytrain.trainer.worker` and the strategy packages). Workers are fresh processes
+    (``python -m polytrain.trainer.worker``, spawned by the launcher), so their baseline holds
+    every page of torch and polytrain; a harness rank forked from a warm parent reports less
+    (the parent's pages it never touches are not its own)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKER_IMPORTS], capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode != 0:
+        raise PlanError(
+            f"measuring a worker's baseline memory failed: {proc.stderr.strip()[-300:]}"
+        )
+    return float(proc.stdout.strip().splitlines()[-1]) * 2**20
+
+
 def _rank_baseline(rank: int, world: int) -> float:
     """Peak resident bytes of a worker that imported the strategy packages and joined the group (the
     trainer's own measure, `observe.metrics.peak_memory_mb`: see its [Note: inherited maxrss])."""
@@ -229,7 +255,10 @@ def calibrate(
         torch.set_num_threads(old_threads)
 
     t0 = time.perf_counter()
-    baseline = max(run_distributed(_rank_baseline, 2, timeout_s=300.0))
+    # the larger: a joined group's buffers (harness ranks) or a fresh worker's imports
+    baseline = max(
+        max(run_distributed(_rank_baseline, 2, timeout_s=300.0)), _fresh_worker_baseline()
+    )
     startup_s = time.perf_counter() - t0
     tell("process start-up")
 
