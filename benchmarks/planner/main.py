@@ -154,6 +154,11 @@ def predict_all(
                 "step_s": pred.step_s,
                 "memory_per_rank": pred.memory_per_rank,
                 "states": states,
+                "server_states": (
+                    p["memory"].ps_server_memory(stats, layout).model_states
+                    if layout.sync == "ps"
+                    else None
+                ),
                 "breakdown": pred.breakdown,
                 "partition": counts if layout.pp > 1 else None,
             }
@@ -213,7 +218,8 @@ def measured_figures(trial: dict[str, Any], layout: Layout) -> dict[str, float]:
     out = {
         "step_s": trial["measured_step_s"],
         "states": max(held_state_bytes(r) for r in workers),
-        "peak": max(r["peak_memory_mb"] for r in workers) * 2**20,
+        # every rank: the predicted peak is the busiest rank's, a server's included
+        "peak": max(r["peak_memory_mb"] for r in ranks) * 2**20,
     }
     if servers:
         out["server_states"] = max(held_state_bytes(r) for r in servers)
@@ -312,6 +318,12 @@ def print_rows(model: str, rows: list[dict[str, Any]], variant: str) -> None:
             f"{p['peak'] / mib:7.0f}Mi {m['peak'] / mib:7.0f}Mi {_pct(p['peak'], m['peak']):+6.0f} "
             f"| {acc_s:>6} {ds_s:>4}"
         )
+        if p.get("server_states") and m.get("server_states"):
+            print(
+                f"{'  its parameter server (model states)':44} {'':26} | "
+                f"{p['server_states'] / mib:9.2f}Mi {m['server_states'] / mib:7.2f}Mi "
+                f"{_pct(p['server_states'], m['server_states']):+6.1f} |"
+            )
 
 
 def main() -> None:
@@ -391,6 +403,7 @@ def main() -> None:
                 row["predicted"][variant] = {
                     "step_s": pv["step_s"],
                     "states": pv["states"],
+                    "server_states": pv["server_states"],
                     "peak": pv["memory_per_rank"] + profile.baseline_bytes,
                     "breakdown": pv["breakdown"],
                 }

@@ -83,3 +83,20 @@ def test_tensor_parallel_keeps_unsplit_tensors_whole() -> None:
     assert (m.weights, m.grads, m.optimizer) == (5 * P, 5 * P, 10 * P)
     z = memory_per_rank(stats, Layout(dp=2, tp=2, zero=2), [stats.blocks], 8.0)
     assert z.weights == 2.5 * P  # ZeRO shards this rank's tp share over dp
+
+
+def test_a_parameter_server_holds_its_shard_its_gradient_buffer_and_the_optimizer() -> None:
+    """Measured on gpt tiny with one server: 4 x the parameters (AdamW). A server can be the
+    busiest rank: the prediction's memory per rank is the larger of worker and server."""
+    from polytrain.planner.cluster import parse_cluster
+    from polytrain.planner.cost import Env, predict
+    from polytrain.planner.memory import ps_server_memory
+
+    one = ps_server_memory(STATS, Layout(dp=2, sync="ps", ps_servers=1))
+    assert (one.weights, one.grads, one.optimizer) == (WEIGHTS, WEIGHTS, 2 * WEIGHTS)
+    two = ps_server_memory(STATS, Layout(dp=2, sync="ps", ps_servers=2))
+    assert two.model_states == one.model_states / 2
+    layout = Layout(dp=2, sync="ps", ps_servers=1)
+    pred = predict(layout, STATS, Env(parse_cluster("1x3xcpu")), 8)
+    worker = _mem(layout, 4.0)
+    assert pred.memory_per_rank == max(worker.total, one.total) == one.total

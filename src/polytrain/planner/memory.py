@@ -16,7 +16,7 @@ from polytrain.gossip.graphs import graph_for_round
 from polytrain.pipeline.schedule import build, peak_activations
 from polytrain.planner.types import BlockStats, Layout, ModelStats
 
-__all__ = ["ALLOCATOR_SLACK", "MemoryEstimate", "memory_per_rank"]
+__all__ = ["ALLOCATOR_SLACK", "MemoryEstimate", "memory_per_rank", "ps_server_memory"]
 
 ALLOCATOR_SLACK = 0.10
 """Fraction added for the caching allocator's fragmentation and rounding. An assumption: PyTorch
@@ -71,6 +71,15 @@ def memory_per_rank(
             best = est
     assert best is not None
     return best
+
+
+def ps_server_memory(stats: ModelStats, layout: Layout) -> MemoryEstimate:
+    """One parameter server's bytes: its 1/K of the parameters, the gradient buffer pushes are
+    summed into, and the optimizer state of its shard (the server runs the optimizer). The
+    shards are taken equal; `ps.sharding.plan_shards` balances whole tensors, so the busiest
+    server holds a little more when tensors are few and large."""
+    shard = stats.param_bytes / max(layout.ps_servers, 1)
+    return MemoryEstimate(shard, shard, shard * stats.optimizer_state_per_param, 0.0, 0.0)
 
 
 def _in_flight(layout: Layout) -> list[int]:

@@ -21,7 +21,7 @@ from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.sufficient_factor import sf_block_s
 from polytrain.planner.cost.tp import tp_comm_s
 from polytrain.planner.cost.zero import zero_step
-from polytrain.planner.memory import memory_per_rank
+from polytrain.planner.memory import memory_per_rank, ps_server_memory
 from polytrain.planner.partition import balanced_stages
 from polytrain.planner.types import BlockStats, Layout, ModelStats, Prediction
 
@@ -37,7 +37,10 @@ def predict(layout: Layout, stats: ModelStats, env: Env, global_batch: int) -> P
         micro *= layout.grad_accum
     mb_samples = replica_samples / micro
     mem = memory_per_rank(stats, layout, stages, mb_samples)
-    fits = mem.total <= env.cluster.device.memory
+    total = mem.total
+    if layout.sync == "ps":  # a server rank may be the busiest: it holds the optimizer state
+        total = max(total, ps_server_memory(stats, layout).total)
+    fits = total <= env.cluster.device.memory
     if layout.sync == "ps":
         step, breakdown = _ps(layout, stats, env, replica_samples)
     elif layout.sync in ("gossip", "localsgd"):
@@ -46,11 +49,11 @@ def predict(layout: Layout, stats: ModelStats, env: Env, global_batch: int) -> P
         step, breakdown = _pipeline(layout, stats, env, stages, mb_samples)
     else:
         step, breakdown = _spmd(layout, stats, env, mb_samples)
-    breakdown["memory_" + "total"] = mem.total
-    why = "" if fits else f"out of memory ({_gib(mem.total)} > {_gib(env.cluster.device.memory)})"
+    breakdown["memory_" + "total"] = total
+    why = "" if fits else f"out of memory ({_gib(total)} > {_gib(env.cluster.device.memory)})"
     if layout.pp > 1:  # the stages priced here are the ones `overrides` makes the runtime run
         layout = replace(layout, partition=tuple(len(s) for s in stages))
-    return Prediction(layout, step, mem.total, breakdown, fits, why)
+    return Prediction(layout, step, total, breakdown, fits, why)
 
 
 def _gib(nbytes: float) -> str:
