@@ -265,3 +265,20 @@ def test_predict_adds_the_end_of_step_per_rank() -> None:
     per = {p: a * tensors + b * stats.param_bytes for p, (a, b) in costs.items()}
     memory_bound = stats.param_bytes * 7 / 1e10
     assert timed.step_s - plain.step_s == pytest.approx(sum(per.values()) - memory_bound)
+
+
+def test_non_matmul_time_needs_a_calibrated_operator_cost() -> None:
+    """[Note: non-matmul time]: operator dispatch (not split by tp) plus the bytes the
+    non-matmul operators move (split by tp), only with a calibrated `op_s`."""
+    block = BlockStats(
+        "b", 1, 4, 1e9, 0.0, 0.0, fwd_ops=40, bwd_ops=100, fwd_moved_bytes=1e6, bwd_moved_bytes=3e6
+    )
+    cluster = parse_cluster("1x1xcpu")
+    bare = Env(cluster, profile=_cpu_profile())
+    assert bare.fwd_s(block, 8) == pytest.approx(1e9 * 8 / 10e9)  # FLOPs alone
+    env = Env(cluster, profile=_cpu_profile(op_s=5e-6))
+    assert env.fwd_s(block, 8) == pytest.approx(0.8 + 40 * 5e-6 + 8e6 / 1e10)
+    assert env.bwd_s(block, 8, tp=2) == pytest.approx(0.8 + 100 * 5e-6 + 12e6 / 1e10)
+    assert Env(parse_cluster("1x1xA100-40GB")).fwd_s(block, 8) == pytest.approx(
+        1e9 * 8 / Env(parse_cluster("1x1xA100-40GB")).flops_rate
+    )

@@ -30,6 +30,7 @@ def _profile() -> HostProfile:
         baseline_bytes=3e8,
         matmul_concurrent={1: 5e10, 4: 2.5e10},
         step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11)},
+        op_s=6e-6,
     )
 
 
@@ -65,8 +66,8 @@ def test_missing_and_malformed_files_say_what_to_do(tmp_path: Path) -> None:
 def test_a_profile_saved_before_step_costs_loads_without_them(tmp_path: Path) -> None:
     path = save_profile(_profile(), tmp_path / "p.json")
     data = json.loads(path.read_text())
-    del data["step_costs"]  # what a profile written before this field looks like
+    del data["step_costs"], data["op_s"]  # what a profile written before them looks like
     path.write_text(json.dumps(data))
     old = load_profile(path)
-    assert old.step_costs == {}
+    assert old.step_costs == {} and old.op_s == 0.0
     assert old.matmul_concurrent == _profile().matmul_concurrent

@@ -116,3 +116,18 @@ def test_tensor_parallel_shards_follow_the_runtime_plan(tmp_path: Path) -> None:
             assert block.bytes_per_tp_rank(tp) == pytest.approx(analytic.bytes_per_tp_rank(tp))
     odd = next(t for t in range(2, vocab + 2) if vocab % t)  # a tp that misses the vocabulary
     assert stats.blocks[0].bytes_per_tp_rank(odd) == stats.blocks[0].param_bytes
+
+
+def test_operator_counts_cover_forward_and_backward(tmp_path: Path) -> None:
+    """[Note: non-matmul time]: every block calls operators both ways; the count does not grow
+    with the batch, the moved bytes are per sample, and matmuls move none."""
+    from polytrain.planner.stats import OpCounter
+
+    stats = model_stats(_job(tmp_path, "mlp"), device="meta")
+    assert all(b.fwd_ops > 0 and b.bwd_ops > 0 for b in stats.blocks)
+    assert all(b.fwd_moved_bytes > 0 for b in stats.blocks)
+    lin = torch.nn.Linear(8, 8, bias=False).to("meta")
+    x = torch.ones(4, 8, device="meta")
+    with OpCounter() as counter:
+        lin(x)
+    assert counter.ops == 2 and counter.moved == 0.0  # t (a view) and mm

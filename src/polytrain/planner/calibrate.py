@@ -42,6 +42,7 @@ from polytrain.planner.profile_io import (
     profile_path,
     save_profile,
 )
+from polytrain.planner.stats import OpCounter
 from polytrain.planner.types import Curve, HostProfile
 from polytrain.testing.harness import run_distributed
 
@@ -176,6 +177,24 @@ def _step_costs(
     return {part: _fit_per_tensor_and_byte(pts) for part, pts in points.items()}
 
 
+def _op_seconds(device: torch.device, budget_s: float) -> float:
+    """[Note: non-matmul time] Seconds per ATen operator call where the data is negligible: a
+    forward and backward through 64 multiply-adds of 16 values, divided by the operator calls
+    `planner.stats.OpCounter` counts in it (the same counter the model statistics use)."""
+    x = torch.ones(16, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(64):
+            y = y * 1.0001 + 0.0001
+        y.sum().backward()
+
+    counter = OpCounter()
+    with counter:
+        chain()
+    return _timed(chain, device, budget_s) / max(counter.ops, 1)
+
+
 def _rank_collectives(
     rank: int,
     world: int,
@@ -250,7 +269,8 @@ def calibrate(
         mem_bw = _mem_bw(plan.copy_bytes, device, plan.budget_s)
         tell("memory bandwidth")
         step_costs = _step_costs(plan.step_shapes, device, plan.budget_s)
-        tell("end of step: check, clip, optimizers")
+        op_s = _op_seconds(device, plan.budget_s)
+        tell("end of step: check, clip, optimizers; operator overhead")
     finally:
         torch.set_num_threads(old_threads)
 
@@ -295,6 +315,7 @@ def calibrate(
         threads=threads,
         matmul_concurrent=concurrent,
         step_costs=step_costs,
+        op_s=op_s,
     )
 
 

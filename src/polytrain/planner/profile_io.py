@@ -67,6 +67,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "threads": profile.threads,
         "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
         "step_costs": {part: list(pair) for part, pair in profile.step_costs.items()},
+        "op_s": profile.op_s,
     }
 
 
@@ -98,6 +99,7 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
             str(part): (float(pair[0]), float(pair[1]))
             for part, pair in data.get("step_costs", {}).items()
         },
+        op_s=float(data.get("op_s", 0.0)),  # older profiles: no operator overhead
     )
 
 

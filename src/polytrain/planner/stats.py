@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from polytrain._torch_private import TorchDispatchMode
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, MeshError
@@ -39,7 +40,52 @@ from polytrain.parallel.tensor_parallel import module_infos, resolve_tp_plan
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
 from polytrain.planner.types import BlockStats, ModelStats
 
-__all__ = ["model_stats", "optimizer_state_per_param", "stats_of", "tp_shards"]
+__all__ = ["OpCounter", "model_stats", "optimizer_state_per_param", "stats_of", "tp_shards"]
+
+_MATMULS = {
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten.convolution_backward",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_efficient_attention_backward",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_backward",
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """[Note: non-matmul time] Counts every ATen operator call under it and the bytes the
+    non-matmul, non-view ones read and write (tensor inputs + outputs). The cost model prices
+    matmuls by FLOPs at the calibrated matmul rate; the rest of a block's time is operators that
+    move memory (layer norms, activations, softmax, the loss) and the per-call dispatch overhead
+    of every operator, which dominates on small models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.moved = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        if str(func.overloadpacket) not in _MATMULS and not func.is_view:
+            tensors = [
+                t
+                for t in (
+                    *args,
+                    *(kwargs or {}).values(),
+                    *(out if isinstance(out, tuple | list) else (out,)),
+                )
+                if isinstance(t, torch.Tensor)
+            ]
+            self.moved += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
 
 _PROBE_BATCH = 2  # samples in the counting pass; per-sample figures divide by it
 
@@ -157,13 +203,18 @@ def stats_of(
         if h.is_floating_point():
             h = h.detach().requires_grad_(True)
         linears = _LinearRows(block)
+        fwd_ops, bwd_ops = OpCounter(), OpCounter()
         try:
-            with _counting(exclude) as (flops, saved):
+            with _counting(exclude) as (flops, saved), fwd_ops:
                 y = block(h)
-                if index == last:
-                    model.loss(y, targets)
+                result = model.loss(y, targets) if index == last else y
         finally:
             linears.close()
+        if result.requires_grad:  # backward outside the FLOP and saved-bytes counters
+            grad = torch.ones_like(result)
+            with bwd_ops:
+                torch.autograd.backward(result, grad)
+            block.zero_grad(set_to_none=True)
         params, param_bytes = _params_and_bytes(block)
         out.append(
             BlockStats(
@@ -176,6 +227,10 @@ def stats_of(
                 linears=tuple(linears.shapes),
                 rows_per_sample=max(linears.rows // batch, 1),
                 tensors=len(list(block.parameters())),
+                fwd_ops=fwd_ops.ops,
+                bwd_ops=bwd_ops.ops,
+                fwd_moved_bytes=fwd_ops.moved / batch,
+                bwd_moved_bytes=bwd_ops.moved / batch,
                 tp_shards=shards[index] if shards else (),
             )
         )

@@ -53,6 +53,12 @@ class BlockStats:
     linears: tuple[tuple[int, int], ...] = ()
     rows_per_sample: int = 1  # rows a Linear sees per sample (tokens per sequence for a GPT)
     tensors: int = 0  # parameter tensors (the optimizer's per-tensor costs); 0 = unknown
+    # [Note: non-matmul time] ATen operator calls of one forward / backward call of the block
+    # (independent of the batch) and bytes the non-matmul ones read and write, per sample
+    fwd_ops: int = 0
+    bwd_ops: int = 0
+    fwd_moved_bytes: float = 0.0
+    bwd_moved_bytes: float = 0.0
     # [Note: tensor-parallel shards] (bytes, divisor) pairs covering param_bytes: tensor
     # parallel of degree tp splits a pair's bytes tp ways iff tp divides its divisor, else every
     # rank holds them whole (divisor 1: LayerNorms, row-parallel biases, position tables).
@@ -154,6 +160,7 @@ class HostProfile:
     # global-norm clip), "check" (the non-finite check). {} = not calibrated: the cost model
     # falls back to the memory-bound update alone.
     step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
+    op_s: float = 0.0  # seconds per ATen operator call on tiny tensors (dispatch); 0 = unknown
 
 
 @dataclass(frozen=True)

@@ -120,17 +120,30 @@ class Env:
             return self.profile.mem_bw
         return self.cluster.device.mem_bw
 
-    def fwd_s(self, block: BlockStats, samples: float) -> float:
-        """Forward seconds of ``samples`` samples through ``block`` (measured when known)."""
+    def fwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
+        """Forward seconds of ``samples`` samples through one of ``tp`` tensor-parallel shards
+        of ``block`` (measured when known); see [Note: non-matmul time]."""
         if block.fwd_s is not None:
-            return block.fwd_s * samples * self.cpu_slowdown
-        return block.fwd_flops * samples / self.flops_rate
+            return block.fwd_s * samples * self.cpu_slowdown / tp
+        matmul = block.fwd_flops * samples / self.flops_rate / tp
+        return matmul + self._non_matmul_s(block.fwd_ops, block.fwd_moved_bytes * samples / tp)
 
-    def bwd_s(self, block: BlockStats, samples: float) -> float:
-        """Backward = input and weight gradients = 2x the forward FLOPs (measured when known)."""
+    def bwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
+        """Backward = input and weight gradients = 2x the forward FLOPs (measured when known),
+        plus its own operators' overhead and memory traffic."""
         if block.bwd_s is not None:
-            return block.bwd_s * samples * self.cpu_slowdown
-        return 2.0 * block.fwd_flops * samples / self.flops_rate
+            return block.bwd_s * samples * self.cpu_slowdown / tp
+        matmul = 2.0 * block.fwd_flops * samples / self.flops_rate / tp
+        return matmul + self._non_matmul_s(block.bwd_ops, block.bwd_moved_bytes * samples / tp)
+
+    def _non_matmul_s(self, ops: int, moved_bytes: float) -> float:
+        """[Note: non-matmul time] With a calibrated operator cost (``HostProfile.op_s``):
+        every operator call's dispatch plus the bytes the non-matmul operators move at the
+        calibrated memory bandwidth, slowed like all CPU work by shared cores. Without one, 0:
+        the catalog's efficiency factor already folds this time into the FLOP rate."""
+        if self.profile is None or self.profile.op_s <= 0:
+            return 0.0
+        return (ops * self.profile.op_s + moved_bytes / self.mem_bw) * self.cpu_slowdown
 
     def step_cost_s(self, parts: tuple[str, ...], tensors: float, nbytes: float) -> float:
         """Calibrated seconds of the end-of-step ``parts`` over ``tensors`` tensors of

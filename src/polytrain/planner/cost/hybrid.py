@@ -76,8 +76,8 @@ def _block_times(
     tp_s = 0.0
     for k, b in enumerate(blocks):
         comm = tp_comm_s(env, b, samples, tp, first=(k == first), last=(k == last))
-        f = env.fwd_s(b, samples) / tp + comm
-        bw = env.bwd_s(b, samples) / tp + comm + (f if recompute else 0.0)
+        f = env.fwd_s(b, samples, tp) + comm
+        bw = env.bwd_s(b, samples, tp) + comm + (f if recompute else 0.0)
         tp_s += 2 * comm + (comm if recompute else 0.0)
         fwd.append(f)
         bwd.append(bw)
