@@ -282,3 +282,23 @@ def test_non_matmul_time_needs_a_calibrated_operator_cost() -> None:
     assert Env(parse_cluster("1x1xA100-40GB")).fwd_s(block, 8) == pytest.approx(
         1e9 * 8 / Env(parse_cluster("1x1xA100-40GB")).flops_rate
     )
+
+
+def test_zero_pays_the_calibrated_fsdp_hooks_per_unit() -> None:
+    """[Note: FSDP2 unit overhead]: every sharded block and the root, per micro-step, slowed by
+    shared cores; plain DDP pays none."""
+    stats = gpt_stats(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)
+    cluster = parse_cluster("1x2xcpu")
+    base = Env(cluster, profile=_cpu_profile())
+    hooked = Env(cluster, profile=_cpu_profile(fsdp_unit_s={2: 1e-3, 3: 2e-3}))
+    units = len(stats.blocks) + 1
+    for stage, per_unit in ((2, 1e-3), (3, 2e-3)):
+        layout = Layout(dp=2, zero=stage)
+        extra = predict(layout, stats, hooked, 8).step_s - predict(layout, stats, base, 8).step_s
+        assert extra == pytest.approx(per_unit * units * hooked.cpu_slowdown)
+    two = predict(Layout(dp=2, zero=3, grad_accum=2), stats, hooked, 8)
+    assert two.breakdown["fsdp_hooks"] == pytest.approx(2 * 2e-3 * units * hooked.cpu_slowdown)
+    assert (
+        predict(Layout(dp=2), stats, hooked, 8).step_s
+        == predict(Layout(dp=2), stats, base, 8).step_s
+    )

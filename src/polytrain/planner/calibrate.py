@@ -24,6 +24,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import polytrain.parallel
 import polytrain.pipeline
@@ -195,6 +198,37 @@ def _op_seconds(device: torch.device, budget_s: float) -> float:
     return _timed(chain, device, budget_s) / max(counter.ops, 1)
 
 
+def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float]:
+    """[Note: FSDP2 unit overhead] Seconds FSDP2 adds per sharded module (a ZeRO unit) to one
+    forward + backward, by ZeRO stage, on a group of ONE rank: its collectives move nothing
+    there, so what is left is its hooks' Python and bookkeeping, which the collective model
+    does not price. The slope between 8 and 32 one-Linear units, each (FSDP2 minus the same
+    model unsharded); the root counts as one more unit."""
+    device = torch.device("cpu")
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.ones(4, 16)
+
+    def build(units: int) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16)) for _ in range(units)])
+
+    def seconds(model: nn.Module) -> float:
+        return _timed(lambda: model(x).sum().backward(), device, budget_s)
+
+    out: dict[int, float] = {}
+    for stage in (2, 3):
+        extra = []
+        for units in (8, 32):
+            plain = seconds(build(units))
+            model = build(units)
+            for unit in model:
+                fully_shard(unit, mesh=mesh, reshard_after_forward=stage == 3)
+            fully_shard(model, mesh=mesh, reshard_after_forward=stage == 3)
+            extra.append(seconds(model) - plain)
+        out[stage] = max((extra[1] - extra[0]) / 24, 0.0)
+    return out
+
+
 def _rank_collectives(
     rank: int,
     world: int,
@@ -273,6 +307,8 @@ def calibrate(
         tell("end of step: check, clip, optimizers; operator overhead")
     finally:
         torch.set_num_threads(old_threads)
+    (fsdp_unit_s,) = run_distributed(_rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
+    tell("FSDP2 overhead per unit")
 
     t0 = time.perf_counter()
     # the larger: a joined group's buffers (harness ranks) or a fresh worker's imports
@@ -316,12 +352,13 @@ def calibrate(
         matmul_concurrent=concurrent,
         step_costs=step_costs,
         op_s=op_s,
+        fsdp_unit_s=fsdp_unit_s,
     )
 
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 3 + len(plan.world_sizes)
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 4 + len(plan.world_sizes)
 
 
 def cached_profile(

@@ -68,6 +68,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
         "step_costs": {part: list(pair) for part, pair in profile.step_costs.items()},
         "op_s": profile.op_s,
+        "fsdp_unit_s": {str(k): v for k, v in profile.fsdp_unit_s.items()},
     }
 
 
@@ -100,6 +101,7 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
             for part, pair in data.get("step_costs", {}).items()
         },
         op_s=float(data.get("op_s", 0.0)),  # older profiles: no operator overhead
+        fsdp_unit_s={int(k): float(v) for k, v in data.get("fsdp_unit_s", {}).items()},
     )
 
 

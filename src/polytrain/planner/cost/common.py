@@ -145,6 +145,12 @@ class Env:
             return 0.0
         return (ops * self.profile.op_s + moved_bytes / self.mem_bw) * self.cpu_slowdown
 
+    def fsdp_overhead_s(self, stage: int, units: int) -> float:
+        """FSDP2's hook overhead for ``units`` sharded modules in one forward + backward, as
+        calibrated ([Note: FSDP2 unit overhead]); 0 without a profile that measured it."""
+        per_unit = self.profile.fsdp_unit_s.get(stage, 0.0) if self.profile is not None else 0.0
+        return per_unit * units * self.cpu_slowdown
+
     def step_cost_s(self, parts: tuple[str, ...], tensors: float, nbytes: float) -> float:
         """Calibrated seconds of the end-of-step ``parts`` over ``tensors`` tensors of
         ``nbytes`` bytes on one rank (0 for a part the profile lacks); [Note: per-step costs]."""

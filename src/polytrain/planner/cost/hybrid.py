@@ -145,7 +145,9 @@ def _spmd(
         step = (sum(fwd) + sum(bwd)) * (layout.grad_accum - 1) + sum(fwd) + b_end + sf_s
         exposed += sf_s
     opt = _optimizer(layout, stats, env, blocks)
-    step += opt
+    # FSDP2's hooks on every sharded block and the root, once per micro-step
+    fsdp = env.fsdp_overhead_s(layout.zero, n + 1) * layout.grad_accum if layout.zero else 0.0
+    step += opt + fsdp
     return step, {
         "compute": compute - tp_s,
         "tp_comm": tp_s,
@@ -153,6 +155,7 @@ def _spmd(
         "bubble": 0.0,
         "optimizer": opt,
         "late_multiply": sf_s,
+        "fsdp_hooks": fsdp,
     }
 
 
