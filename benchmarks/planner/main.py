@@ -326,6 +326,25 @@ def print_rows(model: str, rows: list[dict[str, Any]], variant: str) -> None:
             )
 
 
+def markdown_summary(summaries: list[dict[str, Any]]) -> str:
+    """The README's results table (same columns), to paste after a run."""
+    lines = [
+        "| model | variant | median abs. step-time error | Spearman | ranked first / fastest "
+        "measured | first vs fastest | model states: median / max error | peak: median / max "
+        "error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s['model']} tiny | {s['variant']} | {s['median_abs_pct_error']:.0f}% | "
+            f"{s['spearman']:.2f} | {s['first']} / {s['fastest']} | "
+            f"{s['first_vs_fastest_pct']:+.0f}% | {s['states_median_abs_pct']:.1f}% / "
+            f"{s['states_max_abs_pct']:.1f}% | {s['peak_median_abs_pct']:.0f}% / "
+            f"{s['peak_max_abs_pct']:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
@@ -416,6 +435,7 @@ def main() -> None:
             summary = report(model, rows, variant)
             results["summary"].append(summary)
             print(json.dumps(summary))
+    print("\nREADME table:\n" + markdown_summary(results["summary"]))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1, default=str))
     print(f"\nwrote {out_path}")

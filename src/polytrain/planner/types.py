@@ -156,7 +156,7 @@ class HostProfile:
     # processes computing at once -> fp32 FLOP/s of each (cores are shared past the core count)
     matmul_concurrent: dict[int, float] = field(default_factory=dict)
     # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
-    # byte) of one process alone: "adamw", "sgd" (optimizer.step + zero_grad), "clip" (the
+    # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
     # global-norm clip), "check" (the non-finite check). {} = not calibrated: the cost model
     # falls back to the memory-bound update alone.
     step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
