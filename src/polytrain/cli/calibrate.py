@@ -29,7 +29,8 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     if profile.op_s > 0:
         table.add_row("operator call (dispatch)", f"{profile.op_s * 1e6:.1f} us")
     for stage, secs in sorted(profile.fsdp_unit_s.items()):
-        table.add_row(f"FSDP2 hooks, zero {stage}", f"{secs * 1e6:.0f} us per sharded module")
+        what = f"zero {stage}" if stage else "replicate"
+        table.add_row(f"FSDP2 hooks, {what}", f"{secs * 1e6:.0f} us per wrapped module")
     for part, (per_tensor, per_byte) in profile.step_costs.items():
         rate = f"{1 / per_byte / 1e9:.2f} GB/s" if per_byte > 0 else "no per-byte term"
         table.add_row(f"end of step: {part}", f"{per_tensor * 1e6:.1f} us per tensor + {rate}")

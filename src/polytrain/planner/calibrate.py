@@ -31,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 import polytrain.parallel
 import polytrain.pipeline
 import polytrain.ps  # noqa: F401  (with the two above: what a worker imports, for its baseline)
+from polytrain._torch_private import replicate
 from polytrain.comm.collectives import barrier
 from polytrain.comm.probe import COLLECTIVES, time_collective
 from polytrain.config.job import OptimConfig
@@ -199,8 +200,9 @@ def _op_seconds(device: torch.device, budget_s: float) -> float:
 
 
 def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float]:
-    """[Note: FSDP2 unit overhead] Seconds FSDP2 adds per sharded module (a ZeRO unit) to one
-    forward + backward, by ZeRO stage, on a group of ONE rank: its collectives move nothing
+    """[Note: FSDP2 unit overhead] Seconds FSDP2 adds per wrapped module to one forward +
+    backward, by ZeRO stage (0: its ``replicate``, which the hybrid runs for dp x tp), on a
+    group of ONE rank: its collectives move nothing
     there, so what is left is its hooks' Python and bookkeeping, which the collective model
     does not price. The slope between 8 and 32 one-Linear units, each (FSDP2 minus the same
     model unsharded); the root counts as one more unit."""
@@ -215,15 +217,20 @@ def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float
     def seconds(model: nn.Module) -> float:
         return _timed(lambda: model(x).sum().backward(), device, budget_s)
 
+    def wrap(model: nn.Sequential, stage: int) -> None:
+        for module in [*model, model]:  # every unit, then the root (as apply_zero does)
+            if stage == 0:  # FSDP2's replicate: data parallel over tensor-parallel ranks
+                replicate(module, mesh=mesh)
+            else:
+                fully_shard(module, mesh=mesh, reshard_after_forward=stage == 3)
+
     out: dict[int, float] = {}
-    for stage in (2, 3):
+    for stage in (0, 2, 3):
         extra = []
         for units in (8, 32):
             plain = seconds(build(units))
             model = build(units)
-            for unit in model:
-                fully_shard(unit, mesh=mesh, reshard_after_forward=stage == 3)
-            fully_shard(model, mesh=mesh, reshard_after_forward=stage == 3)
+            wrap(model, stage)
             extra.append(seconds(model) - plain)
         out[stage] = max((extra[1] - extra[0]) / 24, 0.0)
     return out

@@ -161,8 +161,8 @@ class HostProfile:
     # falls back to the memory-bound update alone.
     step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
     op_s: float = 0.0  # seconds per ATen operator call on tiny tensors (dispatch); 0 = unknown
-    # ZeRO stage -> seconds FSDP2's hooks add per sharded module to a forward + backward
-    # ([Note: FSDP2 unit overhead] in planner/calibrate.py); {} = unknown
+    # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
+    # forward + backward ([Note: FSDP2 unit overhead] in planner/calibrate.py); {} = unknown
     fsdp_unit_s: dict[int, float] = field(default_factory=dict)
 
 

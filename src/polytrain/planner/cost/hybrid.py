@@ -145,8 +145,10 @@ def _spmd(
         step = (sum(fwd) + sum(bwd)) * (layout.grad_accum - 1) + sum(fwd) + b_end + sf_s
         exposed += sf_s
     opt = _optimizer(layout, stats, env, blocks)
-    # FSDP2's hooks on every sharded block and the root, once per micro-step
-    fsdp = env.fsdp_overhead_s(layout.zero, n + 1) * layout.grad_accum if layout.zero else 0.0
+    # FSDP2's hooks on every wrapped block and the root, once per micro-step: ZeRO-2/3, and
+    # FSDP2's replicate for dp x tp (parallel/family.py: DDP cannot take DTensor parameters)
+    fsdp_stage = layout.zero if layout.zero else (0 if dp > 1 and layout.tp > 1 else -1)
+    fsdp = env.fsdp_overhead_s(fsdp_stage, n + 1) * layout.grad_accum if fsdp_stage >= 0 else 0.0
     step += opt + fsdp
     return step, {
         "compute": compute - tp_s,
