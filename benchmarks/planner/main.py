@@ -10,6 +10,7 @@ measured high-water mark; beside ours, Accelerate's ``estimate-memory`` and Deep
 
     python benchmarks/planner/main.py                       # calibrate if needed, run, report
     python benchmarks/planner/main.py --reuse results.json  # predictions again, same measurements
+    python benchmarks/planner/main.py --models gpt --layouts dp1,dp2,tp2   # a subset
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from polytrain.config.job import JobConfig
 from polytrain.planner.calibrate import CalibrationPlan, cached_profile
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout, ModelStats
-from polytrain.planner.validate import Trial, TrialSpec, run_trials, spearman
+from polytrain.planner.validate import Trial, TrialSpec, held_state_bytes, run_trials, spearman
 
 HERE = Path(__file__).resolve().parent
 
@@ -37,7 +38,8 @@ MODELS: dict[str, dict[str, Any]] = {"gpt": {}, "mlp": {"model.name": "mlp"}}
 
 
 def layouts() -> list[Layout]:
-    """The layouts run for each model: every strategy family, world sizes 1 to 4."""
+    """The layouts run for each model by default: every synchronous strategy family and the
+    asynchronous ones the issue names, world sizes 1 to 4."""
     return [
         Layout(dp=1),
         Layout(dp=2),
@@ -54,6 +56,52 @@ def layouts() -> list[Layout]:
         Layout(dp=2, tp=2),
         Layout(dp=2, pp=2, schedule="1f1b", microbatches=4),
     ]
+
+
+def extra_layouts() -> list[Layout]:
+    """Layouts ``--layouts`` can name beyond the default set (decentralized replicas)."""
+    return [
+        Layout(dp=4, sync="gossip", topology="ring"),
+        Layout(dp=4, sync="gossip", topology="complete"),
+        Layout(dp=4, sync="localsgd", period=4),
+    ]
+
+
+def select_layouts(spec: str) -> list[Layout]:
+    """``--layouts``: comma-separated `Layout.describe` names, ``default`` for the default set;
+    an unknown name is one line listing the known ones."""
+    known = {lay.describe(): lay for lay in layouts() + extra_layouts()}
+    out: list[Layout] = []
+    for name in (n.strip() for n in spec.split(",") if n.strip()):
+        if name == "default":
+            out += [lay for lay in layouts() if lay not in out]
+        elif name in known:
+            if known[name] not in out:
+                out.append(known[name])
+        else:
+            raise SystemExit(
+                f"--layouts: unknown layout {name!r}; known: default, {', '.join(known)}"
+            )
+    if not out:
+        raise SystemExit("--layouts: name at least one layout (or 'default')")
+    return out
+
+
+def select_models(spec: str) -> list[str]:
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in MODELS]
+    if bad or not names:
+        raise SystemExit(f"--models: unknown {bad or spec!r}; known: {', '.join(MODELS)}")
+    return names
+
+
+def _trial_name(trial: dict[str, Any]) -> str:
+    """The layout name of a stored trial (results written before newer `Layout` fields load
+    with those fields' defaults)."""
+    fields = dict(trial["layout"])
+    if isinstance(fields.get("partition"), list):
+        fields["partition"] = tuple(fields["partition"])
+    return Layout(**fields).describe()
 
 
 def _job(base: dict[str, Any]) -> JobConfig:
@@ -84,10 +132,12 @@ def predict_all(
 ) -> list[dict[str, Any]]:
     """Predicted step time, peak and model-state bytes of each layout (busiest rank)."""
     p = _planner()
-    cluster = p["cluster"].parse_cluster("1x4xcpu")
-    env = p["cost"].Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
+    host = p["cluster"].parse_cluster("1x4xcpu")
     out = []
     for layout in items:
+        # the ranks the trial starts, all computing at once ([Note: shared cores])
+        cluster = host.with_size(layout.devices)
+        env = p["cost"].Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
         pred = p["cost"].predict(layout, stats, env, job.train.global_batch_size)
         stages = p["partition"].balanced_stages(stats.blocks, layout.pp)
         micro = (layout.microbatches if layout.pp > 1 else 1) * layout.grad_accum
@@ -104,6 +154,11 @@ def predict_all(
                 "step_s": pred.step_s,
                 "memory_per_rank": pred.memory_per_rank,
                 "states": states,
+                "server_states": (
+                    p["memory"].ps_server_memory(stats, layout).model_states
+                    if layout.sync == "ps"
+                    else None
+                ),
                 "breakdown": pred.breakdown,
                 "partition": counts if layout.pp > 1 else None,
             }
@@ -162,11 +217,12 @@ def measured_figures(trial: dict[str, Any], layout: Layout) -> dict[str, float]:
     workers, servers = ranks[:n], ranks[n:]
     out = {
         "step_s": trial["measured_step_s"],
-        "states": max(sum(r["state_bytes"].values()) for r in workers),
-        "peak": max(r["peak_memory_mb"] for r in workers) * 2**20,
+        "states": max(held_state_bytes(r) for r in workers),
+        # every rank: the predicted peak is the busiest rank's, a server's included
+        "peak": max(r["peak_memory_mb"] for r in ranks) * 2**20,
     }
     if servers:
-        out["server_states"] = max(sum(r["state_bytes"].values()) for r in servers)
+        out["server_states"] = max(held_state_bytes(r) for r in servers)
     return out
 
 
@@ -262,20 +318,59 @@ def print_rows(model: str, rows: list[dict[str, Any]], variant: str) -> None:
             f"{p['peak'] / mib:7.0f}Mi {m['peak'] / mib:7.0f}Mi {_pct(p['peak'], m['peak']):+6.0f} "
             f"| {acc_s:>6} {ds_s:>4}"
         )
+        if p.get("server_states") and m.get("server_states"):
+            print(
+                f"{'  its parameter server (model states)':44} {'':26} | "
+                f"{p['server_states'] / mib:9.2f}Mi {m['server_states'] / mib:7.2f}Mi "
+                f"{_pct(p['server_states'], m['server_states']):+6.1f} |"
+            )
+
+
+def markdown_summary(summaries: list[dict[str, Any]]) -> str:
+    """The README's results table (same columns), to paste after a run."""
+    lines = [
+        "| model | variant | median abs. step-time error | Spearman | ranked first / fastest "
+        "measured | first vs fastest | model states: median / max error | peak: median / max "
+        "error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in summaries:
+        lines.append(
+            f"| {s['model']} tiny | {s['variant']} | {s['median_abs_pct_error']:.0f}% | "
+            f"{s['spearman']:.2f} | {s['first']} / {s['fastest']} | "
+            f"{s['first_vs_fastest_pct']:+.0f}% | {s['states_median_abs_pct']:.1f}% / "
+            f"{s['states_max_abs_pct']:.1f}% | {s['peak_median_abs_pct']:.0f}% / "
+            f"{s['peak_max_abs_pct']:.0f}% |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="gpt,mlp")
+    ap.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
+    ap.add_argument(
+        "--layouts",
+        default="default",
+        help="comma-separated layout names (dp2, pp2-1f1b-m4, gossip-ring-w4, ...); "
+        "'default' = the 14 of README.md",
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--workdir", default="/tmp/polytrain-planner-bench")
-    ap.add_argument("--out", default=str(HERE / "results.json"))
+    ap.add_argument(
+        "--out", default="", help="default: results.json here for the full set, else in --workdir"
+    )
     ap.add_argument("--reuse", default="", help="results.json whose measurements to reuse")
     ap.add_argument("--cache-dir", default="", help="profile cache (default $POLYTRAIN_CACHE)")
     ap.add_argument("--recalibrate", action="store_true")
     ap.add_argument("--quick-calibration", action="store_true")
     args = ap.parse_args()
+    items = select_layouts(args.layouts)
+    models = select_models(args.models)
+    full = items == layouts() and models == list(MODELS)
+    out_path = (
+        Path(args.out) if args.out else (HERE if full else Path(args.workdir)) / "results.json"
+    )
 
     plan = CalibrationPlan.quick() if args.quick_calibration else CalibrationPlan()
     profile, path, fresh = cached_profile(
@@ -287,8 +382,7 @@ def main() -> None:
     print(f"profile {path} ({'measured now' if fresh else 'saved'})", flush=True)
     previous: dict[str, Any] = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
     results: dict[str, Any] = {"profile": str(path), "models": {}, "summary": []}
-    items = layouts()
-    for model in args.models.split(","):
+    for model in models:
         job = _job(MODELS[model])
         t0 = time.perf_counter()
         counted = model_stats(job, device="cpu")  # real saved bytes (fused attention)
@@ -299,7 +393,16 @@ def main() -> None:
             "measured": predict_all(timed, profile, job, items),
         }
         if previous:
-            trials = previous["models"][model]["trials"]
+            stored = {
+                _trial_name(t): t for t in previous["models"].get(model, {}).get("trials", [])
+            }
+            missing = [_name(lay) for lay in items if _name(lay) not in stored]
+            if missing:
+                raise SystemExit(
+                    f"--reuse {args.reuse}: no {model} measurement of {', '.join(missing)}; "
+                    "run without --reuse for those layouts"
+                )
+            trials = [stored[_name(lay)] for lay in items]
         else:
             trials = measure(model, items, [p["partition"] for p in preds["flops"]], args)
         rows = []
@@ -319,6 +422,7 @@ def main() -> None:
                 row["predicted"][variant] = {
                     "step_s": pv["step_s"],
                     "states": pv["states"],
+                    "server_states": pv["server_states"],
                     "peak": pv["memory_per_rank"] + profile.baseline_bytes,
                     "breakdown": pv["breakdown"],
                 }
@@ -331,8 +435,10 @@ def main() -> None:
             summary = report(model, rows, variant)
             results["summary"].append(summary)
             print(json.dumps(summary))
-    Path(args.out).write_text(json.dumps(results, indent=1, default=str))
-    print(f"\nwrote {args.out}")
+    print("\nREADME table:\n" + markdown_summary(results["summary"]))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nwrote {out_path}")
 
 
 if __name__ == "__main__":

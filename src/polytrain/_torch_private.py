@@ -22,6 +22,9 @@ here has none in torch 2.13:
 - ``gloo_options``: backend options carrying a timeout, the only way to give the groups a
   ``DeviceMesh`` creates a timeout other than torch's 30-minute default (``init_device_mesh``
   reads ``pg_options._timeout``; [Note: group timeouts] in comm/init.py).
+- ``TorchDispatchMode``: a mode that sees every ATen operator call, forward and backward (the
+  planner counts operator calls and the bytes the non-matmul ones move; torch's public
+  ``FlopCounterMode`` is built on it but counts FLOPs only).
 - ``strided_shard``: DTensor's ``_StridedShard`` placement, the only one that describes a fused
   projection split so that each rank holds its share of every chunk ([q_r | k_r | v_r] of
   GPT-2's ``c_attn``) while ``full_tensor()`` and state dicts keep the user's layout.
@@ -44,9 +47,11 @@ from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "MonitoredAgent",
+    "TorchDispatchMode",
     "ddp_ignore",
     "default_store",
     "forget_shared_store",

@@ -7,7 +7,10 @@ import pytest
 from polytrain.cli.plan_validate import job_fields, trial_specs, validate_plans
 from polytrain.config.io import job_from_dict
 from polytrain.errors import PlanError
-from polytrain.planner.types import BlockStats, Layout, ModelStats, Prediction
+from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.cost import Env, predict
+from polytrain.planner.partition import balanced_stages
+from polytrain.planner.types import BlockStats, Layout, ModelStats
 
 
 def test_job_fields_keep_the_work_and_drop_the_layout() -> None:
@@ -23,10 +26,16 @@ def test_pipeline_specs_carry_the_partition_the_model_priced() -> None:
         BlockStats(f"blocks.{i}", 10, 40, f, 0.0, 4.0) for i, f in enumerate([0, 9, 9, 1])
     )
     stats = ModelStats("m", blocks)
-    preds = [Prediction(Layout(pp=2, microbatches=2), 0.1, 1.0), Prediction(Layout(dp=2), 0.2, 1.0)]
-    pipe, flat = trial_specs(preds, stats)
-    assert sum(pipe.extra["pipeline.partition"]) == 4 and flat.extra == {}
-    assert pipe.predicted_step_s == 0.1
+    env = Env(parse_cluster("1x2xcpu"))
+    preds = [
+        predict(Layout(pp=2, microbatches=2), stats, env, 4),
+        predict(Layout(dp=2), stats, env, 4),
+    ]
+    pipe, flat = trial_specs(preds)
+    priced = [len(s) for s in balanced_stages(blocks, 2)]
+    assert pipe.layout.overrides()["pipeline.partition"] == priced and sum(priced) == 4
+    assert "pipeline.partition" not in flat.layout.overrides()
+    assert pipe.predicted_step_s == preds[0].step_s
 
 
 def test_validate_needs_at_least_one_plan() -> None:

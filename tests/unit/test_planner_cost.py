@@ -7,6 +7,7 @@ import pytest
 from polytrain.pipeline.schedule import bubble_fraction
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
+from polytrain.planner.cost.common import concurrent_rate
 from polytrain.planner.cost.dp import bucket_sizes, dp_backward
 from polytrain.planner.cost.overlap import overlap
 from polytrain.planner.cost.pipeline import pipeline_step
@@ -14,7 +15,7 @@ from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.sufficient_factor import dense_s, sf_s
 from polytrain.planner.cost.zero import zero_step
 from polytrain.planner.stats_pure import gpt_stats
-from polytrain.planner.types import Layout
+from polytrain.planner.types import BlockStats, HostProfile, Layout
 
 ENV = Env(parse_cluster("2x4xA100-40GB:ib200"))
 
@@ -186,3 +187,118 @@ def test_pipeline_accumulation_reruns_the_flushed_program() -> None:
     opt = one.breakdown["optimizer"]
     assert two.step_s - opt == pytest.approx(2 * (one.step_s - opt))
     assert two.breakdown["bubble"] == pytest.approx(2 * one.breakdown["bubble"])
+
+
+def _cpu_profile(**extra: object) -> HostProfile:
+    fields: dict[str, object] = {
+        "fingerprint": "test",
+        "device": "cpu",
+        "matmul_flops": {"fp32": 10e9, "bf16": 5e9},
+        "mem_bw": 1e10,
+        "matmul_concurrent": {1: 10e9, 2: 6e9, 4: 2e9},
+    }
+    fields.update(extra)
+    return HostProfile(**fields)  # type: ignore[arg-type]
+
+
+def test_concurrent_rate_interpolates_and_shares_past_the_largest_count() -> None:
+    measured = {1: 10.0, 2: 6.0, 4: 2.0}
+    assert concurrent_rate(measured, 2) == 6.0
+    assert concurrent_rate(measured, 3) == pytest.approx(4.0)  # halfway between 2 and 4
+    assert concurrent_rate(measured, 8) == pytest.approx(1.0)  # 4 x 2 shared by 8
+    assert concurrent_rate(measured, 0) == 10.0
+
+
+def test_cpu_ranks_compute_at_the_shared_core_rate() -> None:
+    """[Note: shared cores]: every rank of a host computing at once gets the concurrent rate;
+    the dtype keeps its ratio to fp32; a GPU cluster ignores the profile's CPU sharing."""
+    profile = _cpu_profile()
+    four = Env(parse_cluster("1x4xcpu"), profile=profile)
+    assert four.flops_rate == pytest.approx(2e9)
+    assert four.cpu_slowdown == pytest.approx(5.0)
+    assert Env(parse_cluster("1x4xcpu").with_size(2), profile=profile).flops_rate == 6e9
+    assert Env(parse_cluster("1x4xcpu"), profile=profile, computing=1).flops_rate == 10e9
+    assert Env(parse_cluster("1x4xcpu"), "bf16", profile).flops_rate == pytest.approx(1e9)
+    assert Env(parse_cluster("1x4xA100-40GB"), profile=profile).flops_rate == 10e9
+    # a measured block time slows by the same factor
+    block = BlockStats("b", 1, 4, 1e6, 0.0, 0.0, fwd_s=1e-3, bwd_s=2e-3)
+    assert four.fwd_s(block, 2) == pytest.approx(2e-3 * 5)
+
+
+def test_calibrated_end_of_step_costs_per_tensor_and_byte() -> None:
+    """[Note: per-step costs]: check + clip + update, each a * tensors + b * bytes, summed and
+    slowed by the shared cores; without them the memory-bound update alone."""
+    costs = {
+        "adamw": (50e-6, 2e-9),
+        "sgd": (3e-6, 1e-10),
+        "check": (3e-6, 3e-11),
+        "clip": (5e-6, 1e-10),
+    }
+    env = Env(parse_cluster("1x1xcpu"), profile=_cpu_profile(step_costs=costs))
+    params, tensors = 1e6, 10.0
+    nbytes = params * 4
+    expected = sum(costs[p][0] * tensors + costs[p][1] * nbytes for p in ("adamw", "check", "clip"))
+    got = env.optimizer_s(params, 2, 4, tensors=tensors, optimizer="adamw", clip=True)
+    assert got == pytest.approx(expected)
+    no_clip = env.optimizer_s(params, 2, 4, tensors=tensors, optimizer="adamw")
+    assert no_clip == pytest.approx(
+        expected - costs["clip"][0] * tensors - costs["clip"][1] * nbytes
+    )
+    shared = Env(parse_cluster("1x4xcpu"), profile=_cpu_profile(step_costs=costs))
+    assert shared.optimizer_s(params, 2, 4, tensors=tensors, clip=True) == pytest.approx(
+        5 * expected
+    )
+    bare = Env(parse_cluster("1x1xcpu"), profile=_cpu_profile())
+    assert bare.optimizer_s(params, 2, 4, tensors=tensors) == pytest.approx(params * 4 * 7 / 1e10)
+
+
+def test_predict_adds_the_end_of_step_per_rank() -> None:
+    """dp1: the step grows by exactly the calibrated end of step over the model's tensors;
+    ZeRO-2 pays the per-byte part on its 1/dp shard only."""
+    stats = gpt_stats(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)
+    costs = {"adamw": (50e-6, 2e-9), "check": (3e-6, 3e-11), "clip": (5e-6, 1e-10)}
+    cluster = parse_cluster("1x1xcpu")
+    plain = predict(Layout(), stats, Env(cluster, profile=_cpu_profile()), 8)
+    timed = predict(Layout(), stats, Env(cluster, profile=_cpu_profile(step_costs=costs)), 8)
+    tensors = sum(b.tensors for b in stats.blocks)
+    assert tensors == 2 + 2 * 16 + 3
+    per = {p: a * tensors + b * stats.param_bytes for p, (a, b) in costs.items()}
+    memory_bound = stats.param_bytes * 7 / 1e10
+    assert timed.step_s - plain.step_s == pytest.approx(sum(per.values()) - memory_bound)
+
+
+def test_non_matmul_time_needs_a_calibrated_operator_cost() -> None:
+    """[Note: non-matmul time]: operator dispatch (not split by tp) plus the bytes the
+    non-matmul operators move (split by tp), only with a calibrated `op_s`."""
+    block = BlockStats(
+        "b", 1, 4, 1e9, 0.0, 0.0, fwd_ops=40, bwd_ops=100, fwd_moved_bytes=1e6, bwd_moved_bytes=3e6
+    )
+    cluster = parse_cluster("1x1xcpu")
+    bare = Env(cluster, profile=_cpu_profile())
+    assert bare.fwd_s(block, 8) == pytest.approx(1e9 * 8 / 10e9)  # FLOPs alone
+    env = Env(cluster, profile=_cpu_profile(op_s=5e-6))
+    assert env.fwd_s(block, 8) == pytest.approx(0.8 + 40 * 5e-6 + 8e6 / 1e10)
+    assert env.bwd_s(block, 8, tp=2) == pytest.approx(0.8 + 100 * 5e-6 + 12e6 / 1e10)
+    assert Env(parse_cluster("1x1xA100-40GB")).fwd_s(block, 8) == pytest.approx(
+        1e9 * 8 / Env(parse_cluster("1x1xA100-40GB")).flops_rate
+    )
+
+
+def test_zero_pays_the_calibrated_fsdp_hooks_per_unit() -> None:
+    """[Note: FSDP2 unit overhead]: every sharded block and the root, per micro-step, slowed by
+    shared cores; plain DDP pays none."""
+    stats = gpt_stats(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)
+    cluster = parse_cluster("1x2xcpu")
+    base = Env(cluster, profile=_cpu_profile())
+    hooked = Env(cluster, profile=_cpu_profile(fsdp_unit_s={2: 1e-3, 3: 2e-3}))
+    units = len(stats.blocks) + 1
+    for stage, per_unit in ((2, 1e-3), (3, 2e-3)):
+        layout = Layout(dp=2, zero=stage)
+        extra = predict(layout, stats, hooked, 8).step_s - predict(layout, stats, base, 8).step_s
+        assert extra == pytest.approx(per_unit * units * hooked.cpu_slowdown)
+    two = predict(Layout(dp=2, zero=3, grad_accum=2), stats, hooked, 8)
+    assert two.breakdown["fsdp_hooks"] == pytest.approx(2 * 2e-3 * units * hooked.cpu_slowdown)
+    assert (
+        predict(Layout(dp=2), stats, hooked, 8).step_s
+        == predict(Layout(dp=2), stats, base, 8).step_s
+    )

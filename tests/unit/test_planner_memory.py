@@ -66,3 +66,37 @@ def test_recomputation_keeps_block_inputs_only() -> None:
     plain, rec = _mem(Layout()), _mem(Layout(recompute=True))
     assert rec.activations == 4 * 100.0 * 8 + 1000.0 * 8
     assert rec.activations < plain.activations
+
+
+def test_tensor_parallel_keeps_unsplit_tensors_whole() -> None:
+    """[Note: tensor-parallel shards]: 3 MB split by a dimension of 12, 1 MB whole (LayerNorms,
+    row-parallel biases): tp 2 and 4 split the 3 MB only; tp 8 does not divide 12, so the
+    plan leaves that part whole too (the runtime's vocabulary rule)."""
+    block = BlockStats("b", P, 4 * P, 1e9, 1000.0, 100.0, tp_shards=((3.0 * P, 12), (1.0 * P, 1)))
+    assert block.bytes_per_tp_rank(1) == 4 * P
+    assert block.bytes_per_tp_rank(2) == 1.5 * P + P
+    assert block.bytes_per_tp_rank(4) == 0.75 * P + P
+    assert block.bytes_per_tp_rank(8) == 4 * P
+    assert block.params_per_tp_rank(2) == P * 2.5 / 4
+    stats = ModelStats("toy", (block,) * 2, dtype_bytes=4, optimizer_state_per_param=2)
+    m = memory_per_rank(stats, Layout(tp=2), [stats.blocks], 8.0)
+    assert (m.weights, m.grads, m.optimizer) == (5 * P, 5 * P, 10 * P)
+    z = memory_per_rank(stats, Layout(dp=2, tp=2, zero=2), [stats.blocks], 8.0)
+    assert z.weights == 2.5 * P  # ZeRO shards this rank's tp share over dp
+
+
+def test_a_parameter_server_holds_its_shard_its_gradient_buffer_and_the_optimizer() -> None:
+    """Measured on gpt tiny with one server: 4 x the parameters (AdamW). A server can be the
+    busiest rank: the prediction's memory per rank is the larger of worker and server."""
+    from polytrain.planner.cluster import parse_cluster
+    from polytrain.planner.cost import Env, predict
+    from polytrain.planner.memory import ps_server_memory
+
+    one = ps_server_memory(STATS, Layout(dp=2, sync="ps", ps_servers=1))
+    assert (one.weights, one.grads, one.optimizer) == (WEIGHTS, WEIGHTS, 2 * WEIGHTS)
+    two = ps_server_memory(STATS, Layout(dp=2, sync="ps", ps_servers=2))
+    assert two.model_states == one.model_states / 2
+    layout = Layout(dp=2, sync="ps", ps_servers=1)
+    pred = predict(layout, STATS, Env(parse_cluster("1x3xcpu")), 8)
+    worker = _mem(layout, 4.0)
+    assert pred.memory_per_rank == max(worker.total, one.total) == one.total

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,9 @@ def _profile() -> HostProfile:
         startup_s=3.0,
         baseline_bytes=3e8,
         matmul_concurrent={1: 5e10, 4: 2.5e10},
+        step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11)},
+        op_s=6e-6,
+        fsdp_unit_s={2: 6e-4, 3: 7e-4},
     )
 
 
@@ -58,3 +62,13 @@ def test_missing_and_malformed_files_say_what_to_do(tmp_path: Path) -> None:
     bad.write_text("not json")
     with pytest.raises(PlanError, match="not a polytrain profile"):
         load_profile(bad)
+
+
+def test_a_profile_saved_before_step_costs_loads_without_them(tmp_path: Path) -> None:
+    path = save_profile(_profile(), tmp_path / "p.json")
+    data = json.loads(path.read_text())
+    del data["step_costs"], data["op_s"], data["fsdp_unit_s"]  # as written before them
+    path.write_text(json.dumps(data))
+    old = load_profile(path)
+    assert old.step_costs == {} and old.op_s == 0.0 and old.fsdp_unit_s == {}
+    assert old.matmul_concurrent == _profile().matmul_concurrent

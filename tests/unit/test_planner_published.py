@@ -66,12 +66,12 @@ SETUPS = [
 
 # (predicted TFLOP/s per GPU, within 15%?) as printed in docs/planner.md
 DOC_ROWS = {
-    "Megatron GPT 1.7B, 32 A100": (156.75, True),
-    "Megatron GPT 18.4B, 256 A100 (tp 8)": (140.18, True),
-    "Megatron GPT 39.1B, 512 A100 (tp 8, pp 2)": (132.62, True),
-    "Megatron GPT 145.6B, 1536 A100 (tp 8, pp 8)": (132.45, True),
-    "Megatron GPT 1T, 3072 A100 (tp 8, pp 64)": (128.42, False),
-    "Megatron-LM 8.3B, 512 V100 (tp 8, dp 64)": (32.81, True),
+    "Megatron GPT 1.7B, 32 A100": (156.7, True),
+    "Megatron GPT 18.4B, 256 A100 (tp 8)": (139.91, True),
+    "Megatron GPT 39.1B, 512 A100 (tp 8, pp 2)": (133.39, True),
+    "Megatron GPT 145.6B, 1536 A100 (tp 8, pp 8)": (132.56, True),
+    "Megatron GPT 1T, 3072 A100 (tp 8, pp 64)": (128.35, False),
+    "Megatron-LM 8.3B, 512 V100 (tp 8, dp 64)": (32.32, True),
 }
 
 

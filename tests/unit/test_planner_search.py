@@ -6,8 +6,11 @@ import pytest
 
 from polytrain.errors import PlanError
 from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.cost import Env, predict
+from polytrain.planner.partition import balanced_stages
 from polytrain.planner.search import PlanRequest, device_counts, enumerate_layouts, search
 from polytrain.planner.stats_pure import gpt_stats
+from polytrain.planner.types import BlockStats, Layout, ModelStats, launch_shape
 
 SMALL = gpt_stats(n_layer=8, n_embd=512, n_head=8, block_size=256, vocab_size=100)
 
@@ -113,3 +116,33 @@ def test_late_multiply_is_offered_only_where_a_layer_gains() -> None:
     # a GPT sees batch x tokens rows per Linear: the dense all-reduce wins, so no sf layout
     res = search(PlanRequest(SMALL, parse_cluster("1x4xA100-40GB"), 32, 10))
     assert not any(p.layout.sufficient_factor for p in res.plans)
+
+
+def test_overrides_launch_a_multi_host_layout_per_node() -> None:
+    """`Layout.overrides`: nproc is per node, not the total; uneven counts are refused and the
+    search does not offer them; a pipeline carries the partition it was priced with."""
+    big = Layout(dp=16)
+    assert big.overrides()["launch.nproc"] == 16  # one host (the default)
+    fields = big.overrides(per_host=8)
+    assert (fields["launch.nproc"], fields["launch.nnodes"]) == (8, 2)
+    assert Layout(dp=6).overrides(per_host=4)["launch.nproc"] == 3  # 2 nodes x 3
+    with pytest.raises(PlanError, match="no number of hosts of 4"):
+        Layout(dp=5).overrides(per_host=4)
+    assert launch_shape(5, 4) is None and launch_shape(3, 4) == (3, 1)
+    assert device_counts(parse_cluster("2x4xA100-40GB:ib200"), 5, 5) == []
+    pipe = Layout(pp=2, microbatches=2, partition=(1, 3))
+    assert pipe.overrides()["pipeline.partition"] == [1, 3]
+    assert "pipeline.partition" not in Layout(pp=2, microbatches=2).overrides()
+
+
+def test_the_searched_pipeline_runs_the_partition_it_was_priced_with() -> None:
+    stats = ModelStats(
+        "skewed",
+        tuple(
+            BlockStats(f"blocks.{i}", 10, 40, f, 1.0, 4.0)
+            for i, f in enumerate([1e9, 1e6, 1e6, 1e6])
+        ),
+    )
+    pred = predict(Layout(pp=2, microbatches=2), stats, Env(parse_cluster("1x2xA100-40GB")), 8)
+    assert pred.layout.partition == tuple(len(s) for s in balanced_stages(stats.blocks, 2))
+    assert pred.layout.partition == (1, 3)

@@ -97,3 +97,37 @@ def test_linear_shapes_and_rows_when_the_cost_model_asks(tmp_path: Path) -> None
     assert block.linears == ((128, 128),) * 4 + ((128, 512), (512, 128))  # type: ignore[attr-defined]
     assert block.rows_per_sample == 64  # type: ignore[attr-defined]
     assert stats.tp_divisor == 4  # type: ignore[attr-defined]
+
+
+def test_tensor_parallel_shards_follow_the_runtime_plan(tmp_path: Path) -> None:
+    """[Note: tensor-parallel shards] from `resolve_tp_plan` agree with the analytic split of
+    `stats_pure` (LayerNorms, row-parallel biases and the position table whole), cover every
+    byte, and the vocabulary rows drop out when tp does not divide the vocabulary."""
+    from polytrain.planner.stats_pure import gpt_stats
+
+    job = _job(tmp_path, "gpt", n_layer=2, n_embd=32, n_head=4, block_size=16)
+    stats = model_stats(job, device="meta")
+    vocab = stats.blocks[0].params // 32 - 16
+    pure = gpt_stats(n_layer=2, n_embd=32, n_head=4, block_size=16, vocab_size=vocab)
+    for block, analytic in zip(stats.blocks, pure.blocks, strict=True):
+        assert sum(b for b, _ in block.tp_shards) == block.param_bytes
+        assert block.tensors == analytic.tensors
+        for tp in (2, 4):
+            assert block.bytes_per_tp_rank(tp) == pytest.approx(analytic.bytes_per_tp_rank(tp))
+    odd = next(t for t in range(2, vocab + 2) if vocab % t)  # a tp that misses the vocabulary
+    assert stats.blocks[0].bytes_per_tp_rank(odd) == stats.blocks[0].param_bytes
+
+
+def test_operator_counts_cover_forward_and_backward(tmp_path: Path) -> None:
+    """[Note: non-matmul time]: every block calls operators both ways; the count does not grow
+    with the batch, the moved bytes are per sample, and matmuls move none."""
+    from polytrain.planner.stats import OpCounter
+
+    stats = model_stats(_job(tmp_path, "mlp"), device="meta")
+    assert all(b.fwd_ops > 0 and b.bwd_ops > 0 for b in stats.blocks)
+    assert all(b.fwd_moved_bytes > 0 for b in stats.blocks)
+    lin = torch.nn.Linear(8, 8, bias=False).to("meta")
+    x = torch.ones(4, 8, device="meta")
+    with OpCounter() as counter:
+        lin(x)
+    assert counter.ops == 2 and counter.moved == 0.0  # t (a view) and mm

@@ -151,3 +151,18 @@ def test_no_other_module_reaches_past_the_door() -> None:
                 if name.startswith("_") and not name.startswith("__") and name not in own:
                     offenders.append(f"{rel}:{node.lineno} uses .{name}")
     assert not offenders, "private torch API outside _torch_private.py:\n" + "\n".join(offenders)
+
+
+def test_torch_dispatch_mode_sees_forward_and_backward_operators() -> None:
+    seen: list[str] = []
+
+    class Names(private.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(2, 3, device="meta", requires_grad=True)
+    with Names():
+        y = (x * 2).sum()
+        y.backward()
+    assert "aten.mul" in seen and "aten.sum" in seen and len(seen) > 3

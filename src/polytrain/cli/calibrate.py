@@ -24,6 +24,16 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     table.add_row("memory bandwidth", f"{profile.mem_bw / 1e9:.2f} GB/s")
     table.add_row("process start-up", f"{profile.startup_s:.2f} s")
     table.add_row("worker baseline memory", f"{profile.baseline_bytes / 2**20:.0f} MiB")
+    for n, flops in sorted(profile.matmul_concurrent.items()):
+        table.add_row(f"matmul fp32, {n} process(es) at once", f"{flops / 1e9:.1f} GFLOP/s each")
+    if profile.op_s > 0:
+        table.add_row("operator call (dispatch)", f"{profile.op_s * 1e6:.1f} us")
+    for stage, secs in sorted(profile.fsdp_unit_s.items()):
+        what = f"zero {stage}" if stage else "replicate"
+        table.add_row(f"FSDP2 hooks, {what}", f"{secs * 1e6:.0f} us per wrapped module")
+    for part, (per_tensor, per_byte) in profile.step_costs.items():
+        rate = f"{1 / per_byte / 1e9:.2f} GB/s" if per_byte > 0 else "no per-byte term"
+        table.add_row(f"end of step: {part}", f"{per_tensor * 1e6:.1f} us per tensor + {rate}")
     for op, by_world in profile.collectives.items():
         for world, curve in sorted(by_world.items()):
             small = min(curve.points)

@@ -93,11 +93,11 @@ def _money(cost: float | None) -> str:
     return "n/a" if cost is None else f"${cost:,.2f}"
 
 
-def plan_to_dict(plan: Plan, global_batch: int) -> dict[str, Any]:
+def plan_to_dict(plan: Plan, global_batch: int, per_host: int = 0) -> dict[str, Any]:
     pred = plan.prediction
     return {
         "layout": pred.layout.describe(),
-        "overrides": pred.layout.overrides(),
+        "overrides": pred.layout.overrides(per_host),
         "devices": plan.devices,
         "step_s": pred.step_s,
         "samples_per_s": global_batch / pred.step_s if pred.step_s else None,
@@ -186,7 +186,11 @@ def plan_command(
         str | None, typer.Option(help="time or cost (default: cost with --deadline, else time)")
     ] = None,
     allow_async: Annotated[
-        bool, typer.Option(help="also price PipeDream and async/SSP parameter servers")
+        bool,
+        typer.Option(
+            help="also price PipeDream, async/SSP parameter servers, gossip and local SGD "
+            "(they do not reproduce the single-process run)"
+        ),
     ] = False,
     json_: Annotated[bool, typer.Option("--json", help="print JSON for tools")] = False,
     top: Annotated[int, typer.Option(help="plans to show")] = 8,
@@ -223,6 +227,7 @@ def plan_command(
         budget=budget,
         bucket_bytes=job.parallel.bucket_mb * 2**20,
         allow_async=allow_async,
+        localsgd_period=job.localsgd.period,
         profile=saved_profile() if clu.device.key == "cpu" else None,  # this host's, if calibrated
     )
     result = search(request)
@@ -234,9 +239,11 @@ def plan_command(
             "cluster": clu.describe(),
             "objective": result.objective,
             "note": result.note,
-            "best": plan_to_dict(result.best, batch) if result.best else None,
-            "plans": [plan_to_dict(p, batch) for p in result.plans[:top]],
-            "extremes": {k: plan_to_dict(p, batch) for k, p in result.extremes.items()},
+            "best": plan_to_dict(result.best, batch, clu.per_host) if result.best else None,
+            "plans": [plan_to_dict(p, batch, clu.per_host) for p in result.plans[:top]],
+            "extremes": {
+                k: plan_to_dict(p, batch, clu.per_host) for k, p in result.extremes.items()
+            },
         }
         typer.echo(json.dumps(out, indent=2))
         return
@@ -254,7 +261,7 @@ def plan_command(
                     f"--validate {validate} runs plans on this host, but --cluster {cluster!r} is "
                     "not this host's CPUs: plan with --cluster 1xNxcpu to validate here"
                 )
-            validate_plans(job, [p.prediction for p in result.plans], validate, stats=stats)
+            validate_plans(job, [p.prediction for p in result.plans], validate)
         return
     console.print(f"[bold]{result.note}[/bold]")
     if result.extremes:

@@ -6,7 +6,6 @@ The plan command calls `validate_plans` with its job and ranked predictions; the
 
 from __future__ import annotations
 
-import importlib
 import math
 import tempfile
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from rich.table import Table
 from polytrain.config.base import to_dict
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
-from polytrain.planner.types import ModelStats, Prediction
+from polytrain.planner.types import Prediction
 from polytrain.planner.validate import Trial, TrialSpec, run_trials, summarize
 
 __all__ = ["job_fields", "trial_specs", "validate_plans"]
@@ -40,25 +39,16 @@ def job_fields(job: JobConfig) -> dict[str, Any]:
     }
 
 
-def trial_specs(predictions: Sequence[Prediction], stats: ModelStats | None) -> list[TrialSpec]:
-    """One spec per prediction; a pipeline runs the partition the cost model priced."""
-    balanced = None
-    if stats is not None:
-        try:  # the planner's partition (pure); by name: optional in builds without the cost model
-            balanced = importlib.import_module("polytrain.planner.partition").balanced_stages
-        except ImportError:
-            balanced = None
+def trial_specs(predictions: Sequence[Prediction]) -> list[TrialSpec]:
+    """One spec per prediction. A pipeline runs the partition the cost model priced: `predict`
+    sets it on the layout and `Layout.overrides` writes ``pipeline.partition``."""
     specs = []
     for pred in predictions:
-        extra: dict[str, Any] = {}
-        if pred.layout.pp > 1 and balanced is not None and stats is not None:
-            extra["pipeline.partition"] = [len(s) for s in balanced(stats.blocks, pred.layout.pp)]
         specs.append(
             TrialSpec(
                 pred.layout,
                 pred.step_s,
                 predicted_peak_bytes=pred.memory_per_rank,
-                extra=extra,
             )
         )
     return specs
@@ -76,7 +66,6 @@ def validate_plans(
     predictions: Sequence[Prediction],
     k: int,
     *,
-    stats: ModelStats | None = None,
     steps: int = 8,
     console: Console | None = None,
     workdir: Path | None = None,
@@ -93,9 +82,7 @@ def validate_plans(
         what = trial.error or f"{trial.measured_step_s * 1e3:.1f} ms/step"
         console.print(f"  ran {trial.spec.label}: {what} ({trial.wall_s:.0f} s)")
 
-    specs = [
-        replace(s, label=_name(p)) for s, p in zip(trial_specs(chosen, stats), chosen, strict=True)
-    ]
+    specs = [replace(s, label=_name(p)) for s, p in zip(trial_specs(chosen), chosen, strict=True)]
     trials = run_trials(specs, job_fields(job), root, steps=steps, on_trial=show)
     table = Table(title="predicted against measured (this host)")
     for col in ("#", "layout", "predicted", "measured", "error", "peak memory (measured)"):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["MetricsWriter", "model_state_bytes", "peak_memory_mb"]
+__all__ = ["MetricsWriter", "StateBytesAtUpdate", "model_state_bytes", "peak_memory_mb"]
 
 
 def _vm_hwm_kb() -> int | None:
@@ -75,6 +75,35 @@ def model_state_bytes(
         "grads": _unique_bytes((p.grad for p in params if p.grad is not None), seen),
         "optimizer": _unique_bytes((v for v in states if v.numel() > 1), seen),
     }
+
+
+class StateBytesAtUpdate:
+    """[Note: model states at the update] The largest `model_state_bytes` seen just before an
+    optimizer step (a step pre-hook, public ``Optimizer.register_step_pre_hook``), while the
+    step's gradients are all held: what the planner's model-state estimate counts. After the
+    step some strategies free them (PipeDream's update, FSDP2's ``replicate`` under the
+    hybrid), so a reading taken then misses bytes the step held. Armed for the last step only,
+    so the other steps' times pay nothing."""
+
+    def __init__(self, modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None):
+        self.modules = list(modules)
+        self.optimizer = optimizer
+        self.reading: dict[str, int] = {}
+        self._handle: Any = None
+
+    def arm(self) -> None:
+        if self.optimizer is not None and self._handle is None:
+            self._handle = self.optimizer.register_step_pre_hook(self._hook)
+
+    def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        now = model_state_bytes(self.modules, optimizer)
+        if sum(now.values()) > sum(self.reading.values()):
+            self.reading = now
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
 
 class MetricsWriter:

@@ -1,9 +1,10 @@
 """`polytrain calibrate`: measure this host once and keep the numbers (`HostProfile`).
 
 What the cost model needs and cannot read from a data sheet: achieved (not peak) matmul FLOP/s
-per dtype and size, memory bandwidth, the latency and bandwidth of gloo collectives and p2p by
-message size and world size, what starting a process group costs, and how much memory a worker
-holds before it builds a model. Everything runs with the thread count a worker uses (one intra-op
+per dtype and size (alone and with N processes at once), memory bandwidth, the latency and
+bandwidth of gloo collectives and p2p by message size and world size, what starting a process
+group costs, how much memory a worker holds before it builds a model, and the end of a step
+(non-finite check, clip, optimizer update) per tensor and per byte ([Note: per-step costs]). Everything runs with the thread count a worker uses (one intra-op
 thread per process: the launcher sets ``OMP_NUM_THREADS=1``).
 
 Collectives run on `polytrain.testing`'s gloo harness (file:// rendezvous, spawned processes),
@@ -14,18 +15,28 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import polytrain.parallel
 import polytrain.pipeline
 import polytrain.ps  # noqa: F401  (with the two above: what a worker imports, for its baseline)
+from polytrain._torch_private import replicate
 from polytrain.comm.collectives import barrier
 from polytrain.comm.probe import COLLECTIVES, time_collective
+from polytrain.config.job import OptimConfig
+from polytrain.core.optim import build_optimizer
+from polytrain.core.step import clip_gradients_, nonfinite_flag
 from polytrain.errors import PlanError
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.planner.profile_io import (
@@ -35,6 +46,7 @@ from polytrain.planner.profile_io import (
     profile_path,
     save_profile,
 )
+from polytrain.planner.stats import OpCounter
 from polytrain.planner.types import Curve, HostProfile
 from polytrain.testing.harness import run_distributed
 
@@ -60,10 +72,13 @@ class CalibrationPlan:
     message_bytes: tuple[int, ...] = tuple(4 * _KB * 4**i for i in range(8))  # 4 KB .. 64 MB
     world_sizes: tuple[int, ...] = (2, 3, 4)
     budget_s: float = 0.5  # per (operation, size): at most ~this long once two calls are in
+    # (tensors, fp32 values each) of the end-of-step probes: many small to few large tensors
+    step_shapes: tuple[tuple[int, int], ...] = ((256, 64), (64, 4096), (4, 1 << 20))
 
     @staticmethod
     def quick() -> CalibrationPlan:
         return CalibrationPlan(
+            step_shapes=((64, 64), (4, 16384)),
             matmul_sizes=(64, 128, 256),
             copy_bytes=8 * 2**20,
             message_bytes=(4 * _KB, 64 * _KB, 1024 * _KB),
@@ -122,6 +137,105 @@ def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> float:
     return 2.0 * nbytes / _timed(lambda: dst.copy_(src), device, budget_s)  # read + write
 
 
+STEP_PARTS = ("check", "clip", "adamw", "sgd")
+
+
+def _fit_per_tensor_and_byte(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares of ``seconds = a tensors + b bytes`` through (tensors, bytes, seconds)
+    points, both coefficients kept >= 0 (a negative one is noise: refit with the other alone)."""
+    stt = sum(n * n for n, _, _ in points)
+    sbb = sum(b * b for _, b, _ in points)
+    stb = sum(n * b for n, b, _ in points)
+    sty = sum(n * y for n, _, y in points)
+    sby = sum(b * y for _, b, y in points)
+    det = stt * sbb - stb * stb
+    a = (sty * sbb - sby * stb) / det if det else 0.0
+    b = (sby * stt - sty * stb) / det if det else 0.0
+    if a < 0 or not det:
+        return 0.0, max(sby / sbb, 0.0) if sbb else 0.0
+    if b < 0:
+        return max(sty / stt, 0.0) if stt else 0.0, 0.0
+    return a, b
+
+
+def _step_costs(
+    shapes: tuple[tuple[int, int], ...], device: torch.device, budget_s: float
+) -> dict[str, tuple[float, float]]:
+    """[Note: per-step costs] Each part of `core.step.finish_step`'s end of step, timed alone on
+    synthetic fp32 parameters with gradients (the library's own functions and optimizers,
+    default settings), fitted per tensor and per byte over ``shapes``."""
+    points: dict[str, list[tuple[float, float, float]]] = {part: [] for part in STEP_PARTS}
+    for count, numel in shapes:
+        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
+        for prm in params:
+            prm.grad = torch.randn_like(prm) * 1e-3
+        nbytes = float(count * numel * 4)
+        timed: dict[str, Callable[[], object]] = {
+            "check": partial(nonfinite_flag, params, device),
+            "clip": partial(clip_gradients_, params, 1.0),
+        }
+        for name in ("adamw", "sgd"):
+            timed[name] = build_optimizer(params, OptimConfig(name=name)).step
+        for part, fn in timed.items():
+            points[part].append((float(count), nbytes, _timed(fn, device, budget_s)))
+    return {part: _fit_per_tensor_and_byte(pts) for part, pts in points.items()}
+
+
+def _op_seconds(device: torch.device, budget_s: float) -> float:
+    """[Note: non-matmul time] Seconds per ATen operator call where the data is negligible: a
+    forward and backward through 64 multiply-adds of 16 values, divided by the operator calls
+    `planner.stats.OpCounter` counts in it (the same counter the model statistics use)."""
+    x = torch.ones(16, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(64):
+            y = y * 1.0001 + 0.0001
+        y.sum().backward()
+
+    counter = OpCounter()
+    with counter:
+        chain()
+    return _timed(chain, device, budget_s) / max(counter.ops, 1)
+
+
+def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float]:
+    """[Note: FSDP2 unit overhead] Seconds FSDP2 adds per wrapped module to one forward +
+    backward, by ZeRO stage (0: its ``replicate``, which the hybrid runs for dp x tp), on a
+    group of ONE rank: its collectives move nothing
+    there, so what is left is its hooks' Python and bookkeeping, which the collective model
+    does not price. The slope between 8 and 32 one-Linear units, each (FSDP2 minus the same
+    model unsharded); the root counts as one more unit."""
+    device = torch.device("cpu")
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.ones(4, 16)
+
+    def build(units: int) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16)) for _ in range(units)])
+
+    def seconds(model: nn.Module) -> float:
+        return _timed(lambda: model(x).sum().backward(), device, budget_s)
+
+    def wrap(model: nn.Sequential, stage: int) -> None:
+        for module in [*model, model]:  # every unit, then the root (as apply_zero does)
+            if stage == 0:  # FSDP2's replicate: data parallel over tensor-parallel ranks
+                replicate(module, mesh=mesh)
+            else:
+                fully_shard(module, mesh=mesh, reshard_after_forward=stage == 3)
+
+    out: dict[int, float] = {}
+    for stage in (0, 2, 3):
+        extra = []
+        for units in (8, 32):
+            plain = seconds(build(units))
+            model = build(units)
+            wrap(model, stage)
+            extra.append(seconds(model) - plain)
+        out[stage] = max((extra[1] - extra[0]) / 24, 0.0)
+    return out
+
+
 def _rank_collectives(
     rank: int,
     world: int,
@@ -135,6 +249,30 @@ def _rank_collectives(
     }
     out["matmul"] = [(float(matmul_n), _concurrent_matmul(matmul_n, max(budget_s, 0.2)))]
     return out
+
+
+_WORKER_IMPORTS = (
+    "import torch, polytrain.trainer.worker, polytrain.parallel, polytrain.pipeline, "
+    "polytrain.ps, polytrain.gossip.strategy, polytrain.gossip.localsgd; "
+    "from polytrain.observe.metrics import peak_memory_mb; "
+    "print(peak_memory_mb(torch.device('cpu')))"
+)
+
+
+def _fresh_worker_baseline() -> float:
+    """Peak resident bytes of a fresh interpreter that imported what a training worker imports
+    (`polytrain.trainer.worker` and the strategy packages). Workers are fresh processes
+    (``python -m polytrain.trainer.worker``, spawned by the launcher), so their baseline holds
+    every page of torch and polytrain; a harness rank forked from a warm parent reports less
+    (the parent's pages it never touches are not its own)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKER_IMPORTS], capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode != 0:
+        raise PlanError(
+            f"measuring a worker's baseline memory failed: {proc.stderr.strip()[-300:]}"
+        )
+    return float(proc.stdout.strip().splitlines()[-1]) * 2**20
 
 
 def _rank_baseline(rank: int, world: int) -> float:
@@ -171,11 +309,19 @@ def calibrate(
                 tell(f"matmul {dtype} {n}")
         mem_bw = _mem_bw(plan.copy_bytes, device, plan.budget_s)
         tell("memory bandwidth")
+        step_costs = _step_costs(plan.step_shapes, device, plan.budget_s)
+        op_s = _op_seconds(device, plan.budget_s)
+        tell("end of step: check, clip, optimizers; operator overhead")
     finally:
         torch.set_num_threads(old_threads)
+    (fsdp_unit_s,) = run_distributed(_rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
+    tell("FSDP2 overhead per unit")
 
     t0 = time.perf_counter()
-    baseline = max(run_distributed(_rank_baseline, 2, timeout_s=300.0))
+    # the larger: a joined group's buffers (harness ranks) or a fresh worker's imports
+    baseline = max(
+        max(run_distributed(_rank_baseline, 2, timeout_s=300.0)), _fresh_worker_baseline()
+    )
     startup_s = time.perf_counter() - t0
     tell("process start-up")
 
@@ -211,12 +357,15 @@ def calibrate(
         baseline_bytes=baseline,
         threads=threads,
         matmul_concurrent=concurrent,
+        step_costs=step_costs,
+        op_s=op_s,
+        fsdp_unit_s=fsdp_unit_s,
     )
 
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 2 + len(plan.world_sizes)
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 4 + len(plan.world_sizes)
 
 
 def cached_profile(

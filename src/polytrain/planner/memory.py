@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
+from polytrain.gossip.graphs import graph_for_round
 from polytrain.pipeline.schedule import build, peak_activations
 from polytrain.planner.types import BlockStats, Layout, ModelStats
 
-__all__ = ["ALLOCATOR_SLACK", "MemoryEstimate", "memory_per_rank"]
+__all__ = ["ALLOCATOR_SLACK", "MemoryEstimate", "memory_per_rank", "ps_server_memory"]
 
 ALLOCATOR_SLACK = 0.10
 """Fraction added for the caching allocator's fragmentation and rounding. An assumption: PyTorch
@@ -72,6 +73,15 @@ def memory_per_rank(
     return best
 
 
+def ps_server_memory(stats: ModelStats, layout: Layout) -> MemoryEstimate:
+    """One parameter server's bytes: its 1/K of the parameters, the gradient buffer pushes are
+    summed into, and the optimizer state of its shard (the server runs the optimizer). The
+    shards are taken equal; `ps.sharding.plan_shards` balances whole tensors, so the busiest
+    server holds a little more when tensors are few and large."""
+    shard = stats.param_bytes / max(layout.ps_servers, 1)
+    return MemoryEstimate(shard, shard, shard * stats.optimizer_state_per_param, 0.0, 0.0)
+
+
 def _in_flight(layout: Layout) -> list[int]:
     """Micro-batches whose activations a stage holds at once, from the schedule itself."""
     if layout.pp <= 1:
@@ -95,7 +105,9 @@ def _stage(
     stage_index: int,
 ) -> MemoryEstimate:
     tp, dp = layout.tp, layout.dp
-    p_bytes = sum(b.param_bytes for b in blocks) / tp
+    # tensor parallel splits the sharded tensors and leaves the rest whole on every rank
+    # ([Note: tensor-parallel shards] in planner/types.py)
+    p_bytes = sum(b.bytes_per_tp_rank(tp) for b in blocks)
     weights = p_bytes / dp if layout.zero >= 2 else p_bytes  # FSDP2 keeps only the shard
     # FSDP2 without gradient sync (accumulation micro-steps) keeps unsharded gradients
     grads = p_bytes / dp if layout.zero >= 2 and layout.grad_accum == 1 else p_bytes
@@ -124,11 +136,18 @@ def _stage(
     buffers = 0.0
     if layout.zero == 3:
         # the gathered parameters of the current and the prefetched block
-        largest = max(b.param_bytes for b in blocks) / tp
+        largest = max(b.bytes_per_tp_rank(tp) for b in blocks)
         buffers += 2 * largest
     if layout.zero == 2:
         buffers += p_bytes  # all blocks' gathered parameters, kept from forward to backward
     if layout.pp > 1:
         out = max(b.output_bytes for b in blocks) * mb_samples
         buffers += 2 * out  # a received activation and a received gradient
+    if layout.sync == "gossip":
+        # the flat model, its weighted copy and one receive buffer per in-neighbour
+        graph = graph_for_round(layout.topology, layout.dp, 0)
+        in_degree = max((len(graph.in_neighbours(i)) for i in range(layout.dp)), default=0)
+        buffers += (in_degree + 2) * p_bytes
+    if layout.sync == "localsgd":
+        buffers += p_bytes  # torch's averager all-reduces one flat copy of the parameters
     return MemoryEstimate(weights, grads, optimizer, activations, buffers)

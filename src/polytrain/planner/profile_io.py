@@ -66,6 +66,9 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "baseline_bytes": profile.baseline_bytes,
         "threads": profile.threads,
         "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
+        "step_costs": {part: list(pair) for part, pair in profile.step_costs.items()},
+        "op_s": profile.op_s,
+        "fsdp_unit_s": {str(k): v for k, v in profile.fsdp_unit_s.items()},
     }
 
 
@@ -91,6 +94,14 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         baseline_bytes=float(data.get("baseline_bytes", 0.0)),
         threads=int(data.get("threads", 1)),
         matmul_concurrent={int(n): float(v) for n, v in data.get("matmul_concurrent", {}).items()},
+        # absent in profiles saved before the per-step costs were calibrated: {} makes the
+        # cost model use its memory-bound update (`Env.optimizer_s`), as it did then
+        step_costs={
+            str(part): (float(pair[0]), float(pair[1]))
+            for part, pair in data.get("step_costs", {}).items()
+        },
+        op_s=float(data.get("op_s", 0.0)),  # older profiles: no operator overhead
+        fsdp_unit_s={int(k): float(v) for k, v in data.get("fsdp_unit_s", {}).items()},
     )
 
 

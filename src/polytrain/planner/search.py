@@ -16,7 +16,8 @@ from polytrain.errors import PlanError
 from polytrain.planner.catalog import device, device_names
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.cost import Env, predict
-from polytrain.planner.types import HostProfile, Layout, ModelStats, Prediction
+from polytrain.planner.cost.decentralized import TOPOLOGIES, topology_fits
+from polytrain.planner.types import HostProfile, Layout, ModelStats, Prediction, launch_shape
 
 __all__ = [
     "Plan",
@@ -46,7 +47,8 @@ class PlanRequest:
     budget: float | None = None  # dollars
     profile: HostProfile | None = None
     bucket_bytes: float = 25.0 * 2**20
-    allow_async: bool = False  # PipeDream and async/SSP PS change the training semantics
+    allow_async: bool = False  # PipeDream, async/SSP PS, gossip and local SGD change semantics
+    localsgd_period: int = 8  # localsgd.period of the local-SGD layouts (a convergence choice)
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ def device_counts(cluster: Cluster, lo: int, hi: int) -> list[int]:
         for h in range(1, cluster.hosts + 1)
         if lo <= h * cluster.per_host <= hi
     }
-    return sorted(out)
+    # a count the launcher cannot start with the same nproc on every node is not a plan
+    return sorted(n for n in out if launch_shape(n, cluster.per_host) is not None)
 
 
 def _divisors(n: int) -> list[int]:
@@ -107,7 +110,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(
-    n: int, stats: ModelStats, cluster: Cluster, global_batch: int
+    n: int, stats: ModelStats, cluster: Cluster, global_batch: int, localsgd_period: int = 8
 ) -> Iterator[Layout]:
     """Every layout on ``n`` devices the runtime can run (its pre-flight rules) for the batch."""
     blocks = len(stats.blocks)
@@ -142,6 +145,11 @@ def enumerate_layouts(
                             microbatches=m,
                             recompute=recompute,
                         )
+    if n >= 2 and global_batch % n == 0:  # whole-model replicas only (JobConfig's rule)
+        for topology in TOPOLOGIES:
+            if topology_fits(topology, n):
+                yield Layout(dp=n, sync="gossip", topology=topology)
+        yield Layout(dp=n, sync="localsgd", period=localsgd_period)
     if cluster.device.key != "cpu":
         return  # ps/checks.py: parameter servers run on CPU workers only
     for servers in (1, 2):
@@ -168,8 +176,9 @@ def search(req: PlanRequest) -> PlanResult:
     """Price every layout on every device count and rank them; see the module docstring.
 
     [Note: synchronous by default] PipeDream and asynchronous/SSP parameter servers update
-    with stale weights, so they do not reproduce the single-process run (contract 1); they are
-    priced only when the request allows asynchrony (``--allow-async``).
+    with stale weights, and gossip and local SGD train replicas that differ between exchanges,
+    so none reproduces the single-process run (contract 1); they are priced only when the
+    request allows asynchrony (``--allow-async``).
 
     [Note: pruning] `enumerate_layouts` yields a mesh's layouts without recomputation first;
     once the plain (no ZeRO, no recomputation) layout of a mesh fits, its recomputing variants
@@ -190,9 +199,12 @@ def search(req: PlanRequest) -> PlanResult:
         cluster = req.cluster.with_size(n)
         env = Env(cluster, req.dtype, req.profile, req.bucket_bytes)
         fit_plain: set[tuple[int, int, int]] = set()
-        for layout in enumerate_layouts(n, req.stats, cluster, req.global_batch):
+        layouts = enumerate_layouts(n, req.stats, cluster, req.global_batch, req.localsgd_period)
+        for layout in layouts:
             if not req.allow_async and (
-                (layout.schedule == "pipedream" and layout.pp > 1) or layout.ps_mode != "sync"
+                (layout.schedule == "pipedream" and layout.pp > 1)
+                or layout.ps_mode != "sync"
+                or layout.sync in ("gossip", "localsgd")
             ):
                 continue  # [Note: synchronous by default]
             if layout.recompute and (layout.dp, layout.tp, layout.pp) in fit_plain:

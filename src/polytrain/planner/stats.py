@@ -30,14 +30,62 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from polytrain._torch_private import TorchDispatchMode
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
+from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
+from polytrain.parallel.tensor_parallel import module_infos, resolve_tp_plan
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
 from polytrain.planner.types import BlockStats, ModelStats
 
-__all__ = ["model_stats", "optimizer_state_per_param", "stats_of"]
+__all__ = ["OpCounter", "model_stats", "optimizer_state_per_param", "stats_of", "tp_shards"]
+
+_MATMULS = {
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten.convolution_backward",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_efficient_attention_backward",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_backward",
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """[Note: non-matmul time] Counts every ATen operator call under it and the bytes the
+    non-matmul, non-view ones read and write (tensor inputs + outputs). The cost model prices
+    matmuls by FLOPs at the calibrated matmul rate; the rest of a block's time is operators that
+    move memory (layer norms, activations, softmax, the loss) and the per-call dispatch overhead
+    of every operator, which dominates on small models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.moved = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        if str(func.overloadpacket) not in _MATMULS and not func.is_view:
+            tensors = [
+                t
+                for t in (
+                    *args,
+                    *(kwargs or {}).values(),
+                    *(out if isinstance(out, tuple | list) else (out,)),
+                )
+                if isinstance(t, torch.Tensor)
+            ]
+            self.moved += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
 
 _PROBE_BATCH = 2  # samples in the counting pass; per-sample figures divide by it
 
@@ -88,6 +136,42 @@ def _heads(model: nn.Module) -> int:
     return math.gcd(*counts) if counts else 0
 
 
+def tp_shards(
+    model: BlockModel, model_name: str, plan_rows: list[str]
+) -> list[tuple[tuple[float, int], ...]]:
+    """Per block, the (bytes, divisor) pairs of [Note: tensor-parallel shards]: what the
+    runtime's tensor-parallel plan (`parallel.tensor_parallel.resolve_tp_plan`, resolved at
+    tp = 1 so that every conditional row is in) splits, and by which dimension. Column-parallel
+    layers split weight and bias by their outputs, row-parallel ones the weight by its inputs
+    and leave the bias whole (torch's ``RowwiseParallel``), ``qkv`` by the width of each chunk,
+    ``vocab`` by the vocabulary; modules no row matches stay whole (divisor 1). A plan row that
+    applies only when tp divides a dimension (the vocabulary rows) is the same rule. A model
+    without a plan gets ``()`` per block (everything split: the old estimate)."""
+    try:
+        styles = resolve_tp_plan(model_name, model, 1, plan_rows)
+    except (ConfigError, MeshError):
+        return [() for _ in model.blocks]
+    infos = module_infos(model)
+    out = []
+    for index, block in enumerate(model.blocks):
+        pairs: list[tuple[float, int]] = []
+        for sub, module in block.named_modules():
+            path = f"blocks.{index}" + (f".{sub}" if sub else "")
+            style, info = styles.get(path), infos.get(path)
+            for pname, param in module.named_parameters(recurse=False):
+                divisor = 1
+                if style is not None and info is not None:
+                    if style in ("rowwise", "rowwise_split"):
+                        divisor = info.in_dim if pname == "weight" else 1
+                    elif style == "qkv":
+                        divisor = info.out_dim // 3
+                    else:  # colwise, colwise_gather, vocab: the output rows
+                        divisor = info.out_dim
+                pairs.append((float(param.numel() * param.element_size()), max(divisor, 1)))
+        out.append(tuple(pairs))
+    return out
+
+
 def _params_and_bytes(block: nn.Module) -> tuple[int, int]:
     params = list(block.parameters())
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
@@ -101,6 +185,9 @@ def stats_of(
     name: str = "model",
     tokens_per_sample: int = 1,
     optimizer_state: int = 2,
+    optimizer: str = "adamw",
+    grad_clip: bool = True,
+    shards: list[tuple[tuple[float, int], ...]] | None = None,
 ) -> ModelStats:
     """Per-block statistics from one forward pass over ``inputs`` (B samples, any device).
 
@@ -116,13 +203,18 @@ def stats_of(
         if h.is_floating_point():
             h = h.detach().requires_grad_(True)
         linears = _LinearRows(block)
+        fwd_ops, bwd_ops = OpCounter(), OpCounter()
         try:
-            with _counting(exclude) as (flops, saved):
+            with _counting(exclude) as (flops, saved), fwd_ops:
                 y = block(h)
-                if index == last:
-                    model.loss(y, targets)
+                result = model.loss(y, targets) if index == last else y
         finally:
             linears.close()
+        if result.requires_grad:  # backward outside the FLOP and saved-bytes counters
+            grad = torch.ones_like(result)
+            with bwd_ops:
+                torch.autograd.backward(result, grad)
+            block.zero_grad(set_to_none=True)
         params, param_bytes = _params_and_bytes(block)
         out.append(
             BlockStats(
@@ -134,6 +226,12 @@ def stats_of(
                 output_bytes=y.numel() * y.element_size() / batch,
                 linears=tuple(linears.shapes),
                 rows_per_sample=max(linears.rows // batch, 1),
+                tensors=len(list(block.parameters())),
+                fwd_ops=fwd_ops.ops,
+                bwd_ops=bwd_ops.ops,
+                fwd_moved_bytes=fwd_ops.moved / batch,
+                bwd_moved_bytes=bwd_ops.moved / batch,
+                tp_shards=shards[index] if shards else (),
             )
         )
         h = y.detach()
@@ -145,6 +243,8 @@ def stats_of(
         tokens_per_sample=tokens_per_sample,
         optimizer_state_per_param=optimizer_state,
         tp_divisor=_heads(model),
+        optimizer=optimizer,
+        grad_clip=grad_clip,
     )
 
 
@@ -218,6 +318,9 @@ def model_stats(
         name=f"{job.model.name}-{job.model.size}",
         tokens_per_sample=tokens,
         optimizer_state=optimizer_state_per_param(job),
+        optimizer=job.optim.name,
+        grad_clip=job.optim.grad_clip > 0,
+        shards=tp_shards(model, job.model.name, list(job.parallel.tp_plan)),
     )
     if not measure:
         return stats

@@ -44,6 +44,9 @@ def transformer_stats(
             fwd_flops=0.0,  # a gather, not a matmul
             saved_bytes=float(act),
             output_bytes=float(act),
+            tensors=2,  # token and position tables
+            # the token table is vocabulary-parallel, the position table whole (gpt_plan)
+            tp_shards=((V * C * param_bytes, V), (T * C * param_bytes, 1)),
         )
     ]
     layer_params = 12 * C * C + 13 * C
@@ -60,6 +63,15 @@ def transformer_stats(
                 output_bytes=float(act),
                 linears=((C, C), (C, C), (C, C), (C, C), (C, 4 * C), (4 * C, C)),
                 rows_per_sample=T,
+                tensors=16,  # 6 Linear weights and biases, 2 LayerNorms' weights and biases
+                # gpt_plan: q, k, v column-parallel (weight and bias split by C), attn.proj
+                # row-parallel (weight by C, bias whole), fc column- (by 4C), mlp.proj
+                # row-parallel (weight by 4C, bias whole); LayerNorms whole
+                tp_shards=(
+                    ((3 * C * C + 3 * C + C * C) * param_bytes, C),
+                    ((4 * C * C + 4 * C + 4 * C * C) * param_bytes, 4 * C),
+                    ((2 * C + 4 * C) * param_bytes, 1),
+                ),
             )
         )
     head_params = C * V + 2 * C
@@ -74,6 +86,8 @@ def transformer_stats(
             output_bytes=float(T * V * act_bytes),
             linears=((C, V),),
             rows_per_sample=T,
+            tensors=3,  # final LayerNorm (2) and the output layer
+            tp_shards=((C * V * param_bytes, V), (2 * C * param_bytes, 1)),
         )
     )
     return ModelStats(

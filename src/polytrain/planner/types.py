@@ -12,7 +12,29 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BlockStats", "Curve", "HostProfile", "Layout", "ModelStats", "Prediction"]
+from polytrain.errors import PlanError
+
+__all__ = [
+    "BlockStats",
+    "Curve",
+    "HostProfile",
+    "Layout",
+    "ModelStats",
+    "Prediction",
+    "launch_shape",
+]
+
+
+def launch_shape(devices: int, per_host: int) -> tuple[int, int] | None:
+    """(``launch.nproc``, ``launch.nnodes``) that run ``devices`` ranks on hosts of
+    ``per_host`` (0 = one host): as few hosts as hold them, the same process count on each (the
+    launcher starts ``nproc`` on every node); None when no even split exists (5 on hosts of 4)."""
+    if not per_host or devices <= per_host:
+        return devices, 1
+    nodes = -(-devices // per_host)
+    if devices % nodes:
+        return None
+    return devices // nodes, nodes
 
 
 @dataclass(frozen=True)
@@ -30,6 +52,32 @@ class BlockStats:
     # (fan_in, fan_out) of the block's Linear layers, for sufficient-factor pricing; () = unknown
     linears: tuple[tuple[int, int], ...] = ()
     rows_per_sample: int = 1  # rows a Linear sees per sample (tokens per sequence for a GPT)
+    tensors: int = 0  # parameter tensors (the optimizer's per-tensor costs); 0 = unknown
+    # [Note: non-matmul time] ATen operator calls of one forward / backward call of the block
+    # (independent of the batch) and bytes the non-matmul ones read and write, per sample
+    fwd_ops: int = 0
+    bwd_ops: int = 0
+    fwd_moved_bytes: float = 0.0
+    bwd_moved_bytes: float = 0.0
+    # [Note: tensor-parallel shards] (bytes, divisor) pairs covering param_bytes: tensor
+    # parallel of degree tp splits a pair's bytes tp ways iff tp divides its divisor, else every
+    # rank holds them whole (divisor 1: LayerNorms, row-parallel biases, position tables).
+    # () = unknown: everything is split.
+    tp_shards: tuple[tuple[float, int], ...] = ()
+
+    def bytes_per_tp_rank(self, tp: int) -> float:
+        """Parameter bytes one of ``tp`` tensor-parallel ranks holds of this block."""
+        if tp <= 1:
+            return float(self.param_bytes)
+        if not self.tp_shards:
+            return self.param_bytes / tp
+        return sum(b / tp if d % tp == 0 else b for b, d in self.tp_shards)
+
+    def params_per_tp_rank(self, tp: int) -> float:
+        """Parameters one of ``tp`` tensor-parallel ranks holds (the same split as the bytes)."""
+        if self.param_bytes <= 0:
+            return self.params / max(tp, 1)
+        return self.params * self.bytes_per_tp_rank(tp) / self.param_bytes
 
 
 @dataclass(frozen=True)
@@ -42,6 +90,8 @@ class ModelStats:
     tokens_per_sample: int = 1
     optimizer_state_per_param: int = 2  # AdamW: exp_avg + exp_avg_sq; SGD momentum: 1
     tp_divisor: int = 0  # a tensor-parallel degree must divide this (attention heads); 0 = any
+    optimizer: str = "adamw"  # optim.name: which calibrated update cost applies
+    grad_clip: bool = True  # optim.grad_clip > 0: the step clips by the global norm
 
     @property
     def params(self) -> int:
@@ -105,6 +155,15 @@ class HostProfile:
     threads: int = 1  # intra-op threads per process the numbers were measured with
     # processes computing at once -> fp32 FLOP/s of each (cores are shared past the core count)
     matmul_concurrent: dict[int, float] = field(default_factory=dict)
+    # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
+    # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
+    # global-norm clip), "check" (the non-finite check). {} = not calibrated: the cost model
+    # falls back to the memory-bound update alone.
+    step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
+    op_s: float = 0.0  # seconds per ATen operator call on tiny tensors (dispatch); 0 = unknown
+    # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
+    # forward + backward ([Note: FSDP2 unit overhead] in planner/calibrate.py); {} = unknown
+    fsdp_unit_s: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,7 +174,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     zero: int = 0
-    sync: str = "allreduce"  # allreduce | ps (| gossip | localsgd when they exist)
+    sync: str = "allreduce"  # allreduce | ps | gossip | localsgd
     schedule: str = "1f1b"  # pipeline schedule when pp > 1
     microbatches: int = 1
     recompute: bool = False
@@ -123,11 +182,19 @@ class Layout:
     ps_servers: int = 0
     ps_mode: str = "sync"
     sufficient_factor: bool = False  # late multiply for Linear layers (plain data parallel)
+    # blocks per pipeline stage the cost model priced (set by `cost.predict`); () = uniform
+    partition: tuple[int, ...] = ()
+    topology: str = "ring"  # sync = "gossip": the peer graph (gossip.topology)
+    period: int = 8  # sync = "localsgd": local steps between averages (localsgd.period)
 
     def describe(self) -> str:
         """Short name, e.g. ``dp4``, ``dp2-tp2-zero3``, ``pp4-1f1b-m8-dp2``, ``ps-async-w3-s1``."""
         if self.sync == "ps":
             return f"ps-{self.ps_mode}-w{self.dp}-s{self.ps_servers}"
+        if self.sync == "gossip":
+            return f"gossip-{self.topology}-w{self.dp}"
+        if self.sync == "localsgd":
+            return f"localsgd-h{self.period}-w{self.dp}"
         parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == 1 and self.pp == 1) else []
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
@@ -147,7 +214,21 @@ class Layout:
     def devices(self) -> int:
         return self.dp * self.tp * self.pp + (self.ps_servers if self.sync == "ps" else 0)
 
-    def overrides(self) -> dict[str, Any]:
+    def overrides(self, per_host: int = 0) -> dict[str, Any]:
+        """The `JobConfig` fields of this layout. ``per_host``: devices per host of the cluster
+        it was planned for (0 = all on one host). A layout larger than a host runs on as few
+        nodes as hold it with the same ``launch.nproc`` on each (`launch_shape`: 16 ranks on
+        hosts of 8 are 8 x 2 nodes, not ``nproc = 16``); one with no such split is a
+        `PlanError` (the search does not offer it). A multi-node layout still needs
+        ``launch.rdzv_endpoint`` from the user."""
+        shape = launch_shape(self.devices, per_host)
+        if shape is None:
+            raise PlanError(
+                f"layout {self.describe()} has {self.devices} ranks, which no number of hosts "
+                f"of {per_host} holds with the same process count on each: plan for "
+                f"{per_host} or a multiple of it"
+            )
+        nproc, nnodes = shape
         out: dict[str, Any] = {
             "parallel.dp": self.dp,
             "parallel.tp": self.tp,
@@ -156,16 +237,23 @@ class Layout:
             "parallel.sync": self.sync,
             "parallel.recompute": self.recompute,
             "train.grad_accum": self.grad_accum,
-            "launch.nproc": self.devices,
+            "launch.nproc": nproc,
+            "launch.nnodes": nnodes,
         }
         if self.pp > 1:
             out["pipeline.schedule"] = self.schedule
             out["pipeline.microbatches"] = self.microbatches
+            if self.partition:  # what the cost model priced is what runs
+                out["pipeline.partition"] = list(self.partition)
         if self.sufficient_factor:
             out["parallel.sufficient_factor"] = "auto"  # the layers where factors are cheaper
         if self.sync == "ps":
             out["ps.servers"] = self.ps_servers
             out["ps.mode"] = self.ps_mode
+        if self.sync == "gossip":
+            out["gossip.topology"] = self.topology
+        if self.sync == "localsgd":
+            out["localsgd.period"] = self.period
         return out
 
 

@@ -27,7 +27,15 @@ from typing import Any
 
 from polytrain.planner.types import Layout
 
-__all__ = ["Trial", "TrialSpec", "run_trials", "spearman", "summarize", "toml_value"]
+__all__ = [
+    "Trial",
+    "TrialSpec",
+    "held_state_bytes",
+    "run_trials",
+    "spearman",
+    "summarize",
+    "toml_value",
+]
 
 
 @dataclass(frozen=True)
@@ -88,13 +96,25 @@ def _command(
         "train.eval_batches": 1,
         "train.sample_tokens": 0,
         "observe.out_dir": str(run_dir),
-        "observe.log_every": 1,
+        # the last step only: the rank summaries hold every step's time anyway, and a logged
+        # step does extra work the planner does not price (a metrics line; gossip's consensus
+        # distance, a full-model all-reduce)
+        "observe.log_every": steps,
         "observe.progress": False,
     }
     cmd = [python, "-m", "polytrain.cli.app", "train"]
     for key, value in fields.items():
         cmd += ["--set", f"{key}={toml_value(value)}"]
     return cmd
+
+
+def held_state_bytes(rank: dict[str, Any]) -> float:
+    """Model-state bytes one rank held: the larger of its reading just before the last update
+    (gradients all held; [Note: model states at the update] in observe/metrics.py) and after
+    the run (a rank without an optimizer has only the latter)."""
+    after = float(sum(rank["state_bytes"].values()))
+    at_update = float(sum((rank.get("state_bytes_at_update") or {}).values()))
+    return max(after, at_update)
 
 
 def _read_ranks(run_dir: Path) -> list[dict[str, Any]]:
@@ -150,7 +170,7 @@ def run_trials(
             spec=spec,
             measured_step_s=_measured_step(ranks[0], warmup) if ranks else math.nan,
             peak_bytes=max((r["peak_memory_mb"] * 2**20 for r in ranks), default=math.nan),
-            state_bytes=max((sum(r["state_bytes"].values()) for r in ranks), default=math.nan),
+            state_bytes=max((held_state_bytes(r) for r in ranks), default=math.nan),
             ranks=ranks,
             run_dir=run_dir,
             wall_s=wall,

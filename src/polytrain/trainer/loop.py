@@ -27,7 +27,12 @@ from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
 from polytrain.models.gpt import generate
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.observe.metrics import MetricsWriter, model_state_bytes, peak_memory_mb
+from polytrain.observe.metrics import (
+    MetricsWriter,
+    StateBytesAtUpdate,
+    model_state_bytes,
+    peak_memory_mb,
+)
 from polytrain.observe.mfu import flops_per_sample, peak_flops
 from polytrain.observe.trace import merge_traces
 from polytrain.trainer.build import build_strategy
@@ -65,7 +70,12 @@ def _progress(console: Console, enabled: bool) -> Progress:
 
 
 def _write_rank_summary(
-    out_dir: Path, rank: int, strategy: Strategy, history: list[dict[str, Any]], peak_mb: float
+    out_dir: Path,
+    rank: int,
+    strategy: Strategy,
+    history: list[dict[str, Any]],
+    peak_mb: float,
+    at_update: dict[str, int],
 ) -> None:
     """``rank-<r>.json``: what this rank held and how long its steps took, for the planner's
     validation (`polytrain plan --validate`) to set against its predictions. Written before
@@ -76,6 +86,9 @@ def _write_rank_summary(
         "strategy": strategy.name,
         "peak_memory_mb": peak_mb,
         "state_bytes": model_state_bytes(strategy.modules, strategy.optimizer),
+        # held just before the last step's update ([Note: model states at the update]);
+        # {} where this rank runs no optimizer (a parameter-server worker)
+        "state_bytes_at_update": at_update,
         "median_step_time_s": times[len(times) // 2] if times else None,
         "step_times_s": [r["step_time_s"] for r in history],
     }
@@ -126,6 +139,7 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     def checkpoint_due(step: int) -> bool:
         return checkpointer is not None and checkpointer.due(step + 1)
 
+    at_update = StateBytesAtUpdate(strategy.modules, strategy.optimizer)
     with _progress(console, show) as progress, Checkpointer.guard(checkpointer):
         task = progress.add_task(strategy.name, total=steps, loss="-", speed="", completed=start)
 
@@ -173,6 +187,8 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
 
         deferred: tuple[int, StepOutput, float] | None = None
         for step in range(start, steps):
+            if step == steps - 1 and out_dir is not None:
+                at_update.arm()
             strategy.set_lr(lr_at(step, job.optim, steps))
             watchdog.check_in(step)
             t0 = time.perf_counter()
@@ -187,8 +203,10 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             else:
                 finish_step(step, out, step_time)
 
+    at_update.close()
     if out_dir is not None:
-        _write_rank_summary(out_dir, ctx.rank, strategy, history, peak_memory_mb(ctx.device))
+        peak_mb = peak_memory_mb(ctx.device)
+        _write_rank_summary(out_dir, ctx.rank, strategy, history, peak_mb, at_update.reading)
     if job.observe.trace:
         # Parts go to the run directory (ours, locked), the merged trace to the user's path
         # without replacing anything there ([Note: output paths] in trainer/outputs.py).

@@ -12,10 +12,21 @@ bandwidth B (one direction) and per-hop latency alpha (Patarasuk and Yuan 2009; 
 With a calibrated `HostProfile` a group inside the calibrated host uses the measured curve of
 that operation and world size instead (the nearest measured world size, rescaled by the ring
 factor above when the exact one was not measured).
+
+[Note: shared cores] On a CPU host every rank is a process with one intra-op thread, and the
+ranks of one host share its cores: past the core count (and on a host others also use) each
+process computes slower than one alone. `polytrain calibrate` measures the fp32 matmul rate of
+each of N processes multiplying at once (`HostProfile.matmul_concurrent`); the cost model
+prices compute at the rate for the number of ranks that compute at once on one host
+(`Env.computing`, default: the cluster's devices per host), interpolated linearly between
+measured counts and, past the largest, shared evenly (rate(n) = rate(k) k / n). Every other
+CPU-bound time measured in one process alone (measured block times, the per-step costs) slows
+by the same factor rate(1) / rate(n). Accelerators do not share: there it is 1.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -23,7 +34,26 @@ from polytrain.planner.catalog import Link
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.types import BlockStats, HostProfile
 
-__all__ = ["Env", "ring_factor"]
+__all__ = ["Env", "concurrent_rate", "ring_factor"]
+
+
+def concurrent_rate(measured: dict[int, float], n: int) -> float:
+    """Per-process FLOP/s with ``n`` processes computing at once, from ``measured`` (process
+    count -> per-process rate); see [Note: shared cores]."""
+    if not measured:
+        raise ValueError("no concurrent matmul rates measured")
+    counts = sorted(measured)
+    n = max(n, 1)
+    if n in measured:
+        return measured[n]
+    if n > counts[-1]:
+        return measured[counts[-1]] * counts[-1] / n
+    if n < counts[0]:
+        return measured[counts[0]]
+    i = bisect.bisect_left(counts, n)
+    lo, hi = counts[i - 1], counts[i]
+    w = (n - lo) / (hi - lo)
+    return measured[lo] * (1 - w) + measured[hi] * w
 
 
 def ring_factor(op: str, n: int) -> float:
@@ -55,17 +85,32 @@ class Env:
     bucket_bytes: float = 25.0 * 2**20  # parallel.bucket_mb
     ps_chunk_bytes: float = 256.0 * 1024  # ps.chunk_kb
     straggler_s: float = 0.0  # extra seconds the slowest worker takes per step
+    # ranks computing at once on one host (0 = every device of a host); [Note: shared cores]
+    computing: int = 0
 
     # -- compute -------------------------------------------------------------------------
     @cached_property
+    def cpu_slowdown(self) -> float:
+        """How much slower one process computes beside the host's other computing ranks than
+        alone (>= 1; 1 without a CPU profile with concurrent rates). [Note: shared cores]"""
+        prof = self.profile
+        if prof is None or not prof.matmul_concurrent or self.cluster.device.key != "cpu":
+            return 1.0
+        n = self.computing or min(self.cluster.per_host, self.cluster.size)
+        alone = concurrent_rate(prof.matmul_concurrent, 1)
+        shared = concurrent_rate(prof.matmul_concurrent, n)
+        return max(alone / shared, 1.0) if shared > 0 else 1.0
+
+    @cached_property
     def flops_rate(self) -> float:
-        """Achieved FLOP/s: measured when calibrated, else catalog peak x efficiency."""
+        """Achieved FLOP/s of one rank: measured when calibrated (at the shared-core rate on a
+        CPU host), else catalog peak x efficiency."""
         if self.profile is not None and self.profile.matmul_flops:
             rate = self.profile.matmul_flops.get(self.dtype) or self.profile.matmul_flops.get(
                 "fp32"
             )
             if rate:
-                return rate
+                return rate / self.cpu_slowdown
         dev = self.cluster.device
         return dev.flops(self.dtype) * dev.efficiency
 
@@ -75,21 +120,65 @@ class Env:
             return self.profile.mem_bw
         return self.cluster.device.mem_bw
 
-    def fwd_s(self, block: BlockStats, samples: float) -> float:
-        """Forward seconds of ``samples`` samples through ``block`` (measured when known)."""
+    def fwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
+        """Forward seconds of ``samples`` samples through one of ``tp`` tensor-parallel shards
+        of ``block`` (measured when known); see [Note: non-matmul time]."""
         if block.fwd_s is not None:
-            return block.fwd_s * samples
-        return block.fwd_flops * samples / self.flops_rate
+            return block.fwd_s * samples * self.cpu_slowdown / tp
+        matmul = block.fwd_flops * samples / self.flops_rate / tp
+        return matmul + self._non_matmul_s(block.fwd_ops, block.fwd_moved_bytes * samples / tp)
 
-    def bwd_s(self, block: BlockStats, samples: float) -> float:
-        """Backward = input and weight gradients = 2x the forward FLOPs (measured when known)."""
+    def bwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
+        """Backward = input and weight gradients = 2x the forward FLOPs (measured when known),
+        plus its own operators' overhead and memory traffic."""
         if block.bwd_s is not None:
-            return block.bwd_s * samples
-        return 2.0 * block.fwd_flops * samples / self.flops_rate
+            return block.bwd_s * samples * self.cpu_slowdown / tp
+        matmul = 2.0 * block.fwd_flops * samples / self.flops_rate / tp
+        return matmul + self._non_matmul_s(block.bwd_ops, block.bwd_moved_bytes * samples / tp)
 
-    def optimizer_s(self, params: float, state_per_param: int, dtype_bytes: int) -> float:
-        """Memory-bound update: read p, g and the states, write p and the states."""
-        return params * dtype_bytes * (3 + 2 * state_per_param) / self.mem_bw
+    def _non_matmul_s(self, ops: int, moved_bytes: float) -> float:
+        """[Note: non-matmul time] With a calibrated operator cost (``HostProfile.op_s``):
+        every operator call's dispatch plus the bytes the non-matmul operators move at the
+        calibrated memory bandwidth, slowed like all CPU work by shared cores. Without one, 0:
+        the catalog's efficiency factor already folds this time into the FLOP rate."""
+        if self.profile is None or self.profile.op_s <= 0:
+            return 0.0
+        return (ops * self.profile.op_s + moved_bytes / self.mem_bw) * self.cpu_slowdown
+
+    def fsdp_overhead_s(self, stage: int, units: int) -> float:
+        """FSDP2's hook overhead for ``units`` sharded modules in one forward + backward, as
+        calibrated ([Note: FSDP2 unit overhead]); 0 without a profile that measured it."""
+        per_unit = self.profile.fsdp_unit_s.get(stage, 0.0) if self.profile is not None else 0.0
+        return per_unit * units * self.cpu_slowdown
+
+    def step_cost_s(self, parts: tuple[str, ...], tensors: float, nbytes: float) -> float:
+        """Calibrated seconds of the end-of-step ``parts`` over ``tensors`` tensors of
+        ``nbytes`` bytes on one rank (0 for a part the profile lacks); [Note: per-step costs]."""
+        costs = self.profile.step_costs if self.profile is not None else {}
+        total = 0.0
+        for part in parts:
+            per_tensor, per_byte = costs.get(part, (0.0, 0.0))
+            total += per_tensor * tensors + per_byte * nbytes
+        return total * self.cpu_slowdown
+
+    def optimizer_s(
+        self,
+        params: float,
+        state_per_param: int,
+        dtype_bytes: int,
+        *,
+        tensors: float = 0.0,
+        optimizer: str = "adamw",
+        clip: bool = False,
+    ) -> float:
+        """One rank's end of step over ``params`` parameters in ``tensors`` tensors: the
+        non-finite check, the clip (``clip``) and the optimizer update, as calibrated
+        ([Note: per-step costs]). Uncalibrated: the memory-bound update alone (read p, g and
+        the states, write p and the states)."""
+        if self.profile is None or optimizer not in self.profile.step_costs:
+            return params * dtype_bytes * (3 + 2 * state_per_param) / self.mem_bw
+        parts = (optimizer, "check", "clip") if clip else (optimizer, "check")
+        return self.step_cost_s(parts, tensors, params * dtype_bytes)
 
     # -- communication -------------------------------------------------------------------
     def link(self, stride: int, size: int) -> Link:

@@ -11,15 +11,17 @@ whether a group crosses hosts. Derivation: docs/planner.md "Hybrids".
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from polytrain.planner.cost.common import Env
+from polytrain.planner.cost.decentralized import gossip_exchange_s, localsgd_average_s
 from polytrain.planner.cost.dp import dp_backward
 from polytrain.planner.cost.pipeline import pipeline_step
 from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.sufficient_factor import sf_block_s
 from polytrain.planner.cost.tp import tp_comm_s
 from polytrain.planner.cost.zero import zero_step
-from polytrain.planner.memory import memory_per_rank
+from polytrain.planner.memory import memory_per_rank, ps_server_memory
 from polytrain.planner.partition import balanced_stages
 from polytrain.planner.types import BlockStats, Layout, ModelStats, Prediction
 
@@ -35,16 +37,23 @@ def predict(layout: Layout, stats: ModelStats, env: Env, global_batch: int) -> P
         micro *= layout.grad_accum
     mb_samples = replica_samples / micro
     mem = memory_per_rank(stats, layout, stages, mb_samples)
-    fits = mem.total <= env.cluster.device.memory
+    total = mem.total
+    if layout.sync == "ps":  # a server rank may be the busiest: it holds the optimizer state
+        total = max(total, ps_server_memory(stats, layout).total)
+    fits = total <= env.cluster.device.memory
     if layout.sync == "ps":
         step, breakdown = _ps(layout, stats, env, replica_samples)
+    elif layout.sync in ("gossip", "localsgd"):
+        step, breakdown = _decentralized(layout, stats, env, replica_samples)
     elif layout.pp > 1:
         step, breakdown = _pipeline(layout, stats, env, stages, mb_samples)
     else:
         step, breakdown = _spmd(layout, stats, env, mb_samples)
-    breakdown["memory_" + "total"] = mem.total
-    why = "" if fits else f"out of memory ({_gib(mem.total)} > {_gib(env.cluster.device.memory)})"
-    return Prediction(layout, step, mem.total, breakdown, fits, why)
+    breakdown["memory_" + "total"] = total
+    why = "" if fits else f"out of memory ({_gib(total)} > {_gib(env.cluster.device.memory)})"
+    if layout.pp > 1:  # the stages priced here are the ones `overrides` makes the runtime run
+        layout = replace(layout, partition=tuple(len(s) for s in stages))
+    return Prediction(layout, step, total, breakdown, fits, why)
 
 
 def _gib(nbytes: float) -> str:
@@ -67,17 +76,40 @@ def _block_times(
     tp_s = 0.0
     for k, b in enumerate(blocks):
         comm = tp_comm_s(env, b, samples, tp, first=(k == first), last=(k == last))
-        f = env.fwd_s(b, samples) / tp + comm
-        bw = env.bwd_s(b, samples) / tp + comm + (f if recompute else 0.0)
+        f = env.fwd_s(b, samples, tp) + comm
+        bw = env.bwd_s(b, samples, tp) + comm + (f if recompute else 0.0)
         tp_s += 2 * comm + (comm if recompute else 0.0)
         fwd.append(f)
         bwd.append(bw)
     return fwd, bwd, tp_s
 
 
-def _optimizer(layout: Layout, stats: ModelStats, env: Env, params: float) -> float:
-    shard = params / layout.tp / (layout.dp if layout.zero >= 2 else 1)
-    return env.optimizer_s(shard, stats.optimizer_state_per_param, stats.dtype_bytes)
+def _optimizer(layout: Layout, stats: ModelStats, env: Env, blocks: Sequence[BlockStats]) -> float:
+    """The end of step on one rank holding ``blocks`` (its stage): non-finite check, clip and
+    update over its tensors and bytes (the tp shard; 1/dp of it under ZeRO-2/3), plus the
+    step's small reductions (`_step_reduce_s`)."""
+    shard = sum(b.params_per_tp_rank(layout.tp) for b in blocks)
+    shard /= layout.dp if layout.zero >= 2 else 1
+    update = env.optimizer_s(
+        shard,
+        stats.optimizer_state_per_param,
+        stats.dtype_bytes,
+        tensors=sum(b.tensors for b in blocks),
+        optimizer=stats.optimizer,
+        clip=stats.grad_clip,
+    )
+    return update + _step_reduce_s(layout, stats, env)
+
+
+def _step_reduce_s(layout: Layout, stats: ModelStats, env: Env) -> float:
+    """`core.step.finish_step`'s collectives: one all-reduce of [loss, non-finite flag] (two
+    floats) over the replicas, and, when clipping sharded gradients (tensor parallel, ZeRO,
+    pipeline stages), one more of the squared norm over the shards' group. Latency-bound."""
+    ranks = layout.dp * layout.tp * layout.pp
+    loss = env.collective_s("all_reduce", 8.0, ranks, 1)
+    sharded = layout.tp > 1 or layout.zero >= 2 or layout.pp > 1
+    norm = env.collective_s("all_reduce", 4.0, ranks, 1) if stats.grad_clip and sharded else 0.0
+    return loss + norm
 
 
 def _spmd(
@@ -90,7 +122,7 @@ def _spmd(
     )
     compute = (sum(fwd) + sum(bwd)) * layout.grad_accum
     tp_s *= layout.grad_accum
-    grad_bytes = [b.param_bytes / layout.tp for b in blocks]
+    grad_bytes = [b.bytes_per_tp_rank(layout.tp) for b in blocks]
     dp, stride = layout.dp, layout.tp
     if layout.zero:
         # FSDP2 gathers every micro-step; with accumulation it reduce-scatters on the last only
@@ -112,8 +144,12 @@ def _spmd(
         # no_sync micro-steps first, then the last one overlaps its all-reduce (DDP)
         step = (sum(fwd) + sum(bwd)) * (layout.grad_accum - 1) + sum(fwd) + b_end + sf_s
         exposed += sf_s
-    opt = _optimizer(layout, stats, env, stats.params)
-    step += opt
+    opt = _optimizer(layout, stats, env, blocks)
+    # FSDP2's hooks on every wrapped block and the root, once per micro-step: ZeRO-2/3, and
+    # FSDP2's replicate for dp x tp (parallel/family.py: DDP cannot take DTensor parameters)
+    fsdp_stage = layout.zero if layout.zero else (0 if dp > 1 and layout.tp > 1 else -1)
+    fsdp = env.fsdp_overhead_s(fsdp_stage, n + 1) * layout.grad_accum if fsdp_stage >= 0 else 0.0
+    step += opt + fsdp
     return step, {
         "compute": compute - tp_s,
         "tp_comm": tp_s,
@@ -121,6 +157,7 @@ def _spmd(
         "bubble": 0.0,
         "optimizer": opt,
         "late_multiply": sf_s,
+        "fsdp_hooks": fsdp,
     }
 
 
@@ -156,14 +193,13 @@ def _pipeline(
     # the next step (StepOutput.complete) and hides behind it.
     dp_s = max(
         env.collective_s(
-            "all_reduce", sum(b.param_bytes for b in blocks) / layout.tp, layout.dp, layout.tp
+            "all_reduce", sum(b.bytes_per_tp_rank(layout.tp) for b in blocks), layout.dp, layout.tp
         )
         for blocks in stages
     )
     if layout.schedule == "pipedream":
         dp_s = max(0.0, dp_s - timing.per_step)
-    params = max(sum(b.params for b in blocks) for blocks in stages)
-    opt = _optimizer(layout, stats, env, params * layout.tp)
+    opt = max(_optimizer(layout, stats, env, blocks) for blocks in stages)
     step = timing.per_step * runs + dp_s + opt
     tp_s = tp_total * layout.microbatches * runs
     return step, {
@@ -187,9 +223,15 @@ def _input_bytes(block: BlockStats) -> float:
 def _ps(
     layout: Layout, stats: ModelStats, env: Env, replica_samples: float
 ) -> tuple[float, dict[str, float]]:
+    # The servers wait on the network while the workers compute: only workers share the cores.
+    env = replace(env, computing=min(layout.dp, env.cluster.per_host))
     compute = sum(
         env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
     )
+    # a worker checks and clips its gradient before it pushes (core.step.apply_update)
+    tensors = sum(b.tensors for b in stats.blocks)
+    parts = ("check", "clip") if stats.grad_clip else ("check",)
+    compute += env.step_cost_s(parts, tensors, float(stats.param_bytes))
     step, comm = ps_step(
         env,
         layout.ps_mode,
@@ -200,6 +242,8 @@ def _ps(
         float(stats.params),
         stats.optimizer_state_per_param,
         stats.dtype_bytes,
+        tensors=tensors,
+        optimizer=stats.optimizer,
     )
     return step, {
         "compute": compute,
@@ -207,4 +251,27 @@ def _ps(
         "dp_comm": comm,
         "bubble": 0.0,
         "optimizer": 0.0,
+    }
+
+
+def _decentralized(
+    layout: Layout, stats: ModelStats, env: Env, replica_samples: float
+) -> tuple[float, dict[str, float]]:
+    """Whole-model replicas: local compute, the end of step, then the exchange (gossip round or
+    local SGD's amortized average), nothing overlapped; see cost/decentralized.py."""
+    compute = sum(
+        env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
+    )
+    opt = _optimizer(layout, stats, env, stats.blocks)
+    model_bytes = float(stats.param_bytes)  # the flat fp32 model (gossip.compress = "none")
+    if layout.sync == "gossip":
+        comm = gossip_exchange_s(env, layout.topology, layout.dp, model_bytes)
+    else:
+        comm = localsgd_average_s(env, layout.dp, model_bytes, layout.period)
+    return compute + opt + comm, {
+        "compute": compute,
+        "tp_comm": 0.0,
+        "dp_comm": comm,
+        "bubble": 0.0,
+        "optimizer": opt,
     }

@@ -34,6 +34,9 @@ def ps_step(
     params: float,
     state_per_param: int,
     dtype_bytes: int,
+    *,
+    tensors: float = 0.0,
+    optimizer: str = "adamw",
 ) -> tuple[float, float]:
     """(seconds per global step, seconds of it spent on communication)."""
     world = workers + servers
@@ -44,7 +47,13 @@ def ps_step(
     worker_s = param_bytes / link.bandwidth + latency
     server_s = workers * param_bytes / (servers * link.bandwidth) + latency
     exchange = max(worker_s, server_s)
-    update = env.optimizer_s(params / servers, state_per_param, dtype_bytes)
+    update = env.optimizer_s(
+        params / servers,
+        state_per_param,
+        dtype_bytes,
+        tensors=tensors / servers,
+        optimizer=optimizer,
+    )
     if mode == "sync":
         step = compute_s + env.straggler_s + exchange + update
         return step, exchange
