@@ -59,6 +59,9 @@ def test_sync_matches_single_process(
     assert out["strategy"].startswith("ps-sync")
     assert_state_close(out["state"], ref["state"], atol=1e-5)
     assert out["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    if not ps.get("hierarchical"):  # [Note: prioritised overlap]: pushed from backward hooks
+        early = [r["ps_early_chunks"] for r in out["history"] if "ps_early_chunks" in r]
+        assert early and min(early) > 0
 
 
 def _quality_job(out_dir: str, **ps: Any) -> Any:

@@ -326,6 +326,9 @@ class PSConfig:
     chunk_kb: int = option(
         0, "chunk size of pipelined pushes and pulls in KiB (0 = auto: from the shard size)"
     )
+    overlap: bool = option(
+        True, "sync: push each layer's gradient from backward, pull first layers into forward"
+    )
     ranks_per_host: int = option(
         0, "hierarchical: worker ranks per host (0 = LOCAL_WORLD_SIZE, else launch.nproc)"
     )

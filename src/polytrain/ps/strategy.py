@@ -46,6 +46,7 @@ update (counted as ``ps_skipped_updates``) and the worker's step is reported ski
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -68,6 +69,7 @@ from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
+from polytrain.ps.overlap import GradPusher, ParamFetcher
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
 from polytrain.ps.worker import WorkerClient
@@ -135,6 +137,10 @@ class PSStrategy(Strategy):
 
         self.server: ParameterServer | None = None
         self.client: WorkerClient | None = None
+        # Push from backward hooks, pull into forward hooks: sync without host reduction.
+        self.overlap = self.sync and ps.overlap and not ps.hierarchical and not self.is_server
+        self.pusher: GradPusher | None = None
+        self.fetcher: ParamFetcher | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.modules: list[nn.Module] = []
         steps = job.train.steps
@@ -168,6 +174,9 @@ class PSStrategy(Strategy):
             )
             if job.parallel.recompute:  # [Note: recompute on workers]
                 apply_recompute(model)
+            if self.overlap:  # [Note: prioritised overlap] in polytrain.ps.overlap
+                self.pusher = GradPusher(model, self.layout)
+                self.fetcher = ParamFetcher(model, self.layout)
             self.modules = [model]
             self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w" + (
                 "-hier" if ps.hierarchical else ""
@@ -207,7 +216,7 @@ class PSStrategy(Strategy):
         if step < self.clock:  # a joined worker skips the clocks the job ran before it came
             return StepOutput(loss=math.nan, skipped=True)
         assert step == self.clock, f"worker at clock {self.clock} asked to run step {step}"
-        self._ensure_params(step)
+        self._ensure_params(step, lazy=self.overlap)
         loss = self._forward_backward(step)
         if self.straggler:
             time.sleep(self.job.ps.straggler_delay_s)
@@ -269,11 +278,25 @@ class PSStrategy(Strategy):
         self.clock = self.client.join()
         self.joining = False
 
-    def _ensure_params(self, clock: int) -> None:
-        """Hold the parameters for running ``clock`` (a pull, unless we already have them)."""
+    def _ensure_params(self, clock: int, lazy: bool = False) -> None:
+        """Hold the parameters for running ``clock`` (a pull, unless we already have them).
+
+        ``lazy``: return once every server granted the pull; the forward pre-hooks of the
+        `ParamFetcher` wait for each module's chunks ([Note: prioritised overlap])."""
         if self.fresh == clock:
             return
         t0 = time.perf_counter()
+        if lazy:
+            assert self.client is not None and self.fetcher is not None
+            with self.tracer.span("pull-grant", cat="communication", step=clock):
+                pending = self.client.begin_pull(clock)
+            self.fetcher.start(pending.wait_chunk)
+            self.fresh = clock
+            self.last_metrics = {
+                "ps_staleness": float(max(clock - f for f in pending.floors)),
+                "ps_wait_s": time.perf_counter() - t0,
+            }
+            return
         with self.tracer.span("pull", cat="communication", step=clock):
             flats: list[torch.Tensor] = []
             staleness = 0
@@ -307,6 +330,9 @@ class PSStrategy(Strategy):
         self.model.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for micro in range(accum):
+            if self.pusher is not None and micro == accum - 1:
+                assert self.client is not None
+                self.pusher.arm(functools.partial(self.client.post_chunk, step))
             x, y = self.batches.train(step, self.rank, self.num_workers, micro, accum)
             with self.tracer.span("forward", microbatch=micro, step=step):
                 with autocast(torch.device("cpu"), self.job.train.dtype):
@@ -314,12 +340,26 @@ class PSStrategy(Strategy):
             with self.tracer.span("backward", microbatch=micro, step=step):
                 loss.backward()
             total += loss.detach().float()
+        if self.fetcher is not None and self.pusher is not None:
+            self.fetcher.finish()  # parameters forward did not reach
+            self.pusher.flush()  # chunks of parameters without a gradient
+            self.last_metrics["ps_wait_s"] += self.fetcher.wait_s
+            self.last_metrics["ps_early_chunks"] = self.pusher.early / max(
+                1, len(self.pusher.order)
+            )
         return total
 
     def _push(self, step: int, poison: bool = False) -> None:
         """Push this replica's gradient of ``step``; ``poison``: a NaN one instead (a dropped
         step the servers must see, [Note: parameter-server NaN])."""
         with self.tracer.span("push", cat="communication", step=step):
+            if self.pusher is not None:  # the chunks are posted: complete the push
+                assert self.client is not None
+                if poison:
+                    self.client.wait_chunks()
+                    self.pusher.repost(functools.partial(self.client.post_chunk, step), math.nan)
+                self.client.end_push(step)
+                return
             grads = {
                 n: (p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in self._params().items()
