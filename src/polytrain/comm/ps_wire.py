@@ -72,6 +72,7 @@ __all__ = [
     "post_send",
     "wait_all",
     "wait_all_watched",
+    "world_group",
 ]
 
 _FOREVER = datetime.timedelta(days=7)
@@ -241,6 +242,13 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """In-place sum over ``group`` (hierarchical reduction within a host, norms over servers)."""
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
+
+
+def world_group() -> dist.ProcessGroup:
+    """The default (world) group, for the few start-up collectives over every rank."""
+    group = dist.group.WORLD
+    assert isinstance(group, dist.ProcessGroup), "torch.distributed is not initialised"
+    return group
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:

@@ -63,6 +63,7 @@ from polytrain.core.optim import lr_at
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
+from polytrain.errors import PolytrainError
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.batchnorm import convert_batchnorm
@@ -89,6 +90,28 @@ def ranks_per_host(job: JobConfig) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.nproc))
 
 
+_MAX_LINK_POINTS = 32
+
+
+def _calibrated_link(rank: int) -> list[tuple[float, float]]:
+    """Rank 0's calibrated p2p curve (world 2), the same on every rank ([Note: chunk size from
+    the link] in polytrain.ps.layout); empty when this host was never calibrated."""
+    table = torch.zeros(_MAX_LINK_POINTS, 2, dtype=torch.float64)
+    if rank == 0:
+        from polytrain.planner.calibrate import saved_profile  # imports the trainer stack
+
+        try:
+            profile = saved_profile()
+        except PolytrainError:  # an unreadable profile: the fixed rule, as without one
+            profile = None
+        curve = profile.collectives.get("p2p", {}).get(2) if profile is not None else None
+        points = sorted(curve.points)[:_MAX_LINK_POINTS] if curve is not None else []
+        for i, point in enumerate(points):
+            table[i] = torch.tensor(point, dtype=torch.float64)
+    ps_wire.broadcast(table, 0, ps_wire.world_group())
+    return [(float(b), float(t)) for b, t in table.tolist() if b > 0]
+
+
 class PSStrategy(Strategy):
     """One rank of a parameter-server job: a worker or a server (see the module notes)."""
 
@@ -113,7 +136,8 @@ class PSStrategy(Strategy):
         self.rules = StepRules(on_nonfinite=job.train.on_nonfinite, grad_clip=clip)
         self.tracer = Tracer(rank, enabled=bool(job.observe.trace))
         extra = f"mode={ps.mode};s={ps.staleness};workers={self.num_workers};h={ps.hierarchical}"
-        self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra)
+        link = _calibrated_link(rank) if ps.chunk_kb == 0 else []
+        self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra, link)
 
         # Groups: every rank creates every group, in the same order.
         self.worker_group = new_group(sorted(workers))
