@@ -22,11 +22,12 @@ check that the default is within 10% of the best fixed chunk size.
 ``--slow-mbit R`` adds the same ABBA comparison (ps, dp, dp, ps) for ``--slow-models`` with
 every rank on its own emulated host (`polytrain.testing.cluster`: network namespaces joined by
 veth pairs, each host's link tbf-limited to R Mbit/s; needs root): ps runs 3 hosts (2 workers +
-1 dedicated server), dp 2. Colocated servers (``ps.colocate``) are not built yet, so this is
-the dedicated-server layout, whose server link carries both workers' pushes and pulls.
+1 dedicated server), dp 2, and colocated ps (``ps.colocate``: 2 hosts, each a worker and the
+server of half the shards, BytePS's colocated mode) 2; ABBA: colocated, ps, dp, dp, ps,
+colocated. ``--colocated`` adds two colocated runs on loopback too.
 
 Run: PYTHONPATH=src python benchmarks/parameter_server/speed.py [--steps 4] [--sweep]
-     [--compare-overlap] [--slow-mbit 200]
+     [--compare-overlap] [--colocated] [--slow-mbit 200]
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+def _world(sync: str) -> int:
+    """ps: 2 workers + 1 dedicated server; colocated (2 ranks that also serve) and dp: 2."""
+    return 3 if sync == "ps" else 2
+
+
 def _job(
     model: str, sync: str, steps: int, chunk_kb: int, out_dir: str, overlap: bool = True
 ) -> Any:
@@ -57,11 +63,14 @@ def _job(
         "model": dict(MODELS[model]),
         "train": {"steps": steps, "seed": 0, "eval_every": 0, "sample_tokens": 0},
         "observe": {"progress": False, "out_dir": out_dir, "log_every": 1000},
-        "launch": {"nproc": 3 if sync == "ps" else 2},
+        "launch": {"nproc": _world(sync)},
     }
     if sync == "ps":
         data["parallel"] = {"sync": "ps"}
         data["ps"] = {"servers": 1, "mode": "sync", "chunk_kb": chunk_kb, "overlap": overlap}
+    elif sync == "colocated":  # both ranks work and serve one shard each
+        data["parallel"] = {"sync": "ps"}
+        data["ps"] = {"servers": 2, "colocate": True, "chunk_kb": chunk_kb, "overlap": overlap}
     return job_from_dict(data)
 
 
@@ -161,7 +170,7 @@ def _run(
 ) -> dict[str, Any]:
     from polytrain.testing import run_distributed
 
-    world = 3 if sync == "ps" else 2
+    world = _world(sync)
     results = run_distributed(
         _rank, world, model, sync, args.steps, chunk_kb, args.bw_mb, overlap, timeout_s=3000
     )
@@ -201,7 +210,7 @@ def _run_slow(model: str, sync: str, args: argparse.Namespace) -> dict[str, Any]
 
     from polytrain.testing.cluster import Cluster, LinkSpec
 
-    world = 3 if sync == "ps" else 2
+    world = _world(sync)
     link = LinkSpec(rate_mbit=args.slow_mbit)
     with tempfile.TemporaryDirectory() as tmp, Cluster(world, link=link) as cluster:
         out, spec_path = Path(tmp) / "result.json", Path(tmp) / "spec.json"
@@ -236,18 +245,22 @@ def _run_slow(model: str, sync: str, args: argparse.Namespace) -> dict[str, Any]
 
 
 def _slow_entry(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """ABBA over the shaped link: ps (2 workers + 1 dedicated server, 3 hosts), dp (2 hosts)."""
+    """ABBA over the shaped link: colocated ps (2 hosts), ps with a dedicated server (3
+    hosts), dp (2 hosts): colocated, ps, dp, dp, ps, colocated."""
+    colo = [_run_slow(model, "colocated", args)]
     ps = [_run_slow(model, "ps", args)]
     dp = [_run_slow(model, "dp", args), _run_slow(model, "dp", args)]
     ps.append(_run_slow(model, "ps", args))
-    ratio = statistics.mean(r["step_s"] for r in ps) / statistics.mean(r["step_s"] for r in dp)
-    fraction = statistics.mean(r["fraction_of_raw"] for r in ps)
+    colo.append(_run_slow(model, "colocated", args))
+    dp_s = statistics.mean(r["step_s"] for r in dp)
     return {
         "rate_mbit": args.slow_mbit,
+        "colocated": colo,
         "ps": ps,
         "dp": dp,
-        "ps_over_dp": ratio,
-        "fraction_of_raw": fraction,
+        "colocated_over_dp": statistics.mean(r["step_s"] for r in colo) / dp_s,
+        "ps_over_dp": statistics.mean(r["step_s"] for r in ps) / dp_s,
+        "fraction_of_raw": statistics.mean(r["fraction_of_raw"] for r in ps),
     }
 
 
@@ -270,6 +283,11 @@ def main() -> None:
     )
     parser.add_argument("--slow-models", default="default")
     parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="add loopback runs with ps.colocate (2 ranks, each a worker and a server)",
+    )
+    parser.add_argument(
         "--compare-overlap",
         action="store_true",
         help="add ps runs with ps.overlap = false (push after backward, whole pulls)",
@@ -286,6 +304,12 @@ def main() -> None:
             r["step_s"] for r in dp
         )
         entry["fraction_of_raw"] = statistics.mean(r["fraction_of_raw"] for r in ps)
+        if args.colocated:  # ABBA against the dp runs' neighbours: colocated, colocated
+            colo = [_run(model, "colocated", args), _run(model, "colocated", args)]
+            entry["colocated"] = colo
+            entry["colocated_over_dp"] = statistics.mean(
+                r["step_s"] for r in colo
+            ) / statistics.mean(r["step_s"] for r in dp)
         if args.compare_overlap:  # ABBA again: off, on, on, off
             off = [_run(model, "ps", args, overlap=False)]
             on = [_run(model, "ps", args), _run(model, "ps", args)]
@@ -308,15 +332,23 @@ def main() -> None:
         report[model] = entry
         print(
             f"== {model}: "
-            + json.dumps({k: v for k, v in entry.items() if k not in ("ps", "dp", "ps_no_overlap")})
+            + json.dumps(
+                {
+                    k: v
+                    for k, v in entry.items()
+                    if k not in ("ps", "dp", "ps_no_overlap", "colocated")
+                }
+            )
         )
     if args.slow_mbit > 0:
         for model in args.slow_models.split(","):
             entry = _slow_entry(model, args)
             report.setdefault(model, {})["slow_link"] = entry
             print(
-                f"== {model} over {args.slow_mbit:g} Mbit/s: ps/dp = {entry['ps_over_dp']:.3f}, "
-                f"server throughput / raw p2p = {entry['fraction_of_raw']:.2f}"
+                f"== {model} over {args.slow_mbit:g} Mbit/s: colocated ps / dp = "
+                f"{entry['colocated_over_dp']:.3f}, dedicated ps / dp = "
+                f"{entry['ps_over_dp']:.3f}, server throughput / raw p2p = "
+                f"{entry['fraction_of_raw']:.2f}"
             )
     Path(args.out).write_text(json.dumps(report, indent=1))
 

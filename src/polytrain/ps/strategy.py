@@ -70,6 +70,7 @@ from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
+from polytrain.ps.local import ColocatedServer
 from polytrain.ps.overlap import GradPusher, ParamFetcher
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
@@ -120,10 +121,15 @@ class PSStrategy(Strategy):
     ) -> None:
         ps = job.ps
         self.job, self.rank, self.model, self.batches = job, rank, model, batches
-        self.servers = server_ranks(world_size, ps.servers)
-        self.num_workers = world_size - ps.servers
+        # [Note: colocated servers] in polytrain.ps.local: the first ps.servers workers serve.
+        self.colocate = ps.colocate
+        if ps.colocate:
+            self.servers, self.num_workers = list(range(ps.servers)), world_size
+        else:
+            self.servers = server_ranks(world_size, ps.servers)
+            self.num_workers = world_size - ps.servers
         workers = list(range(self.num_workers))
-        self.is_server = rank in self.servers
+        self.is_server = rank in self.servers and not ps.colocate
         self.sync = ps.mode == "sync"
         # Declared capabilities ([Note: no world collectives], [Note: parameter-server
         # checkpoints]); servers hold no replica to evaluate.
@@ -141,6 +147,11 @@ class PSStrategy(Strategy):
 
         # Groups: every rank creates every group, in the same order.
         self.worker_group = new_group(sorted(workers))
+        # Colocated: each server talks over its own copy of the world ([Note: colocated
+        # servers]); dedicated servers use the default group.
+        groups: list[ps_wire.Group] | None = None
+        if ps.colocate:
+            groups = [new_group(range(world_size)) for _ in self.servers]
         server_group = new_group(sorted(self.servers))
         hosts = host_groups(workers, ranks_per_host(job)) if ps.hierarchical else []
         host_pgs = [new_group(sorted(g)) for g in hosts]
@@ -160,6 +171,7 @@ class PSStrategy(Strategy):
         self.push_scale = self.num_pushers / self.num_workers
 
         self.server: ParameterServer | None = None
+        self.colocated: ColocatedServer | None = None
         self.client: WorkerClient | None = None
         # Push from backward hooks, pull into forward hooks: sync without host reduction.
         self.overlap = self.sync and ps.overlap and not ps.hierarchical and not self.is_server
@@ -168,7 +180,7 @@ class PSStrategy(Strategy):
         self.optimizer: torch.optim.Optimizer | None = None
         self.modules: list[nn.Module] = []
         steps = job.train.steps
-        if self.is_server:
+        if self.is_server or (ps.colocate and rank in self.servers):
             index = self.servers.index(rank)
             self.server = ParameterServer(
                 index=index,
@@ -185,7 +197,11 @@ class PSStrategy(Strategy):
                 server_group=server_group,
                 worker_timeout_s=ps.worker_timeout_s,
                 on_nonfinite=job.train.on_nonfinite,
+                group=groups[index] if groups else None,
+                local=rank if ps.colocate else None,
             )
+        if self.is_server:
+            assert self.server is not None
             self.optimizer = self.server.optimizer
             # The shard under the model's keys: the checkpointer saves and loads it in place.
             self.modules = [module_of(self.server.params)]
@@ -194,7 +210,13 @@ class PSStrategy(Strategy):
             if self.sync and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
                 convert_batchnorm(model, self.worker_group)
             self.client = WorkerClient(
-                rank, self.layout, self.servers, self.num_workers, job.launch.timeout_s
+                rank,
+                self.layout,
+                self.servers,
+                self.num_workers,
+                job.launch.timeout_s,
+                groups=groups,
+                local=self.server.link if self.server is not None else None,
             )
             if job.parallel.recompute:  # [Note: recompute on workers]
                 apply_recompute(model)
@@ -203,8 +225,11 @@ class PSStrategy(Strategy):
                 self.fetcher = ParamFetcher(model, self.layout)
             self.modules = [model]
             self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w" + (
-                "-hier" if ps.hierarchical else ""
+                "-hier" if ps.hierarchical else "-colocated" if ps.colocate else ""
             )
+            if self.server is not None:  # colocated: serve on a thread of this rank
+                assert self.server.link is not None
+                self.colocated = ColocatedServer(self.server, self.server.link, job.observe.out_dir)
         self.is_pusher = rank in pushers
         self.joining = rank in spares
         self.straggler = rank == self.num_workers - 1 and ps.straggler_delay_s > 0
@@ -230,11 +255,13 @@ class PSStrategy(Strategy):
         self.fresh = -1
 
     def train_step(self, step: int) -> StepOutput:
-        if self.server is not None:
+        if self.server is not None and self.is_server:
             with self.tracer.span("serve", cat="communication", step=step):
                 self.server.serve_until_clock(step + 1)
             skipped = step in self.server.stats.skipped
             return StepOutput(loss=math.nan, skipped=skipped, metrics=self.server.metrics())
+        if self.colocated is not None:
+            self.colocated.check()
         if self.joining:
             self._join()
         if step < self.clock:  # a joined worker skips the clocks the job ran before it came
@@ -254,7 +281,10 @@ class PSStrategy(Strategy):
             update=lambda: self._push(step),
             drop=lambda: self._push(step, poison=True),
         )
-        return StepOutput(loss=out.loss, skipped=out.skipped, metrics=dict(self.last_metrics))
+        metrics = dict(self.last_metrics)
+        if self.colocated is not None and self.server is not None:
+            metrics.update(self.server.metrics())
+        return StepOutput(loss=out.loss, skipped=out.skipped, metrics=metrics)
 
     @torch.no_grad()
     def evaluate(self, num_batches: int) -> float:
@@ -263,7 +293,7 @@ class PSStrategy(Strategy):
         Every worker evaluates the same batches, so in sync mode (identical parameters) every
         worker gets the same value without a collective; servers return NaN.
         """
-        if self.server is not None:
+        if self.server is not None and self.is_server:
             if self.sync:
                 # Grant the workers' evaluation pulls now: in sync mode each worker pulls the
                 # current clock once (here or in its next step), and a checkpoint save may
@@ -281,17 +311,19 @@ class PSStrategy(Strategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Workers leave; servers serve until all have left and send their shards to rank 0."""
-        if self.server is not None:
+        if self.server is not None and self.is_server:
             self.server.finish(self.job.observe.out_dir)
             return {}
         assert self.client is not None
         posted = self.client.leave(self.clock) if self.is_pusher else None
-        if posted is None:
-            return {}
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        for s, flat in enumerate(self.client.final_params(posted)):
-            for name, view in self.layout.unflatten(flat, s).items():
-                state[name] = view.clone()
+        state: dict[str, torch.Tensor] = {}
+        if posted is not None:
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            for s, flat in enumerate(self.client.final_params(posted)):
+                for name, view in self.layout.unflatten(flat, s).items():
+                    state[name] = view.clone()
+        if self.colocated is not None:  # the server stops at the coordinator's SHUTDOWN
+            self.colocated.join()
         return state
 
     # --- worker internals ----------------------------------------------------------------
