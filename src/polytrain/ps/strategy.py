@@ -397,9 +397,10 @@ class PSStrategy(Strategy):
                 loss.backward()
             total += loss.detach().float()
         if self.fetcher is not None and self.pusher is not None:
-            self.fetcher.finish()  # parameters forward did not reach
+            if self.fetcher.pending:  # this step pulled (not evaluate before it)
+                self.fetcher.finish()  # parameters forward did not reach
+                self.last_metrics["ps_wait_s"] += self.fetcher.wait_s
             self.pusher.flush()  # chunks of parameters without a gradient
-            self.last_metrics["ps_wait_s"] += self.fetcher.wait_s
             self.last_metrics["ps_early_chunks"] = self.pusher.early / max(
                 1, len(self.pusher.order)
             )

@@ -140,9 +140,9 @@ class WorkerClient:
     def _check_params(self, flats: list[torch.Tensor], wires: list[Any]) -> None:
         """Validate every chunk header before the shard is used."""
         for s, k, wire in wires:
-            self._check_chunk(s, k, wire, flats[s].element_size())
+            self.check_chunk(s, k, wire, flats[s].element_size())
 
-    def _check_chunk(self, s: int, k: int, wire: torch.Tensor, itemsize: int) -> None:
+    def check_chunk(self, s: int, k: int, wire: torch.Tensor, itemsize: int) -> None:
         start, stop = self.layout.spans(s)[k]
         header = self._decode(wire, {Op.PARAMS}, numel=stop - start)
         if header.shard != s or header.chunk != k:
@@ -292,7 +292,7 @@ class PendingPull:
             ps_wire.wait_all_watched(
                 ops, rank, f"server{s}", self.client.reply_timeout_s, self.what
             )
-            self.client._check_chunk(s, k, self.wires[(s, k)], self.flats[s].element_size())
+            self.client.check_chunk(s, k, self.wires[(s, k)], self.flats[s].element_size())
             self.arrived.add((s, k))
         return self.flats[s]
 
@@ -307,5 +307,5 @@ class PendingPull:
                 ops, rank, f"server{s}", self.client.reply_timeout_s, self.what
             )
             for key in keys:
-                self.client._check_chunk(*key, self.wires[key], self.flats[s].element_size())
+                self.client.check_chunk(*key, self.wires[key], self.flats[s].element_size())
                 self.arrived.add(key)
