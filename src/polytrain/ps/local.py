@@ -114,6 +114,15 @@ class ColocatedServer:
     def check(self) -> None:
         self.link.raise_if_failed()
 
+    def wait_handled(self, clock: int) -> None:
+        """Wait until this server has handled every worker's push of ``clock`` (applied, or
+        dropped as NaN, or stopped on it). A rank that is about to stop on a NaN step waits
+        here, so its exit cannot cut off another rank's push to this server mid-transfer."""
+        while self.thread.is_alive() and not self.link.failed:
+            if self.server.table.min_clock() > clock:
+                return
+            self.thread.join(timeout=0.01)
+
     def join(self) -> None:
         """Wait for the server to stop (after the coordinator's SHUTDOWN); raise its error."""
         while self.thread.is_alive():

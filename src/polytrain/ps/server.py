@@ -212,6 +212,9 @@ class ParameterServer:
                 # The stream from ``src`` is out of step: stop receiving, report, apply nothing.
                 self._inbox.put(("error", src, exc, None))
                 return
+            except Exception as exc:  # e.g. the group torn down under a failed colocated rank
+                self._inbox.put(("failed", src, f"{type(exc).__name__}: {exc}", None))
+                return
             self._inbox.put(("msg", src, header, payload))
             if header.op is Op.SHUTDOWN or (header.op is Op.LEAVE and src != self.coordinator):
                 return

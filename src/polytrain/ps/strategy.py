@@ -416,15 +416,17 @@ class PSStrategy(Strategy):
                     self.client.wait_chunks()
                     self.pusher.repost(functools.partial(self.client.post_chunk, step), math.nan)
                 self.client.end_push(step)
-                return
-            grads = {
-                n: (p.grad if p.grad is not None else torch.zeros_like(p))
-                for n, p in self._params().items()
-            }
-            flats = [self.layout.flatten(grads, s) for s in range(len(self.servers))]
-            if poison:
-                flats = [torch.full_like(f, math.nan) for f in flats]
-            self._send(step, flats)
+            else:
+                grads = {
+                    n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                    for n, p in self._params().items()
+                }
+                flats = [self.layout.flatten(grads, s) for s in range(len(self.servers))]
+                if poison:
+                    flats = [torch.full_like(f, math.nan) for f in flats]
+                self._send(step, flats)
+            if poison and self.colocated is not None:
+                self.colocated.wait_handled(step)  # see ColocatedServer.wait_handled
 
     def _send(self, step: int, flats: list[torch.Tensor]) -> None:
         if self.host_group is not None:
