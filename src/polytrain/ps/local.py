@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from polytrain.ps.protocol import Header, Op
+
+if TYPE_CHECKING:
+    from polytrain.ps.server import ParameterServer
 
 __all__ = ["ColocatedServer", "LocalLink"]
 
@@ -42,8 +46,8 @@ class LocalLink:
         worker: int,
         spans: list[tuple[int, int]],
         dtype: torch.dtype,
-        inbox: Any,
-        decode: Any,
+        inbox: queue.Queue[tuple[str, int, Any, Any]],
+        decode: Callable[[torch.Tensor, int], Header],
     ) -> None:
         self.worker, self.spans, self.inbox, self.decode = worker, spans, inbox, decode
         self.staging = torch.zeros(spans[-1][1] if spans else 0, dtype=dtype)
@@ -99,7 +103,7 @@ class ColocatedServer:
     """Runs a server's `finish` loop on a daemon thread; its error reaches the worker through
     the `LocalLink` (and `check`)."""
 
-    def __init__(self, server: Any, link: LocalLink, out_dir: str) -> None:
+    def __init__(self, server: ParameterServer, link: LocalLink, out_dir: str) -> None:
         self.server, self.link = server, link
         self.thread = threading.Thread(target=self._run, args=(out_dir,), name="ps-colocated")
         self.thread.daemon = True

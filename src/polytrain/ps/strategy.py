@@ -3,7 +3,11 @@
 Ranks: the last ``ps.servers`` ranks of the world are servers, the others workers (worker id =
 rank, data replica = rank of ``num_workers``). With ``ps.hierarchical`` the workers of one host
 (``ps.ranks_per_host`` consecutive ranks) reduce their gradients first and only the lowest rank
-of each host talks to the servers (Rudra, Gupta et al., ICDM 2016). See docs/parameter_server.md.
+of each host talks to the servers (Rudra, Gupta et al., ICDM 2016). With ``ps.colocate`` there
+are no server ranks: every rank is a worker and ranks ``0 .. ps.servers - 1`` also run a server
+on a thread ([Note: colocated servers] in polytrain.ps.local). In sync mode a worker pushes from
+backward hooks and pulls into forward pre-hooks ([Note: prioritised overlap] in
+polytrain.ps.overlap). See docs/parameter_server.md.
 
 [Note: server ranks in the loop] The loop calls ``train_step(step)`` on every rank. On a server
 it serves pushes and pulls until every live worker has completed ``step + 1`` clocks (workers
