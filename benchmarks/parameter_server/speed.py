@@ -12,10 +12,22 @@ with the same `comm/ps_wire` calls: the raw bandwidth. Server throughput = the b
 the server per step (2 workers x (push + pull) x model bytes) over the step's communication
 time (ps step time minus the worker's own forward + backward time, timed in the run).
 
+With ``ps.overlap`` (the default) the worker's forward waits for pulled chunks inside its
+pre-hooks; that wait is counted as communication, not compute. ``--compare-overlap`` adds ps
+runs with ``ps.overlap = false`` (ABBA: off, on, on, off) and reports on / off.
+
 ``--sweep`` adds ps runs at fixed chunk sizes (``--sweep-kb``) beside the automatic one, to
 check that the default is within 10% of the best fixed chunk size.
 
+``--slow-mbit R`` adds the same ABBA comparison (ps, dp, dp, ps) for ``--slow-models`` with
+every rank on its own emulated host (`polytrain.testing.cluster`: network namespaces joined by
+veth pairs, each host's link tbf-limited to R Mbit/s; needs root): ps runs 3 hosts (2 workers +
+1 dedicated server), dp 2, and colocated ps (``ps.colocate``: 2 hosts, each a worker and the
+server of half the shards, BytePS's colocated mode) 2; ABBA: colocated, ps, dp, dp, ps,
+colocated. ``--colocated`` adds two colocated runs on loopback too.
+
 Run: PYTHONPATH=src python benchmarks/parameter_server/speed.py [--steps 4] [--sweep]
+     [--compare-overlap] [--colocated] [--slow-mbit 200]
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,18 +49,28 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def _job(model: str, sync: str, steps: int, chunk_kb: int, out_dir: str) -> Any:
+def _world(sync: str) -> int:
+    """ps: 2 workers + 1 dedicated server; colocated (2 ranks that also serve) and dp: 2."""
+    return 3 if sync == "ps" else 2
+
+
+def _job(
+    model: str, sync: str, steps: int, chunk_kb: int, out_dir: str, overlap: bool = True
+) -> Any:
     from polytrain.config import job_from_dict
 
     data: dict[str, Any] = {
         "model": dict(MODELS[model]),
         "train": {"steps": steps, "seed": 0, "eval_every": 0, "sample_tokens": 0},
         "observe": {"progress": False, "out_dir": out_dir, "log_every": 1000},
-        "launch": {"nproc": 3 if sync == "ps" else 2},
+        "launch": {"nproc": _world(sync)},
     }
     if sync == "ps":
         data["parallel"] = {"sync": "ps"}
-        data["ps"] = {"servers": 1, "mode": "sync", "chunk_kb": chunk_kb}
+        data["ps"] = {"servers": 1, "mode": "sync", "chunk_kb": chunk_kb, "overlap": overlap}
+    elif sync == "colocated":  # both ranks work and serve one shard each
+        data["parallel"] = {"sync": "ps"}
+        data["ps"] = {"servers": 2, "colocate": True, "chunk_kb": chunk_kb, "overlap": overlap}
     return job_from_dict(data)
 
 
@@ -78,7 +101,14 @@ def _bandwidth(rank: int, world: int, megabytes: int, chunk_elems: int) -> float
 
 
 def _rank(
-    rank: int, world: int, model: str, sync: str, steps: int, chunk_kb: int, bw_mb: int
+    rank: int,
+    world: int,
+    model: str,
+    sync: str,
+    steps: int,
+    chunk_kb: int,
+    bw_mb: int,
+    overlap: bool,
 ) -> dict[str, Any]:
     from polytrain.ps import strategy as ps_strategy
     from polytrain.trainer.loop import train
@@ -96,56 +126,176 @@ def _rank(
             # wait on their own tags meanwhile).
             measured["numel"] = sum(self.layout.numel(s) for s in range(len(self.servers)))
             measured["bandwidth"] = _bandwidth(rank, world, bw_mb, self.layout.chunk_elems)
+            measured["chunk_bytes"] = self.layout.chunk_elems * 4
 
         def timed(self: Any, step: int) -> Any:
+            # Compute only: with ps.overlap the forward pre-hooks wait for pulled chunks
+            # inside forward; that wait is communication (`ParamFetcher.wait_s`).
             t0 = time.perf_counter()
             out = inner(self, step)
-            compute.append(time.perf_counter() - t0)
+            waited = self.fetcher.wait_s if self.fetcher is not None else 0.0
+            compute.append(time.perf_counter() - t0 - waited)
             return out
 
         ps_strategy.PSStrategy.__init__ = init_then_measure  # type: ignore[method-assign]
         ps_strategy.PSStrategy._forward_backward = timed  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory(prefix="ps-speed-") as out_dir:
-        result = train(_job(model, sync, steps, chunk_kb, out_dir))
+        result = train(_job(model, sync, steps, chunk_kb, out_dir, overlap))
     times = [r["step_time_s"] for r in result.history][1:]
     return {
         "step_s": statistics.median(times) if times else float("nan"),
         "compute_s": statistics.median(compute[1:]) if len(compute) > 1 else None,
         "bandwidth": measured["bandwidth"],
         "numel": measured["numel"],
+        "chunk_bytes": measured.get("chunk_bytes"),
     }
 
 
-def _run(model: str, sync: str, args: argparse.Namespace, chunk_kb: int = 0) -> dict[str, Any]:
+def _server_throughput(result: dict[str, Any]) -> dict[str, Any]:
+    """Bytes through the server per step over the step's communication time, and that as a
+    fraction of the raw p2p bandwidth measured in the same run."""
+    server_bytes = 2 * 2 * result["numel"] * 4  # 2 workers x (push + pull) x fp32
+    comm = max(result["step_s"] - result["compute_s"], 1e-9)
+    return {
+        "chunk_bytes": result["chunk_bytes"],
+        "compute_s": result["compute_s"],
+        "raw_bytes_per_s": result["bandwidth"],
+        "server_bytes_per_s": server_bytes / comm,
+        "fraction_of_raw": server_bytes / comm / result["bandwidth"],
+    }
+
+
+def _run(
+    model: str, sync: str, args: argparse.Namespace, chunk_kb: int = 0, overlap: bool = True
+) -> dict[str, Any]:
     from polytrain.testing import run_distributed
 
-    world = 3 if sync == "ps" else 2
+    world = _world(sync)
     results = run_distributed(
-        _rank, world, model, sync, args.steps, chunk_kb, args.bw_mb, timeout_s=3000
+        _rank, world, model, sync, args.steps, chunk_kb, args.bw_mb, overlap, timeout_s=3000
     )
     run: dict[str, Any] = {"step_s": results[0]["step_s"], "load": os.getloadavg()[0]}
     if sync == "ps":
-        run["compute_s"] = results[0]["compute_s"]
-        run["raw_bytes_per_s"] = results[0]["bandwidth"]
-        server_bytes = 2 * 2 * results[0]["numel"] * 4  # 2 workers x (push + pull) x fp32
-        comm = max(run["step_s"] - run["compute_s"], 1e-9)
-        run["server_bytes_per_s"] = server_bytes / comm
-        run["fraction_of_raw"] = run["server_bytes_per_s"] / run["raw_bytes_per_s"]
+        run["overlap"] = overlap
+        run.update(_server_throughput(results[0]))
     print(f"{model} {sync} chunk_kb={chunk_kb}: {json.dumps(run)}", flush=True)
     return run
 
 
+# ------------------------------------------------------------------ emulated slow link
+SLOW_PORT = 29640
+
+
+def _node(spec_path: str) -> None:
+    """One rank on an emulated host: join the job's process group over the shaped link, run
+    `_rank`, rank 0 writes the result."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args = (spec["model"], spec["sync"], spec["steps"], 0, spec["bw_mb"], spec["overlap"])
+    result = _rank(rank, world, *args)
+    if rank == 0:
+        Path(spec["out"]).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _run_slow(model: str, sync: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run with every rank on its own emulated host, each host's link shaped to
+    ``--slow-mbit`` (tbf on veth between network namespaces: `polytrain.testing.cluster`)."""
+    import subprocess
+
+    from polytrain.testing.cluster import Cluster, LinkSpec
+
+    world = _world(sync)
+    link = LinkSpec(rate_mbit=args.slow_mbit)
+    with tempfile.TemporaryDirectory() as tmp, Cluster(world, link=link) as cluster:
+        out, spec_path = Path(tmp) / "result.json", Path(tmp) / "spec.json"
+        spec = {"model": model, "sync": sync, "steps": args.steps, "out": str(out)}
+        spec.update(bw_mb=max(1, args.bw_mb // 8), overlap=True)
+        spec_path.write_text(json.dumps(spec))
+        procs = []
+        for host in cluster.hosts:
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parents[1])]),
+                "MASTER_ADDR": cluster.hosts[0].addr,
+                "MASTER_PORT": str(SLOW_PORT),
+                "RANK": str(host.index),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": str(world),
+                "GLOO_SOCKET_IFNAME": "eth0",
+                "OMP_NUM_THREADS": "1",
+            }
+            cmd = [sys.executable, str(Path(__file__).resolve()), "_node", str(spec_path)]
+            procs.append(host.popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+        for proc in procs:
+            _, err = proc.communicate(timeout=1800)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a {sync} rank failed on the emulated cluster: {err[-3000:]}")
+        result = json.loads(out.read_text())
+    run: dict[str, Any] = {"step_s": result["step_s"], "load": os.getloadavg()[0]}
+    if sync == "ps":
+        run.update(_server_throughput(result))
+    print(f"{model} {sync} over {args.slow_mbit:g} Mbit/s: {json.dumps(run)}", flush=True)
+    return run
+
+
+def _slow_entry(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """ABBA over the shaped link: colocated ps (2 hosts), ps with a dedicated server (3
+    hosts), dp (2 hosts): colocated, ps, dp, dp, ps, colocated."""
+    colo = [_run_slow(model, "colocated", args)]
+    ps = [_run_slow(model, "ps", args)]
+    dp = [_run_slow(model, "dp", args), _run_slow(model, "dp", args)]
+    ps.append(_run_slow(model, "ps", args))
+    colo.append(_run_slow(model, "colocated", args))
+    dp_s = statistics.mean(r["step_s"] for r in dp)
+    return {
+        "rate_mbit": args.slow_mbit,
+        "colocated": colo,
+        "ps": ps,
+        "dp": dp,
+        "colocated_over_dp": statistics.mean(r["step_s"] for r in colo) / dp_s,
+        "ps_over_dp": statistics.mean(r["step_s"] for r in ps) / dp_s,
+        "fraction_of_raw": statistics.mean(r["fraction_of_raw"] for r in ps),
+    }
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "_node":  # a rank on an emulated host
+        _node(sys.argv[2])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="default,gpt11m")
+    parser.add_argument("--models", default="default,gpt11m", help="'' = only the slow link")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--bw-mb", type=int, default=64)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-kb", default="256,1024,4096")
+    parser.add_argument(
+        "--slow-mbit",
+        type=float,
+        default=0.0,
+        help="also run ps and dp with every rank on its own emulated host (network namespaces, "
+        "needs root) whose link is tbf-limited to this many Mbit/s; 0 = skip",
+    )
+    parser.add_argument("--slow-models", default="default")
+    parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="add loopback runs with ps.colocate (2 ranks, each a worker and a server)",
+    )
+    parser.add_argument(
+        "--compare-overlap",
+        action="store_true",
+        help="add ps runs with ps.overlap = false (push after backward, whole pulls)",
+    )
     parser.add_argument("--out", default=str(HERE / "speed_results.json"))
     args = parser.parse_args()
     report: dict[str, Any] = {}
-    for model in args.models.split(","):
+    for model in [m for m in args.models.split(",") if m]:
         ps = [_run(model, "ps", args)]
         dp = [_run(model, "dp", args), _run(model, "dp", args)]
         ps.append(_run(model, "ps", args))
@@ -154,6 +304,20 @@ def main() -> None:
             r["step_s"] for r in dp
         )
         entry["fraction_of_raw"] = statistics.mean(r["fraction_of_raw"] for r in ps)
+        if args.colocated:  # ABBA against the dp runs' neighbours: colocated, colocated
+            colo = [_run(model, "colocated", args), _run(model, "colocated", args)]
+            entry["colocated"] = colo
+            entry["colocated_over_dp"] = statistics.mean(
+                r["step_s"] for r in colo
+            ) / statistics.mean(r["step_s"] for r in dp)
+        if args.compare_overlap:  # ABBA again: off, on, on, off
+            off = [_run(model, "ps", args, overlap=False)]
+            on = [_run(model, "ps", args), _run(model, "ps", args)]
+            off.append(_run(model, "ps", args, overlap=False))
+            entry["ps_no_overlap"] = off
+            entry["overlap_over_no_overlap"] = statistics.mean(
+                r["step_s"] for r in on
+            ) / statistics.mean(r["step_s"] for r in off)
         if args.sweep:
             sizes = [int(kb) for kb in args.sweep_kb.split(",")]
             # ABBA over the sweep: auto, fixed..., fixed reversed..., auto.
@@ -167,8 +331,25 @@ def main() -> None:
             entry["auto_over_best_fixed"] = means[0] / best
         report[model] = entry
         print(
-            f"== {model}: {json.dumps({k: v for k, v in entry.items() if k not in ('ps', 'dp')})}"
+            f"== {model}: "
+            + json.dumps(
+                {
+                    k: v
+                    for k, v in entry.items()
+                    if k not in ("ps", "dp", "ps_no_overlap", "colocated")
+                }
+            )
         )
+    if args.slow_mbit > 0:
+        for model in args.slow_models.split(","):
+            entry = _slow_entry(model, args)
+            report.setdefault(model, {})["slow_link"] = entry
+            print(
+                f"== {model} over {args.slow_mbit:g} Mbit/s: colocated ps / dp = "
+                f"{entry['colocated_over_dp']:.3f}, dedicated ps / dp = "
+                f"{entry['ps_over_dp']:.3f}, server throughput / raw p2p = "
+                f"{entry['fraction_of_raw']:.2f}"
+            )
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 

@@ -44,8 +44,18 @@ ADAMW_CLIP = {"name": "adamw", "lr": 3e-3, "grad_clip": 0.5, "weight_decay": 0.1
         (4, {"servers": 2, "chunk_kb": 8}, ADAMW_CLIP, 16),
         # Hierarchical: hosts of 2 ranks -> worker groups [0, 1] and [2]; leaders 0 and 2.
         (4, {"servers": 1, "hierarchical": True, "ranks_per_host": 2}, {}, 12),
+        # Colocated ([Note: colocated servers]): both ranks work and serve a shard each...
+        (2, {"servers": 2, "chunk_kb": 8, "colocate": True}, ADAMW_CLIP, 16),
+        # ... and 2 of 3 ranks serve, so rank 2 only works (all-remote pushes).
+        (3, {"servers": 2, "colocate": True}, {}, 12),
     ],
-    ids=["1server", "2servers-chunked-adamw-clip", "hierarchical"],
+    ids=[
+        "1server",
+        "2servers-chunked-adamw-clip",
+        "hierarchical",
+        "colocated-chunked-adamw-clip",
+        "colocated-2of3",
+    ],
 )
 def test_sync_matches_single_process(
     world: int, ps: dict[str, Any], optim: dict[str, Any], batch: int
@@ -57,8 +67,12 @@ def test_sync_matches_single_process(
     )
     out = run_job(job)
     assert out["strategy"].startswith("ps-sync")
+    assert out["strategy"].endswith("-colocated") == bool(ps.get("colocate"))
     assert_state_close(out["state"], ref["state"], atol=1e-5)
     assert out["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    if not ps.get("hierarchical"):  # [Note: prioritised overlap]: pushed from backward hooks
+        early = [r["ps_early_chunks"] for r in out["history"] if "ps_early_chunks" in r]
+        assert early and min(early) > 0
 
 
 def _quality_job(out_dir: str, **ps: Any) -> Any:

@@ -41,13 +41,13 @@ def _run(rank: int, world_size: int, job: JobConfig) -> dict[str, Any]:
     return {"history": result.history, "state": result.state_dict}
 
 
-def _job(mode: str, on_nonfinite: str) -> JobConfig:
+def _job(mode: str, on_nonfinite: str, world: int = WORLD, **ps: Any) -> JobConfig:
     return small_job(
         model={"name": "tests.helpers.faults:nan_grad_rank1_step3", "block_size": BLOCK_SIZE},
         train={"steps": 5, "on_nonfinite": on_nonfinite},
         parallel={"sync": "ps"},
-        ps={"servers": 1, "mode": mode},
-        launch={"nproc": WORLD},
+        ps={"servers": 1, "mode": mode, **ps},
+        launch={"nproc": world},
     )
 
 
@@ -147,3 +147,18 @@ def test_a_server_waiting_for_a_straggler_is_not_called_hung() -> None:
     assert "error" not in out[0] and "other" not in out[0], out[0]
     assert len(out[0]["history"]) == 4
     assert max(r["ps_wait_s"] for r in out[0]["history"]) > 2.0  # it did wait past the timeout
+
+
+def test_colocated_skip_and_stop() -> None:
+    """[Note: colocated servers]: a NaN step reaches the server threads like dedicated ones
+    (skip: dropped and counted on both ranks' servers; stop: every rank names the step)."""
+    job = _job("sync", "skip", world=2, servers=2, colocate=True)
+    out = run_distributed(_run, 2, job, timeout_s=300)
+    for rank in range(2):
+        history = out[rank]["history"]
+        assert [r["step"] for r in history if r.get("skipped")] == [3]
+        assert history[-1]["ps_skipped_updates"] == 1.0  # this rank's server dropped it
+    job = _job("sync", "stop", world=2, servers=2, colocate=True)
+    out = run_distributed(_run, 2, job, timeout_s=300)
+    for rank in range(2):
+        assert "at step 3" in out[rank].get("error", ""), out[rank]

@@ -52,3 +52,29 @@ def test_preflight_rejects_what_ps_cannot_run() -> None:
         )
     preflight(small_job(parallel={"sync": "ps"}, checkpoint={"dir": "ck"}, launch={"nproc": 3}))
     preflight(small_job(parallel={"sync": "ps"}, launch={"nproc": 3}))
+
+
+def test_colocated_servers_config() -> None:
+    """[Note: colocated servers]: sync only, no host reduction, at most one server per rank,
+    no checkpoints yet; a valid job needs no extra ranks."""
+    from polytrain.trainer.preflight import preflight
+
+    ps = {"sync": "ps"}
+    with pytest.raises(ConfigError, match="ps.colocate = true with ps.mode = 'async'"):
+        small_job(parallel=ps, ps={"colocate": True, "mode": "async"}, launch={"nproc": 2})
+    with pytest.raises(ConfigError, match="hierarchical = True: colocated servers run in sync"):
+        small_job(parallel=ps, ps={"colocate": True, "hierarchical": True}, launch={"nproc": 2})
+    with pytest.raises(ConfigError, match="ps.servers = 3 with ps.colocate = true: .* at most 2"):
+        small_job(parallel=ps, ps={"colocate": True, "servers": 3}, launch={"nproc": 2})
+    with pytest.raises(ConfigError, match="ps.colocate = true: colocated servers are not checkp"):
+        preflight(
+            small_job(
+                parallel=ps,
+                ps={"colocate": True, "servers": 2},
+                checkpoint={"dir": "ck"},
+                launch={"nproc": 2},
+            )
+        )
+    job = small_job(parallel=ps, ps={"colocate": True, "servers": 2}, launch={"nproc": 2})
+    assert job.num_trainers == 2 and job.parallel.dp == 2
+    preflight(job)

@@ -493,3 +493,38 @@ def test_automatic_chunk_size_is_bounded_by_the_shard() -> None:
     assert len(layout.spans(0)) == -(-layout.numel(0) // layout.chunk_elems)
     fixed = build_layout(model, 1, 64)
     assert fixed.chunk_elems * 4 == 64 * 1024 and fixed.job_id != layout.job_id
+
+
+def test_chunk_size_from_a_calibrated_link() -> None:
+    """[Note: chunk size from the link]: the smallest message reaching 90% of the best measured
+    rate, at most a quarter of the largest shard, at least LINK_CHUNK_MIN; the fixed rule
+    without a usable curve, and never when ps.chunk_kb is set."""
+    from torch import nn
+
+    from polytrain.ps.layout import LINK_CHUNK_MIN, auto_chunk_bytes, build_layout, link_chunk_bytes
+
+    kib, mib = 1 << 10, 1 << 20
+    # The VM's measured rates (GB/s): best at 1 MiB, lower past it.
+    vm = [
+        (b, b / (r * 1e9))
+        for b, r in [
+            (64 * kib, 0.41),
+            (256 * kib, 0.98),
+            (mib, 1.78),
+            (4 * mib, 1.34),
+            (16 * mib, 1.06),
+        ]
+    ]
+    assert link_chunk_bytes(vm, 44 * mib) == mib
+    assert link_chunk_bytes(vm, 3 * mib) == 3 * mib // 4  # keeps four chunks to pipeline
+    assert link_chunk_bytes(vm, 100 * kib) == LINK_CHUNK_MIN
+    # An alpha-beta link (50 us, 1 GB/s): 90% of the peak needs b >= 9 * alpha * B = 450 kB.
+    ab = [(float(b), 50e-6 + b / 1e9) for b in (4 * kib * 4**i for i in range(8))]
+    assert link_chunk_bytes(ab, 1 << 30) == mib
+    assert link_chunk_bytes(ab[:1], 1 << 30) is None
+    assert link_chunk_bytes([], 1 << 30) is None
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 1024))  # 16 MiB + biases
+    largest = build_layout(model, 1, 0).plan.server_bytes[0]
+    assert build_layout(model, 1, 0, link=vm).chunk_elems * 4 == mib
+    assert build_layout(model, 1, 0, link=vm[:1]).chunk_elems * 4 == auto_chunk_bytes(largest)
+    assert build_layout(model, 1, 64, link=vm).chunk_elems * 4 == 64 * kib

@@ -59,6 +59,7 @@ __all__ = [
     "TAG_PUSH",
     "TAG_REPLY",
     "TAG_REQUEST",
+    "Group",
     "PeerHung",
     "PeerLost",
     "all_reduce_sum",
@@ -72,9 +73,15 @@ __all__ = [
     "post_send",
     "wait_all",
     "wait_all_watched",
+    "world_group",
 ]
 
 _FOREVER = datetime.timedelta(days=7)
+
+Group = dist.ProcessGroup | None
+"""A world-sized group for point-to-point traffic (None: the default group). Colocated
+servers each talk over their own copy of the world ([Note: colocated servers] in
+polytrain.ps.local), so a rank's server and worker never share a gloo pair."""
 
 TAG_REQUEST = 11
 """Worker -> server headers (PULL, PUSH, CLOCK, JOIN, LEAVE, SHUTDOWN)."""
@@ -119,18 +126,19 @@ class _Op:
             raise PeerLost(self.peer, str(exc)) from None
 
 
-def post_send(tensor: torch.Tensor, dst: int, tag: int) -> _Op:
-    """Start sending ``tensor`` to ``dst`` on ``tag``; keep the result until `wait_all`."""
+def post_send(tensor: torch.Tensor, dst: int, tag: int, group: Group = None) -> _Op:
+    """Start sending ``tensor`` to global rank ``dst`` on ``tag`` (over ``group``, a world-sized
+    group, default the world); keep the result until `wait_all`."""
     try:
-        return _Op(dist.isend(tensor, dst=dst, tag=tag), dst, tensor)
+        return _Op(dist.isend(tensor, dst=dst, tag=tag, group=group), dst, tensor)
     except RuntimeError as exc:
         raise PeerLost(dst, str(exc)) from None
 
 
-def post_recv(tensor: torch.Tensor, src: int, tag: int) -> _Op:
-    """Start receiving into ``tensor`` from ``src`` on ``tag``."""
+def post_recv(tensor: torch.Tensor, src: int, tag: int, group: Group = None) -> _Op:
+    """Start receiving into ``tensor`` from global rank ``src`` on ``tag`` (over ``group``)."""
     try:
-        return _Op(dist.irecv(tensor, src=src, tag=tag), src, tensor)
+        return _Op(dist.irecv(tensor, src=src, tag=tag, group=group), src, tensor)
     except RuntimeError as exc:
         raise PeerLost(src, str(exc)) from None
 
@@ -220,13 +228,13 @@ def wait_all_watched(ops: Sequence[_Op], peer: int, name: str, timeout_s: float,
         raise errors[0]
 
 
-def peer_is_gone(peer: int) -> bool:
+def peer_is_gone(peer: int, group: Group = None) -> bool:
     """Whether ``peer``'s process is gone (its connection is closed); see the module note.
 
     A live peer leaves one small receive posted on `TAG_PROBE`; call this rarely.
     """
     try:
-        work = dist.irecv(torch.zeros(1, dtype=torch.uint8), src=peer, tag=TAG_PROBE)
+        work = dist.irecv(torch.zeros(1, dtype=torch.uint8), src=peer, tag=TAG_PROBE, group=group)
     except RuntimeError:
         return True
     if work is not None:
@@ -241,6 +249,13 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     """In-place sum over ``group`` (hierarchical reduction within a host, norms over servers)."""
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, group=group)
+
+
+def world_group() -> dist.ProcessGroup:
+    """The default (world) group, for the few start-up collectives over every rank."""
+    group = dist.group.WORLD
+    assert isinstance(group, dist.ProcessGroup), "torch.distributed is not initialised"
+    return group
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:

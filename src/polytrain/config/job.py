@@ -340,6 +340,12 @@ class PSConfig:
     chunk_kb: int = option(
         0, "chunk size of pipelined pushes and pulls in KiB (0 = auto: from the shard size)"
     )
+    overlap: bool = option(
+        True, "sync: push each layer's gradient from backward, pull first layers into forward"
+    )
+    colocate: bool = option(
+        False, "sync: no server ranks; worker ranks 0..servers-1 also serve one shard each"
+    )
     ranks_per_host: int = option(
         0, "hierarchical: worker ranks per host (0 = LOCAL_WORLD_SIZE, else launch.nproc)"
     )
@@ -371,6 +377,12 @@ class PSConfig:
             raise ConfigError(
                 f"ps.staleness = {self.staleness} has no effect with ps.mode = {self.mode!r}: "
                 f"set ps.mode = 'ssp' to bound staleness, or remove ps.staleness"
+            )
+        if self.colocate and (self.mode != "sync" or self.hierarchical):
+            raise ConfigError(
+                f"ps.colocate = true with ps.mode = {self.mode!r}, hierarchical = "
+                f"{self.hierarchical}: colocated servers run in sync mode without host "
+                f"reduction; set ps.mode = 'sync' and ps.hierarchical = false, or ps.colocate = false"
             )
         if self.spare_workers and (self.mode == "sync" or self.hierarchical):
             raise ConfigError(
@@ -470,7 +482,7 @@ class JobConfig:
     @property
     def num_trainers(self) -> int:
         """Ranks that hold model replicas (the world less parameter-server ranks)."""
-        if self.parallel.sync == "ps":
+        if self.parallel.sync == "ps" and not self.ps.colocate:
             return self.world_size - self.ps.servers
         return self.world_size
 
@@ -482,6 +494,11 @@ class JobConfig:
     def _resolve_mesh(self) -> None:
         p = self.parallel
         trainers = self.num_trainers
+        if self.parallel.sync == "ps" and self.ps.colocate and self.ps.servers > self.world_size:
+            raise ConfigError(
+                f"ps.servers = {self.ps.servers} with ps.colocate = true: colocated servers are "
+                f"worker ranks, and there are {self.world_size}; use at most {self.world_size}"
+            )
         if self.parallel.sync == "ps" and trainers < 1:
             raise ConfigError(
                 f"ps.servers = {self.ps.servers} leaves no worker among {self.world_size} "

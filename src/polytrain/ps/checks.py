@@ -17,6 +17,12 @@ def checkpoint_refusal(job: JobConfig) -> str:
     The one home of the rule: pre-flight raises it as a `ConfigError`, and `PSStrategy`
     declares it (``checkpointable``, ``checkpoint_refusal``) for the checkpointer.
     """
+    if job.ps.colocate:  # [Note: colocated servers] in polytrain.ps.local
+        return (
+            f"checkpoint.dir = {job.checkpoint.dir!r} with ps.colocate = true: colocated "
+            f"servers are not checkpointed yet; set ps.colocate = false (dedicated server "
+            f"ranks), or drop --checkpoint-dir and export final weights with --save-final"
+        )
     if job.ps.mode == "sync":
         return ""
     return (

@@ -15,10 +15,20 @@ So chunks shorter than 1 MiB waste most of the link on per-message cost, and chu
 than a few MiB lose the pipelining (and, with gloo's single pair per peer, gain nothing). The
 rule: an eighth of the largest shard, clamped to [1 MiB, 4 MiB]; a shard smaller than 1 MiB is
 one chunk.
+
+[Note: chunk size from the link] When `polytrain calibrate` has saved this host's profile, its
+p2p curve (one-way seconds of one message, per size) replaces the fixed clamp
+(`link_chunk_bytes`): the chunk is the smallest measured message size whose rate reaches 90%
+of the best measured rate, i.e. the size past which a larger message no longer amortises the
+per-message cost (on the VM above that is 1 MiB; past it gloo's rate falls again), kept to at
+most a quarter of the largest shard (so a push still has chunks to pipeline and to post from
+backward) and at least `LINK_CHUNK_MIN`. Rank 0 reads the profile and broadcasts its points, so
+every rank computes the same chunk size (it is part of the job fingerprint).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +38,15 @@ from polytrain.errors import ConfigError
 from polytrain.ps.protocol import chunk_spans, dtype_code, job_fingerprint
 from polytrain.ps.sharding import ShardPlan, plan_shards
 
-__all__ = ["AUTO_CHUNK_MAX", "AUTO_CHUNK_MIN", "ShardLayout", "auto_chunk_bytes", "build_layout"]
+__all__ = [
+    "AUTO_CHUNK_MAX",
+    "AUTO_CHUNK_MIN",
+    "LINK_CHUNK_MIN",
+    "ShardLayout",
+    "auto_chunk_bytes",
+    "build_layout",
+    "link_chunk_bytes",
+]
 
 AUTO_CHUNK_MIN = 1 << 20
 """Smallest automatic chunk in bytes ([Note: automatic chunk size])."""
@@ -36,9 +54,25 @@ AUTO_CHUNK_MAX = 4 << 20
 """Largest automatic chunk in bytes."""
 
 
+LINK_CHUNK_MIN = 64 << 10
+"""Smallest chunk chosen from a calibrated link ([Note: chunk size from the link])."""
+LINK_CHUNK_EFFICIENCY = 0.9
+
+
 def auto_chunk_bytes(shard_bytes: int) -> int:
     """Chunk size for shards of at most ``shard_bytes`` ([Note: automatic chunk size])."""
     return min(max(shard_bytes // 8, AUTO_CHUNK_MIN), AUTO_CHUNK_MAX)
+
+
+def link_chunk_bytes(points: Sequence[tuple[float, float]], shard_bytes: int) -> int | None:
+    """Chunk size from a calibrated p2p curve of ``(bytes, seconds)`` points ([Note: chunk
+    size from the link]); None when the curve cannot tell (fewer than two usable points)."""
+    rates = sorted((b, b / t) for b, t in points if b > 0 and t > 0)
+    if len(rates) < 2:
+        return None
+    best = max(rate for _, rate in rates)
+    chosen = next(b for b, rate in rates if rate >= LINK_CHUNK_EFFICIENCY * best)
+    return int(max(min(chosen, shard_bytes // 4), LINK_CHUNK_MIN))
 
 
 @dataclass(frozen=True)
@@ -83,8 +117,15 @@ class ShardLayout:
         return out
 
 
-def build_layout(model: nn.Module, num_servers: int, chunk_kb: int, extra: str = "") -> ShardLayout:
-    """The shard layout of ``model``'s trainable parameters over ``num_servers`` servers."""
+def build_layout(
+    model: nn.Module,
+    num_servers: int,
+    chunk_kb: int,
+    extra: str = "",
+    link: Sequence[tuple[float, float]] = (),
+) -> ShardLayout:
+    """The shard layout of ``model``'s trainable parameters over ``num_servers`` servers;
+    ``link``: the calibrated p2p curve, if any (used when ``chunk_kb`` is 0)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     dtypes = {p.dtype for _, p in params}
     if len(dtypes) != 1:
@@ -96,7 +137,8 @@ def build_layout(model: nn.Module, num_servers: int, chunk_kb: int, extra: str =
     plan = plan_shards([(n, p.numel() * p.element_size()) for n, p in params], num_servers)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if chunk_kb == 0:
-        chunk_bytes = auto_chunk_bytes(max(plan.server_bytes))
+        largest = max(plan.server_bytes)
+        chunk_bytes = link_chunk_bytes(link, largest) or auto_chunk_bytes(largest)
     else:
         chunk_bytes = chunk_kb * 1024
     chunk_elems = max(1, chunk_bytes // itemsize)

@@ -68,6 +68,7 @@ from polytrain.ps.consistency import (
     may_proceed,
 )
 from polytrain.ps.layout import ShardLayout
+from polytrain.ps.local import LocalLink
 from polytrain.ps.protocol import HEADER_LEN, Header, Op
 
 __all__ = ["ParameterServer", "ServerStats"]
@@ -127,6 +128,8 @@ class ParameterServer:
         server_group: Any = None,
         worker_timeout_s: float = 300.0,
         on_nonfinite: Literal["stop", "skip"] = "stop",
+        group: ps_wire.Group = None,
+        local: int | None = None,
     ) -> None:
         self.index, self.layout, self.mode, self.staleness = index, layout, mode, staleness
         self.lr_at, self.optim_cfg = lr_at, optim
@@ -163,9 +166,16 @@ class ParameterServer:
         self.shutdown_received = False
         self.started = time.perf_counter()
         self._inbox: queue.Queue[tuple[str, int, Any, Any]] = queue.Queue()
+        # [Note: colocated servers] in polytrain.ps.local: the worker on this rank, if any,
+        # talks through `link` instead of gloo; everyone else over ``group``.
+        self.group = group
+        self.link: LocalLink | None = None
+        if local is not None:
+            self.link = LocalLink(local, self.spans, self.flat.dtype, self._inbox, self._decode)
         self._receivers = [
             threading.Thread(target=self._receive, args=(w,), name=f"ps-recv-{w}", daemon=True)
             for w in sorted(self.state)
+            if w != local
         ]
         for thread in self._receivers:
             thread.start()
@@ -182,7 +192,7 @@ class ParameterServer:
         while True:
             wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
             try:
-                ps_wire.wait_all([ps_wire.post_recv(wire, src, ps_wire.TAG_REQUEST)])
+                ps_wire.wait_all([ps_wire.post_recv(wire, src, ps_wire.TAG_REQUEST, self.group)])
                 header = self._decode(wire, src)
                 payload = None
                 if header.op is Op.PUSH:
@@ -190,7 +200,8 @@ class ParameterServer:
                     window = staging[start : stop + 1]
                     borrowed = window[-1].clone()  # the next chunk's first element, if in
                     ps_wire.arm_guard(window)
-                    ps_wire.wait_all([ps_wire.post_recv(window, src, ps_wire.TAG_PUSH)])
+                    op = ps_wire.post_recv(window, src, ps_wire.TAG_PUSH, self.group)
+                    ps_wire.wait_all([op])
                     ps_wire.check_guarded(window, src)
                     window[-1] = borrowed
                     payload = staging[:-1]
@@ -200,6 +211,9 @@ class ParameterServer:
             except ProtocolError as exc:
                 # The stream from ``src`` is out of step: stop receiving, report, apply nothing.
                 self._inbox.put(("error", src, exc, None))
+                return
+            except Exception as exc:  # e.g. the group torn down under a failed colocated rank
+                self._inbox.put(("failed", src, f"{type(exc).__name__}: {exc}", None))
                 return
             self._inbox.put(("msg", src, header, payload))
             if header.op is Op.SHUTDOWN or (header.op is Op.LEAVE and src != self.coordinator):
@@ -337,11 +351,13 @@ class ParameterServer:
         """Probe workers silent for a while; drop those that are gone or silent too long."""
         now = time.monotonic()
         for w in self.active:
+            if self.link is not None and w == self.link.worker:
+                continue  # the worker on this rank: alive while this process is
             silent = now - self.last_heard[w]
             if silent < _PROBE_AFTER_S or now - self.last_probe[w] < _PROBE_AFTER_S:
                 continue
             self.last_probe[w] = now
-            if ps_wire.peer_is_gone(w):
+            if ps_wire.peer_is_gone(w, self.group):
                 self._drop(w, "its process is gone (connection closed)")
             elif silent > self.worker_timeout_s:
                 self._drop(w, f"silent for {silent:.0f} s > ps.worker_timeout_s")
@@ -484,8 +500,12 @@ class ParameterServer:
             for w, clock in ready:
                 ack = Header(Op.ACK, w, floor, self.layout.job_id, shard=self.index)
                 try:
-                    ops = [ps_wire.post_send(ack.encode(), w, ps_wire.TAG_REPLY)]
-                    ops += self._params_ops(w, clock)
+                    if self.link is not None and w == self.link.worker:
+                        self.link.send(ack, self.flat)  # [Note: colocated servers]
+                        self.stats.bytes_out += self.flat.numel() * self.flat.element_size()
+                        ops = []
+                    else:
+                        ops = [self._send_header(ack), *self._params_ops(w, clock)]
                 except PeerLost as exc:
                     self._drop(w, f"lost: {exc}")
                     continue
@@ -500,7 +520,26 @@ class ParameterServer:
                 self.stats.events.append((w, clock, floor))
                 self.stats.grants += 1
 
+    def _send_header(self, header: Header) -> Any:
+        return ps_wire.post_send(header.encode(), header.worker, ps_wire.TAG_REPLY, self.group)
+
     def _params_ops(self, dst: int, clock: int) -> list[Any]:
+        if self.link is not None and dst == self.link.worker:
+            # The coordinator on this rank: the final shard is copied, then one PARAMS header
+            # announces it ([Note: colocated servers] in polytrain.ps.local).
+            header = Header(
+                Op.PARAMS,
+                dst,
+                clock,
+                self.layout.job_id,
+                shard=self.index,
+                num_chunks=1,
+                numel=self.flat.numel(),
+                dtype=self.layout.dtype_code,
+            )
+            self.link.send(header, self.flat)
+            self.stats.bytes_out += self.flat.numel() * self.flat.element_size()
+            return []
         ops = []
         for k, (start, stop) in enumerate(self.spans):
             header = Header(
@@ -514,13 +553,18 @@ class ParameterServer:
                 numel=stop - start,
                 dtype=self.layout.dtype_code,
             )
-            ops.append(ps_wire.post_send(header.encode(), dst, ps_wire.TAG_REPLY))
-            ops.append(ps_wire.post_send(self.flat[start:stop], dst, ps_wire.TAG_PARAMS))
+            ops.append(self._send_header(header))
+            ops.append(
+                ps_wire.post_send(self.flat[start:stop], dst, ps_wire.TAG_PARAMS, self.group)
+            )
             self.stats.bytes_out += (stop - start) * self.flat.element_size()
         return ops
 
     def _reply(self, w: int, header: Header) -> None:
+        if self.link is not None and w == self.link.worker:
+            self.link.send(header)
+            return
         try:
-            ps_wire.wait_all([ps_wire.post_send(header.encode(), w, ps_wire.TAG_REPLY)])
+            ps_wire.wait_all([self._send_header(header)])
         except PeerLost as exc:
             self._drop(w, f"lost: {exc}")

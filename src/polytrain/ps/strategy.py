@@ -3,7 +3,11 @@
 Ranks: the last ``ps.servers`` ranks of the world are servers, the others workers (worker id =
 rank, data replica = rank of ``num_workers``). With ``ps.hierarchical`` the workers of one host
 (``ps.ranks_per_host`` consecutive ranks) reduce their gradients first and only the lowest rank
-of each host talks to the servers (Rudra, Gupta et al., ICDM 2016). See docs/parameter_server.md.
+of each host talks to the servers (Rudra, Gupta et al., ICDM 2016). With ``ps.colocate`` there
+are no server ranks: every rank is a worker and ranks ``0 .. ps.servers - 1`` also run a server
+on a thread ([Note: colocated servers] in polytrain.ps.local). In sync mode a worker pushes from
+backward hooks and pulls into forward pre-hooks ([Note: prioritised overlap] in
+polytrain.ps.overlap). See docs/parameter_server.md.
 
 [Note: server ranks in the loop] The loop calls ``train_step(step)`` on every rank. On a server
 it serves pushes and pulls until every live worker has completed ``step + 1`` clocks (workers
@@ -46,6 +50,7 @@ update (counted as ``ps_skipped_updates``) and the worker's step is reported ski
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -62,12 +67,15 @@ from polytrain.core.optim import lr_at
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
+from polytrain.errors import PolytrainError
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
+from polytrain.ps.local import ColocatedServer
+from polytrain.ps.overlap import GradPusher, ParamFetcher
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
 from polytrain.ps.worker import WorkerClient
@@ -87,6 +95,28 @@ def ranks_per_host(job: JobConfig) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.nproc))
 
 
+_MAX_LINK_POINTS = 32
+
+
+def _calibrated_link(rank: int) -> list[tuple[float, float]]:
+    """Rank 0's calibrated p2p curve (world 2), the same on every rank ([Note: chunk size from
+    the link] in polytrain.ps.layout); empty when this host was never calibrated."""
+    table = torch.zeros(_MAX_LINK_POINTS, 2, dtype=torch.float64)
+    if rank == 0:
+        from polytrain.planner.calibrate import saved_profile  # imports the trainer stack
+
+        try:
+            profile = saved_profile()
+        except PolytrainError:  # an unreadable profile: the fixed rule, as without one
+            profile = None
+        curve = profile.collectives.get("p2p", {}).get(2) if profile is not None else None
+        points = sorted(curve.points)[:_MAX_LINK_POINTS] if curve is not None else []
+        for i, point in enumerate(points):
+            table[i] = torch.tensor(point, dtype=torch.float64)
+    ps_wire.broadcast(table, 0, ps_wire.world_group())
+    return [(float(b), float(t)) for b, t in table.tolist() if b > 0]
+
+
 class PSStrategy(Strategy):
     """One rank of a parameter-server job: a worker or a server (see the module notes)."""
 
@@ -95,10 +125,15 @@ class PSStrategy(Strategy):
     ) -> None:
         ps = job.ps
         self.job, self.rank, self.model, self.batches = job, rank, model, batches
-        self.servers = server_ranks(world_size, ps.servers)
-        self.num_workers = world_size - ps.servers
+        # [Note: colocated servers] in polytrain.ps.local: the first ps.servers workers serve.
+        self.colocate = ps.colocate
+        if ps.colocate:
+            self.servers, self.num_workers = list(range(ps.servers)), world_size
+        else:
+            self.servers = server_ranks(world_size, ps.servers)
+            self.num_workers = world_size - ps.servers
         workers = list(range(self.num_workers))
-        self.is_server = rank in self.servers
+        self.is_server = rank in self.servers and not ps.colocate
         self.sync = ps.mode == "sync"
         # Declared capabilities ([Note: no world collectives], [Note: parameter-server
         # checkpoints]); servers hold no replica to evaluate.
@@ -111,10 +146,16 @@ class PSStrategy(Strategy):
         self.rules = StepRules(on_nonfinite=job.train.on_nonfinite, grad_clip=clip)
         self.tracer = Tracer(rank, enabled=bool(job.observe.trace))
         extra = f"mode={ps.mode};s={ps.staleness};workers={self.num_workers};h={ps.hierarchical}"
-        self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra)
+        link = _calibrated_link(rank) if ps.chunk_kb == 0 else []
+        self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra, link)
 
         # Groups: every rank creates every group, in the same order.
         self.worker_group = new_group(sorted(workers))
+        # Colocated: each server talks over its own copy of the world ([Note: colocated
+        # servers]); dedicated servers use the default group.
+        groups: list[ps_wire.Group] | None = None
+        if ps.colocate:
+            groups = [new_group(range(world_size)) for _ in self.servers]
         server_group = new_group(sorted(self.servers))
         hosts = host_groups(workers, ranks_per_host(job)) if ps.hierarchical else []
         host_pgs = [new_group(sorted(g)) for g in hosts]
@@ -134,11 +175,16 @@ class PSStrategy(Strategy):
         self.push_scale = self.num_pushers / self.num_workers
 
         self.server: ParameterServer | None = None
+        self.colocated: ColocatedServer | None = None
         self.client: WorkerClient | None = None
+        # Push from backward hooks, pull into forward hooks: sync without host reduction.
+        self.overlap = self.sync and ps.overlap and not ps.hierarchical and not self.is_server
+        self.pusher: GradPusher | None = None
+        self.fetcher: ParamFetcher | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.modules: list[nn.Module] = []
         steps = job.train.steps
-        if self.is_server:
+        if self.is_server or (ps.colocate and rank in self.servers):
             index = self.servers.index(rank)
             self.server = ParameterServer(
                 index=index,
@@ -155,7 +201,11 @@ class PSStrategy(Strategy):
                 server_group=server_group,
                 worker_timeout_s=ps.worker_timeout_s,
                 on_nonfinite=job.train.on_nonfinite,
+                group=groups[index] if groups else None,
+                local=rank if ps.colocate else None,
             )
+        if self.is_server:
+            assert self.server is not None
             self.optimizer = self.server.optimizer
             # The shard under the model's keys: the checkpointer saves and loads it in place.
             self.modules = [module_of(self.server.params)]
@@ -164,14 +214,26 @@ class PSStrategy(Strategy):
             if self.sync and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
                 convert_batchnorm(model, self.worker_group)
             self.client = WorkerClient(
-                rank, self.layout, self.servers, self.num_workers, job.launch.timeout_s
+                rank,
+                self.layout,
+                self.servers,
+                self.num_workers,
+                job.launch.timeout_s,
+                groups=groups,
+                local=self.server.link if self.server is not None else None,
             )
             if job.parallel.recompute:  # [Note: recompute on workers]
                 apply_recompute(model)
+            if self.overlap:  # [Note: prioritised overlap] in polytrain.ps.overlap
+                self.pusher = GradPusher(model, self.layout)
+                self.fetcher = ParamFetcher(model, self.layout)
             self.modules = [model]
             self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w" + (
-                "-hier" if ps.hierarchical else ""
+                "-hier" if ps.hierarchical else "-colocated" if ps.colocate else ""
             )
+            if self.server is not None:  # colocated: serve on a thread of this rank
+                assert self.server.link is not None
+                self.colocated = ColocatedServer(self.server, self.server.link, job.observe.out_dir)
         self.is_pusher = rank in pushers
         self.joining = rank in spares
         self.straggler = rank == self.num_workers - 1 and ps.straggler_delay_s > 0
@@ -197,17 +259,19 @@ class PSStrategy(Strategy):
         self.fresh = -1
 
     def train_step(self, step: int) -> StepOutput:
-        if self.server is not None:
+        if self.server is not None and self.is_server:
             with self.tracer.span("serve", cat="communication", step=step):
                 self.server.serve_until_clock(step + 1)
             skipped = step in self.server.stats.skipped
             return StepOutput(loss=math.nan, skipped=skipped, metrics=self.server.metrics())
+        if self.colocated is not None:
+            self.colocated.check()
         if self.joining:
             self._join()
         if step < self.clock:  # a joined worker skips the clocks the job ran before it came
             return StepOutput(loss=math.nan, skipped=True)
         assert step == self.clock, f"worker at clock {self.clock} asked to run step {step}"
-        self._ensure_params(step)
+        self._ensure_params(step, lazy=self.overlap)
         loss = self._forward_backward(step)
         if self.straggler:
             time.sleep(self.job.ps.straggler_delay_s)
@@ -221,7 +285,10 @@ class PSStrategy(Strategy):
             update=lambda: self._push(step),
             drop=lambda: self._push(step, poison=True),
         )
-        return StepOutput(loss=out.loss, skipped=out.skipped, metrics=dict(self.last_metrics))
+        metrics = dict(self.last_metrics)
+        if self.colocated is not None and self.server is not None:
+            metrics.update(self.server.metrics())
+        return StepOutput(loss=out.loss, skipped=out.skipped, metrics=metrics)
 
     @torch.no_grad()
     def evaluate(self, num_batches: int) -> float:
@@ -230,7 +297,7 @@ class PSStrategy(Strategy):
         Every worker evaluates the same batches, so in sync mode (identical parameters) every
         worker gets the same value without a collective; servers return NaN.
         """
-        if self.server is not None:
+        if self.server is not None and self.is_server:
             if self.sync:
                 # Grant the workers' evaluation pulls now: in sync mode each worker pulls the
                 # current clock once (here or in its next step), and a checkpoint save may
@@ -248,17 +315,19 @@ class PSStrategy(Strategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Workers leave; servers serve until all have left and send their shards to rank 0."""
-        if self.server is not None:
+        if self.server is not None and self.is_server:
             self.server.finish(self.job.observe.out_dir)
             return {}
         assert self.client is not None
         posted = self.client.leave(self.clock) if self.is_pusher else None
-        if posted is None:
-            return {}
-        state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        for s, flat in enumerate(self.client.final_params(posted)):
-            for name, view in self.layout.unflatten(flat, s).items():
-                state[name] = view.clone()
+        state: dict[str, torch.Tensor] = {}
+        if posted is not None:
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            for s, flat in enumerate(self.client.final_params(posted)):
+                for name, view in self.layout.unflatten(flat, s).items():
+                    state[name] = view.clone()
+        if self.colocated is not None:  # the server stops at the coordinator's SHUTDOWN
+            self.colocated.join()
         return state
 
     # --- worker internals ----------------------------------------------------------------
@@ -269,11 +338,25 @@ class PSStrategy(Strategy):
         self.clock = self.client.join()
         self.joining = False
 
-    def _ensure_params(self, clock: int) -> None:
-        """Hold the parameters for running ``clock`` (a pull, unless we already have them)."""
+    def _ensure_params(self, clock: int, lazy: bool = False) -> None:
+        """Hold the parameters for running ``clock`` (a pull, unless we already have them).
+
+        ``lazy``: return once every server granted the pull; the forward pre-hooks of the
+        `ParamFetcher` wait for each module's chunks ([Note: prioritised overlap])."""
         if self.fresh == clock:
             return
         t0 = time.perf_counter()
+        if lazy:
+            assert self.client is not None and self.fetcher is not None
+            with self.tracer.span("pull-grant", cat="communication", step=clock):
+                pending = self.client.begin_pull(clock)
+            self.fetcher.start(pending.wait_chunk)
+            self.fresh = clock
+            self.last_metrics = {
+                "ps_staleness": float(max(clock - f for f in pending.floors)),
+                "ps_wait_s": time.perf_counter() - t0,
+            }
+            return
         with self.tracer.span("pull", cat="communication", step=clock):
             flats: list[torch.Tensor] = []
             staleness = 0
@@ -307,6 +390,9 @@ class PSStrategy(Strategy):
         self.model.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for micro in range(accum):
+            if self.pusher is not None and micro == accum - 1:
+                assert self.client is not None
+                self.pusher.arm(functools.partial(self.client.post_chunk, step))
             x, y = self.batches.train(step, self.rank, self.num_workers, micro, accum)
             with self.tracer.span("forward", microbatch=micro, step=step):
                 with autocast(torch.device("cpu"), self.job.train.dtype):
@@ -314,20 +400,37 @@ class PSStrategy(Strategy):
             with self.tracer.span("backward", microbatch=micro, step=step):
                 loss.backward()
             total += loss.detach().float()
+        if self.fetcher is not None and self.pusher is not None:
+            if self.fetcher.pending:  # this step pulled (not evaluate before it)
+                self.fetcher.finish()  # parameters forward did not reach
+                self.last_metrics["ps_wait_s"] += self.fetcher.wait_s
+            self.pusher.flush()  # chunks of parameters without a gradient
+            self.last_metrics["ps_early_chunks"] = self.pusher.early / max(
+                1, len(self.pusher.order)
+            )
         return total
 
     def _push(self, step: int, poison: bool = False) -> None:
         """Push this replica's gradient of ``step``; ``poison``: a NaN one instead (a dropped
         step the servers must see, [Note: parameter-server NaN])."""
         with self.tracer.span("push", cat="communication", step=step):
-            grads = {
-                n: (p.grad if p.grad is not None else torch.zeros_like(p))
-                for n, p in self._params().items()
-            }
-            flats = [self.layout.flatten(grads, s) for s in range(len(self.servers))]
-            if poison:
-                flats = [torch.full_like(f, math.nan) for f in flats]
-            self._send(step, flats)
+            if self.pusher is not None:  # the chunks are posted: complete the push
+                assert self.client is not None
+                if poison:
+                    self.client.wait_chunks()
+                    self.pusher.repost(functools.partial(self.client.post_chunk, step), math.nan)
+                self.client.end_push(step)
+            else:
+                grads = {
+                    n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                    for n, p in self._params().items()
+                }
+                flats = [self.layout.flatten(grads, s) for s in range(len(self.servers))]
+                if poison:
+                    flats = [torch.full_like(f, math.nan) for f in flats]
+                self._send(step, flats)
+            if poison and self.colocated is not None:
+                self.colocated.wait_handled(step)  # see ColocatedServer.wait_handled
 
     def _send(self, step: int, flats: list[torch.Tensor]) -> None:
         if self.host_group is not None:

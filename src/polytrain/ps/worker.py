@@ -15,9 +15,10 @@ import torch
 from polytrain.comm import ps_wire
 from polytrain.errors import PolytrainError, ProtocolError
 from polytrain.ps.layout import ShardLayout
+from polytrain.ps.local import LocalLink
 from polytrain.ps.protocol import HEADER_LEN, Header, Op
 
-__all__ = ["RemovedError", "WorkerClient"]
+__all__ = ["PendingPull", "RemovedError", "WorkerClient"]
 
 
 class RemovedError(PolytrainError):
@@ -34,12 +35,20 @@ class WorkerClient:
         servers: list[int],
         num_worker_slots: int,
         reply_timeout_s: float = 300.0,
+        groups: list[ps_wire.Group] | None = None,
+        local: LocalLink | None = None,
     ) -> None:
+        """``groups[s]``: the group server ``s`` talks over (default: the world);
+        ``local``: the link to the server on this rank ([Note: colocated servers])."""
         self.worker, self.layout, self.servers = worker, layout, servers
+        self.groups: list[ps_wire.Group] = groups or [None] * len(servers)
+        self.local = local
+        self.local_shard = servers.index(worker) if local is not None else -1
         self.num_worker_slots = num_worker_slots
         self.reply_timeout_s = reply_timeout_s  # [Note: hung server] in comm.ps_wire
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._push_ops: list[Any] = []
 
     def _header(self, op: Op, clock: int, shard: int, **kw: int) -> Header:
         return Header(op, self.worker, clock, self.layout.job_id, shard=shard, **kw)
@@ -59,18 +68,31 @@ class WorkerClient:
             )
         return header
 
-    def _send_all(self, op: Op, clock: int) -> None:
-        ops = [
-            ps_wire.post_send(self._header(op, clock, s).encode(), rank, ps_wire.TAG_REQUEST)
-            for s, rank in enumerate(self.servers)
-        ]
+    def _send_all(self, op: Op, clock: int, local_buffer: torch.Tensor | None = None) -> None:
+        """``op`` to every server; the one on this rank gets ``local_buffer`` (where its
+        reply's shard goes) with it."""
+        ops = []
+        for s, rank in enumerate(self.servers):
+            header = self._header(op, clock, s)
+            if s == self.local_shard:
+                assert self.local is not None
+                self.local.deliver(header, local_buffer)
+            else:
+                wire = header.encode()
+                ops.append(ps_wire.post_send(wire, rank, ps_wire.TAG_REQUEST, self.groups[s]))
         ps_wire.wait_all(ops)
+
+    def _local_reply(self, wires: list[torch.Tensor]) -> None:
+        """The local server's reply header into its slot of ``wires`` (after the copy)."""
+        if self.local is not None:
+            wires[self.local_shard].copy_(self.local.reply())
 
     def _post_acks(self) -> tuple[list[torch.Tensor], list[Any]]:
         wires = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in self.servers]
         ops = [
-            ps_wire.post_recv(w, r, ps_wire.TAG_REPLY)
-            for w, r in zip(wires, self.servers, strict=True)
+            ps_wire.post_recv(w, r, ps_wire.TAG_REPLY, self.groups[s])
+            for s, (w, r) in enumerate(zip(wires, self.servers, strict=True))
+            if s != self.local_shard
         ]
         return wires, ops
 
@@ -105,24 +127,30 @@ class WorkerClient:
         wires: list[tuple[int, int, torch.Tensor]] = []
         ops = []
         for s, rank in enumerate(self.servers):
+            if s == self.local_shard:  # copied in by the server thread
+                continue
+            group = self.groups[s]
             for k, (start, stop) in enumerate(self.layout.spans(s)):
                 wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
                 wires.append((s, k, wire))
-                ops.append(ps_wire.post_recv(wire, rank, ps_wire.TAG_REPLY))
-                ops.append(ps_wire.post_recv(flats[s][start:stop], rank, ps_wire.TAG_PARAMS))
+                ops.append(ps_wire.post_recv(wire, rank, ps_wire.TAG_REPLY, group))
+                ops.append(ps_wire.post_recv(flats[s][start:stop], rank, ps_wire.TAG_PARAMS, group))
         return flats, wires, ops
 
     def _check_params(self, flats: list[torch.Tensor], wires: list[Any]) -> None:
         """Validate every chunk header before the shard is used."""
         for s, k, wire in wires:
-            start, stop = self.layout.spans(s)[k]
-            header = self._decode(wire, {Op.PARAMS}, numel=stop - start)
-            if header.shard != s or header.chunk != k:
-                raise ProtocolError(
-                    f"PARAMS chunk {header.chunk} of shard {header.shard} arrived where chunk "
-                    f"{k} of shard {s} was expected"
-                )
-            self.bytes_received += (stop - start) * flats[s].element_size()
+            self.check_chunk(s, k, wire, flats[s].element_size())
+
+    def check_chunk(self, s: int, k: int, wire: torch.Tensor, itemsize: int) -> None:
+        start, stop = self.layout.spans(s)[k]
+        header = self._decode(wire, {Op.PARAMS}, numel=stop - start)
+        if header.shard != s or header.chunk != k:
+            raise ProtocolError(
+                f"PARAMS chunk {header.chunk} of shard {header.shard} arrived where chunk "
+                f"{k} of shard {s} was expected"
+            )
+        self.bytes_received += (stop - start) * itemsize
 
     def pull(self, clock: int) -> tuple[list[torch.Tensor], list[int]]:
         """Ask for the parameters to run clock ``clock``; block until every server grants it.
@@ -132,38 +160,69 @@ class WorkerClient:
         is posted before the request goes out, so a server's reply never waits for this
         worker ([Note: replies never wait] in polytrain.ps.server).
         """
+        pending = self.begin_pull(clock)
+        pending.wait_rest()
+        return pending.flats, pending.floors
+
+    def begin_pull(self, clock: int) -> PendingPull:
+        """`pull` up to the grants: every server has answered (ACK), its chunks are still on
+        the wire; `PendingPull.wait_chunk` waits for one ([Note: prioritised overlap] in
+        polytrain.ps.overlap)."""
         wires, ack_ops = self._post_acks()
         flats, chunk_wires, chunk_ops = self._post_params()
-        self._send_all(Op.PULL, clock)
+        local_flat = flats[self.local_shard] if self.local is not None else None
+        self._send_all(Op.PULL, clock, local_flat)
         what = f"worker {self.worker}'s pull of step {clock + 1}"
         self._wait_replies(ack_ops, what)
+        self._local_reply(wires)
         floors = self._check_acks(wires)
-        self._wait_replies(chunk_ops, what)
-        self._check_params(flats, chunk_wires)
-        return flats, floors
+        return PendingPull(self, flats, floors, chunk_wires, chunk_ops, what)
+
+    def post_chunk(self, clock: int, shard: int, chunk: int, payload: torch.Tensor) -> None:
+        """Post chunk ``chunk`` of this worker's push of ``clock`` to server ``shard``; the
+        sends complete in `end_push`."""
+        num_chunks = len(self.layout.spans(shard))
+        header = self._header(
+            Op.PUSH,
+            clock,
+            shard,
+            chunk=chunk,
+            num_chunks=num_chunks,
+            numel=payload.numel(),
+            dtype=self.layout.dtype_code,
+        )
+        if shard == self.local_shard:  # a local copy ([Note: colocated servers])
+            assert self.local is not None
+            self.local.deliver(header, payload)
+            return
+        rank, group = self.servers[shard], self.groups[shard]
+        self._push_ops.append(ps_wire.post_send(header.encode(), rank, ps_wire.TAG_REQUEST, group))
+        self._push_ops.append(ps_wire.post_send(payload, rank, ps_wire.TAG_PUSH, group))
+        self.bytes_sent += payload.numel() * payload.element_size()
+
+    def wait_chunks(self) -> None:
+        """Wait until every posted chunk has been sent (its buffer may be reused)."""
+        ops, self._push_ops = self._push_ops, []
+        ps_wire.wait_all(ops)
+
+    def end_push(self, clock: int) -> None:
+        """Complete the push of ``clock``: CLOCK to every server after its chunks, then wait."""
+        for s, rank in enumerate(self.servers):
+            header = self._header(Op.CLOCK, clock, s)
+            if s == self.local_shard:
+                assert self.local is not None
+                self.local.deliver(header)
+                continue
+            op = ps_wire.post_send(header.encode(), rank, ps_wire.TAG_REQUEST, self.groups[s])
+            self._push_ops.append(op)
+        self.wait_chunks()
 
     def push(self, clock: int, grads: list[torch.Tensor]) -> None:
         """Send the gradient of clock ``clock`` (one flat buffer per server), then its CLOCK."""
-        ops: list[Any] = []
-        for s, rank in enumerate(self.servers):
-            spans = self.layout.spans(s)
-            for k, (start, stop) in enumerate(spans):
-                header = self._header(
-                    Op.PUSH,
-                    clock,
-                    s,
-                    chunk=k,
-                    num_chunks=len(spans),
-                    numel=stop - start,
-                    dtype=self.layout.dtype_code,
-                )
-                ops.append(ps_wire.post_send(header.encode(), rank, ps_wire.TAG_REQUEST))
-                ops.append(ps_wire.post_send(grads[s][start:stop], rank, ps_wire.TAG_PUSH))
-                self.bytes_sent += (stop - start) * grads[s].element_size()
-        for s, rank in enumerate(self.servers):
-            clock_msg = self._header(Op.CLOCK, clock, s).encode()
-            ops.append(ps_wire.post_send(clock_msg, rank, ps_wire.TAG_REQUEST))
-        ps_wire.wait_all(ops)
+        for s in range(len(self.servers)):
+            for k, (start, stop) in enumerate(self.layout.spans(s)):
+                self.post_chunk(clock, s, k, grads[s][start:stop])
+        self.end_push(clock)
 
     def join(self) -> int:
         """Join a running job; return the clock to start at (see [Note: membership])."""
@@ -183,7 +242,8 @@ class WorkerClient:
         """Leave the job. The coordinator (rank 0) first posts the receives of the final
         shards, which the servers send once every worker has left; `final_params` waits."""
         posted = self._post_params() if self.worker == 0 else None
-        self._send_all(Op.LEAVE, clock)
+        local = posted[0][self.local_shard] if posted is not None and self.local else None
+        self._send_all(Op.LEAVE, clock, local)
         return list(posted) if posted is not None else None
 
     def final_params(self, posted: list[Any]) -> list[torch.Tensor]:
@@ -191,5 +251,61 @@ class WorkerClient:
         flats, wires, ops = posted
         self._wait_replies(ops, "the final weights")
         self._check_params(flats, wires)
+        if self.local is not None:
+            self._decode(self.local.reply(), {Op.PARAMS})
         self._send_all(Op.SHUTDOWN, 0)
         return flats
+
+
+class PendingPull:
+    """A granted pull whose chunks are still arriving; each is validated before it is used.
+
+    ``flats``: each server's (P_s,) shard, filled chunk by chunk; ``floors``: the ACKs'
+    clocks. The receives were posted in chunk order per server, as the server sends them.
+    """
+
+    def __init__(
+        self,
+        client: WorkerClient,
+        flats: list[torch.Tensor],
+        floors: list[int],
+        wires: list[tuple[int, int, torch.Tensor]],
+        ops: list[Any],
+        what: str,
+    ) -> None:
+        self.client, self.flats, self.floors, self.what = client, flats, floors, what
+        # _post_params posts (header, payload) per chunk, in the order of ``wires``.
+        self.ops = {(s, k): ops[2 * i : 2 * i + 2] for i, (s, k, _) in enumerate(wires)}
+        self.wires = {(s, k): wire for s, k, wire in wires}
+        # The local server's shard (if any) was copied in before its ACK.
+        self.arrived = (
+            {(client.local_shard, k) for k in range(len(client.layout.spans(client.local_shard)))}
+            if client.local is not None
+            else set()
+        )
+
+    def wait_chunk(self, s: int, k: int) -> torch.Tensor:
+        """Wait for chunk ``k`` of server ``s`` (validated); return server ``s``'s flat."""
+        if (s, k) not in self.arrived:
+            rank = self.client.servers[s]
+            ops = self.ops[(s, k)]
+            ps_wire.wait_all_watched(
+                ops, rank, f"server{s}", self.client.reply_timeout_s, self.what
+            )
+            self.client.check_chunk(s, k, self.wires[(s, k)], self.flats[s].element_size())
+            self.arrived.add((s, k))
+        return self.flats[s]
+
+    def wait_rest(self) -> None:
+        """Wait for every chunk not yet in: one watched wait per server."""
+        for s, rank in enumerate(self.client.servers):
+            keys = [key for key in self.ops if key[0] == s and key not in self.arrived]
+            if not keys:
+                continue
+            ops = [op for key in keys for op in self.ops[key]]
+            ps_wire.wait_all_watched(
+                ops, rank, f"server{s}", self.client.reply_timeout_s, self.what
+            )
+            for key in keys:
+                self.client.check_chunk(*key, self.wires[key], self.flats[s].element_size())
+                self.arrived.add(key)
