@@ -24,7 +24,7 @@ PURE = [
     "ps/consistency.py",
 ]
 # The planner's torch-facing modules (planner2's): model statistics and host calibration.
-PURE_EXEMPT = {"planner/stats.py", "planner/calibrate.py"}
+PURE_EXEMPT = {"planner/stats.py", "planner/calibrate.py", "planner/host.py"}
 # The only places that call c10d directly.
 C10D_ALLOWED = ["comm", "launch", "testing", "_torch_private.py"]  # the last: torch private APIs
 # torch.distributed sub-packages that strategies may build on.

@@ -13,8 +13,6 @@ timed by `polytrain.comm.probe`, one launch per world size.
 
 from __future__ import annotations
 
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -39,6 +37,7 @@ from polytrain.core.optim import build_optimizer
 from polytrain.core.step import clip_gradients_, nonfinite_flag
 from polytrain.errors import PlanError
 from polytrain.observe.metrics import peak_memory_mb
+from polytrain.planner.host import host_identity, saved_profile
 from polytrain.planner.profile_io import (
     cache_dir,
     fingerprint,
@@ -85,26 +84,6 @@ class CalibrationPlan:
             world_sizes=(2,),
             budget_s=0.05,
         )
-
-
-def host_identity(threads: int = 1) -> dict[str, str]:
-    """The facts a profile depends on; its fingerprint changes when any of them does."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "threads": str(threads),
-    }
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -391,10 +370,3 @@ def cached_profile(
     profile = calibrate(plan, threads=threads, on_progress=on_progress)
     save_profile(profile, path, identity)
     return profile, path, True
-
-
-def saved_profile(threads: int = 1, directory: Path | None = None) -> HostProfile | None:
-    """This host's calibrated profile if `polytrain calibrate` saved one, else None (what
-    `polytrain plan` and ``--strategy auto`` use for a cluster of this host's CPUs)."""
-    path = profile_path(fingerprint(host_identity(threads)), directory or cache_dir())
-    return load_profile(path) if path.exists() else None

@@ -21,14 +21,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from polytrain.ps.consistency import ClockTable
 from polytrain.ps.protocol import Header, Op
-
-if TYPE_CHECKING:
-    from polytrain.ps.server import ParameterServer
 
 __all__ = ["ColocatedServer", "LocalLink"]
 
@@ -99,11 +97,20 @@ class LocalLink:
         self.replies.put(header.encode())
 
 
+class _Serving(Protocol):
+    """What `ColocatedServer` runs: `polytrain.ps.server.ParameterServer` (which imports
+    this module, so it is named structurally here)."""
+
+    table: ClockTable
+
+    def finish(self, out_dir: str) -> None: ...
+
+
 class ColocatedServer:
     """Runs a server's `finish` loop on a daemon thread; its error reaches the worker through
     the `LocalLink` (and `check`)."""
 
-    def __init__(self, server: ParameterServer, link: LocalLink, out_dir: str) -> None:
+    def __init__(self, server: _Serving, link: LocalLink, out_dir: str) -> None:
         self.server, self.link = server, link
         self.thread = threading.Thread(target=self._run, args=(out_dir,), name="ps-colocated")
         self.thread.daemon = True

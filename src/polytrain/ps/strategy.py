@@ -72,6 +72,7 @@ from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.recompute import apply_recompute
+from polytrain.planner.host import saved_profile
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.local import ColocatedServer
@@ -103,8 +104,6 @@ def _calibrated_link(rank: int) -> list[tuple[float, float]]:
     the link] in polytrain.ps.layout); empty when this host was never calibrated."""
     table = torch.zeros(_MAX_LINK_POINTS, 2, dtype=torch.float64)
     if rank == 0:
-        from polytrain.planner.calibrate import saved_profile  # imports the trainer stack
-
         try:
             profile = saved_profile()
         except PolytrainError:  # an unreadable profile: the fixed rule, as without one
