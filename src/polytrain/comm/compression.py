@@ -4,6 +4,8 @@
   bytes on the wire at the price of rounding every gradient to 8 (bf16) or 11 (fp16)
   significant bits. Unlike torch's built-in bf16 hook, this one runs on gloo too.
 - top-k / 1-bit sign (`sparse_hook`, [Note: sparse gradient hook]).
+- PowerSGD (`powersgd_hook`): torch's own hook (Vogels et al., NeurIPS 2019), wrapped only to
+  count its bytes.
 
 Bytes are counted where they are sent: the sizes of the tensors handed to c10d, added to a
 `SentBytes` the strategy reads once a step.
@@ -14,10 +16,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from polytrain.comm.compressors import Compressor, ErrorFeedback, build_compressor
 
-__all__ = ["SentBytes", "SparseHookState", "compress_hook", "sparse_hook"]
+__all__ = ["SentBytes", "SparseHookState", "compress_hook", "powersgd_hook", "sparse_hook"]
 
 
 class SentBytes:
@@ -52,6 +55,29 @@ def compress_hook(
             return buffer
 
         return work.get_future().then(decompress)
+
+    return hook
+
+
+def powersgd_hook(
+    sent: SentBytes | None = None,
+) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+    """torch's `powerSGD_hook`, counting what it hands to c10d: the whole bucket while it still
+    all-reduces in full (``state.iter < start_powerSGD_iter``), then the elements torch itself
+    books as sent for the bucket (``total_numel_after_compression``: the P and Q factors and
+    the tensors left uncompressed, all in the bucket's dtype)."""
+
+    def hook(
+        state: powersgd.PowerSGDState, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        in_full = state.iter < state.start_powerSGD_iter
+        booked = state.total_numel_after_compression
+        fut = powersgd.powerSGD_hook(state, bucket)
+        if sent is not None:
+            numel = buffer.numel() if in_full else state.total_numel_after_compression - booked
+            sent.count += numel * buffer.element_size()
+        return fut
 
     return hook
 

@@ -18,7 +18,13 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from polytrain.comm.compression import SentBytes, SparseHookState, compress_hook, sparse_hook
+from polytrain.comm.compression import (
+    SentBytes,
+    SparseHookState,
+    compress_hook,
+    powersgd_hook,
+    sparse_hook,
+)
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import ParallelConfig
 from polytrain.parallel.hierarchical import apply_hierarchical
@@ -29,8 +35,8 @@ __all__ = ["apply_data_parallel"]
 def apply_data_parallel(
     module: nn.Module, mesh: Mesh, cfg: ParallelConfig, sent: SentBytes | None = None
 ) -> DDP:
-    """Wrap ``module`` in DDP over the mesh's ``dp`` axis; our compression hooks add the bytes
-    they hand to c10d to ``sent`` (torch's PowerSGD hook does not count)."""
+    """Wrap ``module`` in DDP over the mesh's ``dp`` axis; the compression hooks add the bytes
+    they hand to c10d to ``sent``."""
     device = next(module.parameters()).device
     ddp = DDP(
         module,
@@ -40,12 +46,12 @@ def apply_data_parallel(
         gradient_as_bucket_view=True,
     )
     if cfg.grad_compression == "powersgd":
-        # Step 1 all-reduces in full (torch requires start > 1 with error feedback); vectors
+        # Steps 1 and 2 all-reduce in full (torch requires start > 1 with error feedback); vectors
         # (biases) and matrices too small to gain are all-reduced as they are.
         state = powersgd.PowerSGDState(
             process_group=mesh.group("dp"), matrix_approximation_rank=1, start_powerSGD_iter=2
         )
-        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        ddp.register_comm_hook(state, powersgd_hook(sent))
     elif cfg.grad_compression in ("topk", "sign"):
         sparse = SparseHookState(mesh.group("dp"), cfg.grad_compression, cfg.grad_topk_ratio, sent)
         ddp.register_comm_hook(sparse, sparse_hook)

@@ -123,7 +123,7 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
             wrapped = apply_data_parallel(model, mesh, p, sent)
     strategy = SPMDStrategy(job, wrapped, model, mesh, batches, ctx.device, name)
     strategy.batch = batch
-    if p.grad_compression in ("bf16", "fp16", "topk", "sign") and isinstance(wrapped, DDP):
+    if p.grad_compression != "none" and isinstance(wrapped, DDP):
         strategy.sent = sent
     return strategy
 
