@@ -302,3 +302,30 @@ def test_zero_pays_the_calibrated_fsdp_hooks_per_unit() -> None:
         predict(Layout(dp=2), stats, hooked, 8).step_s
         == predict(Layout(dp=2), stats, base, 8).step_s
     )
+
+
+def test_small_weights_run_their_matmuls_at_the_calibrated_small_size_rate() -> None:
+    """[Note: matmul size]: a block of 128-wide Linears is priced at the 128 rate, one of
+    1024-wide Linears at the largest size's, one in between by log-log interpolation; without
+    rates by size (or Linear shapes) the single calibrated rate stays."""
+    from polytrain.planner.cost.common import size_rate
+    from polytrain.planner.types import BlockStats
+
+    by_size = {128: 4e9, 1024: 10e9}
+    env = Env(
+        parse_cluster("1x1xcpu"), profile=_cpu_profile(matmul_by_size={"fp32": by_size})
+    )  # one process: the 10e9 single-process rate, no sharing
+
+    def block(*linears: tuple[int, int]) -> BlockStats:
+        return BlockStats("b", 0, 0, 1e9, 0.0, 0.0, linears=linears)
+
+    assert env.matmul_rate(block((128, 512), (512, 128))) == pytest.approx(4e9)
+    assert env.matmul_rate(block((1024, 4096))) == pytest.approx(10e9)
+    assert env.matmul_rate(block((64, 64))) == pytest.approx(4e9)  # clamped to the range
+    middle = env.matmul_rate(block((362, 362)))  # sqrt(128 * 1024) ~ 362: the geometric middle
+    assert middle == pytest.approx((4e9 * 10e9) ** 0.5, rel=1e-3)
+    assert size_rate(by_size, 362.04) == pytest.approx(middle, rel=1e-3)
+    assert env.fwd_s(block((128, 128)), 1.0) > env.fwd_s(block((1024, 1024)), 1.0)
+    plain = Env(parse_cluster("1x1xcpu"), profile=_cpu_profile())
+    assert plain.matmul_rate(block((128, 128))) == plain.flops_rate
+    assert env.matmul_rate(block()) == env.flops_rate

@@ -27,6 +27,7 @@ by the same factor rate(1) / rate(n). Accelerators do not share: there it is 1.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -34,7 +35,21 @@ from polytrain.planner.catalog import Link
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.types import BlockStats, HostProfile
 
-__all__ = ["Env", "concurrent_rate", "ring_factor"]
+__all__ = ["Env", "concurrent_rate", "ring_factor", "size_rate"]
+
+
+def size_rate(by_size: dict[int, float], dim: float) -> float:
+    """The calibrated matmul rate at size ``dim``: log-log interpolation between the measured
+    sizes, clamped to their range; [Note: matmul size]."""
+    sizes = sorted(by_size)
+    if dim <= sizes[0]:
+        return by_size[sizes[0]]
+    if dim >= sizes[-1]:
+        return by_size[sizes[-1]]
+    i = bisect.bisect_left(sizes, dim)
+    lo, hi = sizes[i - 1], sizes[i]
+    w = math.log(dim / lo) / math.log(hi / lo)
+    return math.exp((1 - w) * math.log(by_size[lo]) + w * math.log(by_size[hi]))
 
 
 def concurrent_rate(measured: dict[int, float], n: int) -> float:
@@ -120,12 +135,36 @@ class Env:
             return self.profile.mem_bw
         return self.cluster.device.mem_bw
 
+    def matmul_rate(self, block: BlockStats) -> float:
+        """[Note: matmul size] The FLOP/s of ``block``'s matmuls. `flops_rate` is the rate of
+        the calibrated largest square matmul (1024 here); a block whose weights are small runs
+        its matmuls slower (this CPU: 55 GFLOP/s at 128 against 86 at 1024). With a calibrated
+        rate by size and the block's Linear shapes, the rate is read at the block's matmul
+        size: the geometric mean of each Linear's smaller weight dimension, weighted by its
+        FLOPs, interpolated in log-log between the calibrated sizes and clamped to their range
+        (the rows a batch brings are many more than that; the weights set the inner loops).
+        Without them, `flops_rate`."""
+        rate = self.flops_rate
+        prof = self.profile
+        by_size = prof.matmul_by_size.get(self.dtype) if prof is not None else None
+        if not by_size or not block.linears or self.cluster.device.key != "cpu":
+            return rate
+        weights = [fi * fo for fi, fo in block.linears]
+        dim = math.exp(
+            sum(
+                w * math.log(min(fi, fo))
+                for w, (fi, fo) in zip(weights, block.linears, strict=True)
+            )
+            / sum(weights)
+        )
+        return rate * size_rate(by_size, dim) / by_size[max(by_size)]
+
     def fwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
         """Forward seconds of ``samples`` samples through one of ``tp`` tensor-parallel shards
         of ``block`` (measured when known); see [Note: non-matmul time]."""
         if block.fwd_s is not None:
             return block.fwd_s * samples * self.cpu_slowdown / tp
-        matmul = block.fwd_flops * samples / self.flops_rate / tp
+        matmul = block.fwd_flops * samples / self.matmul_rate(block) / tp
         return matmul + self._non_matmul_s(block.fwd_ops, block.fwd_moved_bytes * samples / tp)
 
     def bwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
@@ -133,7 +172,7 @@ class Env:
         plus its own operators' overhead and memory traffic."""
         if block.bwd_s is not None:
             return block.bwd_s * samples * self.cpu_slowdown / tp
-        matmul = 2.0 * block.fwd_flops * samples / self.flops_rate / tp
+        matmul = 2.0 * block.fwd_flops * samples / self.matmul_rate(block) / tp
         return matmul + self._non_matmul_s(block.bwd_ops, block.bwd_moved_bytes * samples / tp)
 
     def _non_matmul_s(self, ops: int, moved_bytes: float) -> float:
