@@ -523,36 +523,32 @@ class ParameterServer:
     def _send_header(self, header: Header) -> Any:
         return ps_wire.post_send(header.encode(), header.worker, ps_wire.TAG_REPLY, self.group)
 
+    def _params_header(
+        self, dst: int, clock: int, chunk: int, num_chunks: int, numel: int
+    ) -> Header:
+        """Chunk ``chunk`` of ``num_chunks`` of this shard's PARAMS reply to worker ``dst``."""
+        return Header(
+            Op.PARAMS,
+            dst,
+            clock,
+            self.layout.job_id,
+            shard=self.index,
+            chunk=chunk,
+            num_chunks=num_chunks,
+            numel=numel,
+            dtype=self.layout.dtype_code,
+        )
+
     def _params_ops(self, dst: int, clock: int) -> list[Any]:
         if self.link is not None and dst == self.link.worker:
             # The coordinator on this rank: the final shard is copied, then one PARAMS header
             # announces it ([Note: colocated servers] in polytrain.ps.local).
-            header = Header(
-                Op.PARAMS,
-                dst,
-                clock,
-                self.layout.job_id,
-                shard=self.index,
-                num_chunks=1,
-                numel=self.flat.numel(),
-                dtype=self.layout.dtype_code,
-            )
-            self.link.send(header, self.flat)
+            self.link.send(self._params_header(dst, clock, 0, 1, self.flat.numel()), self.flat)
             self.stats.bytes_out += self.flat.numel() * self.flat.element_size()
             return []
         ops = []
         for k, (start, stop) in enumerate(self.spans):
-            header = Header(
-                Op.PARAMS,
-                dst,
-                clock,
-                self.layout.job_id,
-                shard=self.index,
-                chunk=k,
-                num_chunks=len(self.spans),
-                numel=stop - start,
-                dtype=self.layout.dtype_code,
-            )
+            header = self._params_header(dst, clock, k, len(self.spans), stop - start)
             ops.append(self._send_header(header))
             ops.append(
                 ps_wire.post_send(self.flat[start:stop], dst, ps_wire.TAG_PARAMS, self.group)
