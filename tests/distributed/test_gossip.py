@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from polytrain.config import JobConfig
 from polytrain.testing import assert_state_close, max_abs_diff, run_job
-from polytrain.trainer.manifest import step_dir
 from tests.conftest import small_job
+from tests.helpers.resume import resumed_after_step_3
 
 pytestmark = pytest.mark.slow
 
@@ -151,19 +149,9 @@ def test_checkpoint_holds_the_average_and_resume_continues_exactly(tmp_path: Pat
     """Saved after step 3 of 6 (the average, [Note: the average model]); resuming from it
     reproduces the uninterrupted run bitwise, and the saved weights are one model."""
 
-    def job(ckpt: Path, resume: bool = False) -> JobConfig:
-        return small_job(
-            train={"steps": 6},
-            parallel={"sync": "gossip"},
-            gossip={"topology": "ring"},
-            checkpoint={"dir": str(ckpt), "every": 3, "keep": 5, "resume": resume},
-            launch={"nproc": 4},
-        )
-
-    full = run_job(job(tmp_path / "a"))
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(step_dir(tmp_path / "b", 6))
-    resumed = run_job(job(tmp_path / "b", resume=True))
+    full, resumed = resumed_after_step_3(
+        tmp_path, parallel={"sync": "gossip"}, gossip={"topology": "ring"}, launch={"nproc": 4}
+    )
     assert resumed["start"] == 3
     # Had the checkpoint held one rank's replica (or a mix of replicas' keys), the resumed
     # replicas would start from other values than the uninterrupted run's and drift apart.
@@ -209,20 +197,13 @@ def test_diloco_checkpoint_holds_anchor_and_outer_momentum(tmp_path: Path) -> No
     saved and restored ([Note: DiLoCo state]): a fresh anchor (the initial model) and zero
     momentum would make the outer step after step 4 another one."""
 
-    def job(ckpt: Path, resume: bool = False) -> JobConfig:
-        return small_job(
-            train={"steps": 6},
-            parallel={"sync": "localsgd"},
-            localsgd={"period": 2, "outer": "nesterov"},
-            checkpoint={"dir": str(ckpt), "every": 3, "keep": 5, "resume": resume},
-            launch={"nproc": 2},
-        )
-
-    full = run_job(job(tmp_path / "a"))
+    full, resumed = resumed_after_step_3(
+        tmp_path,
+        parallel={"sync": "localsgd"},
+        localsgd={"period": 2, "outer": "nesterov"},
+        launch={"nproc": 2},
+    )
     assert full["strategy"] == "localsgd-h2-w2-diloco"
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(step_dir(tmp_path / "b", 6))
-    resumed = run_job(job(tmp_path / "b", resume=True))
     assert resumed["start"] == 3
     assert_state_close(resumed["state"], full["state"], atol=0.0)
     assert resumed["losses"] == full["losses"][3:]

@@ -11,7 +11,6 @@ without the delay (so the test fails if the overlap mixes the wrong round).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,8 @@ from polytrain.data.sampler import Batches
 from polytrain.models.base import inputs_to
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.testing import assert_state_close, max_abs_diff, run_job
-from polytrain.trainer.manifest import step_dir
 from tests.conftest import small_job
+from tests.helpers.resume import resumed_after_step_3
 
 pytestmark = pytest.mark.slow
 
@@ -125,18 +124,11 @@ def test_overlapped_checkpoint_settles_the_round_in_flight(tmp_path: Path) -> No
     saved, in the uninterrupted and the resumed run alike, so resuming reproduces the
     uninterrupted run bitwise."""
 
-    def job(ckpt: Path, resume: bool = False) -> JobConfig:
-        return small_job(
-            train={"steps": 6},
-            parallel={"sync": "gossip"},
-            gossip={"topology": "ring", "overlap": True},
-            checkpoint={"dir": str(ckpt), "every": 3, "keep": 5, "resume": resume},
-            launch={"nproc": WORLD},
-        )
-
-    full = run_job(job(tmp_path / "a"))
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.rmtree(step_dir(tmp_path / "b", 6))
-    resumed = run_job(job(tmp_path / "b", resume=True))
+    full, resumed = resumed_after_step_3(
+        tmp_path,
+        parallel={"sync": "gossip"},
+        gossip={"topology": "ring", "overlap": True},
+        launch={"nproc": WORLD},
+    )
     assert resumed["start"] == 3
     assert_state_close(resumed["state"], full["state"], atol=0.0)
