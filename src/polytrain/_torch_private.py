@@ -33,6 +33,7 @@ here has none in torch 2.13:
 from __future__ import annotations
 
 import datetime
+import inspect
 import signal
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -87,11 +88,23 @@ def storage_key(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage()._cdata)
 
 
+# torch 2.12 gave the agent a configurable grace before SIGKILL; older ones wait a fixed 30 s.
+_AGENT_GRACE = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
+
+
 class MonitoredAgent(LocalElasticAgent):
-    """``LocalElasticAgent`` whose periodic worker check a subclass may replace with `monitor`.
+    """``LocalElasticAgent`` whose periodic worker check a subclass may replace with `monitor`,
+    and whose grace between SIGTERM and SIGKILL is ``shutdown_timeout`` seconds (on a torch
+    whose agent has no such setting, torch's fixed 30 s).
 
     The agent polls ``_monitor_workers`` every ``monitor_interval``; torch's version fails the
     whole group when any worker exits non-zero."""
+
+    def __init__(self, *args: Any, shutdown_timeout: int = 30, **kwargs: Any) -> None:
+        if _AGENT_GRACE:
+            kwargs["shutdown_timeout"] = shutdown_timeout
+        super().__init__(*args, **kwargs)
+        self._grace_s = shutdown_timeout
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         return self.monitor(worker_group, self._pcontext)
@@ -105,7 +118,11 @@ class MonitoredAgent(LocalElasticAgent):
     ) -> None:
         # [Note: stopped ranks] in launch/local.py: torch's _stop_workers calls this without a
         # timeout (a fixed 30 s grace before SIGKILL); use the agent's configured grace.
-        super()._shutdown(death_sig, self._shutdown_timeout if timeout is None else timeout)
+        if _AGENT_GRACE:
+            grace = self._grace_s if timeout is None else timeout
+            super()._shutdown(death_sig, grace)  # type: ignore[call-arg,unused-ignore]
+        else:
+            super()._shutdown(death_sig)
 
 
 def forget_shared_store(handler: DynamicRendezvousHandler) -> None:

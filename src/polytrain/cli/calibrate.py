@@ -54,7 +54,7 @@ def calibrate_command(
     threads: Annotated[int, typer.Option(help="intra-op threads per process", min=1)] = 1,
 ) -> None:
     """Measure matmul FLOP/s, memory bandwidth, collectives and start-up cost of this host."""
-    plan = CalibrationPlan.quick() if quick else CalibrationPlan()
+    plan = CalibrationPlan.quick() if quick else CalibrationPlan.for_this_host()
     console = Console()
     with Progress(
         TextColumn("[bold]calibrate"),

@@ -21,8 +21,8 @@ from polytrain.cli.plan_validate import validate_plans
 from polytrain.cli.train import resolve_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
-from polytrain.planner.calibrate import saved_profile
 from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.host import profile_for
 from polytrain.planner.search import Plan, PlanRequest, PlanResult, duration_text, search
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import ModelStats
@@ -228,7 +228,7 @@ def plan_command(
         bucket_bytes=job.parallel.bucket_mb * 2**20,
         allow_async=allow_async,
         localsgd_period=job.localsgd.period,
-        profile=saved_profile() if clu.device.key == "cpu" else None,  # this host's, if calibrated
+        profile=profile_for(clu.device.key),  # this host's, if calibrated and the same device
     )
     result = search(request)
     batch = job.train.global_batch_size

@@ -157,7 +157,6 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
         rdzv_configs={"timeout": 900} if local else multinode.rdzv_configs(lc),
         max_restarts=lc.max_restarts,
         monitor_interval=0.1,
-        shutdown_timeout=shutdown_grace_s(lc.timeout_s),  # [Note: stopped ranks]
         start_method="spawn",
         local_addr=node_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=redirects),
@@ -178,7 +177,13 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
     args = ["-u", "-m", "polytrain.trainer.worker", str(job_path)]
     try:  # our agent for every job: [Note: stopped ranks], [Note: tolerated worker deaths]
-        launch_tolerant(config, sys.executable, args, tolerated_ranks(job))
+        launch_tolerant(
+            config,
+            sys.executable,
+            args,
+            tolerated_ranks(job),
+            grace_s=shutdown_grace_s(lc.timeout_s),  # [Note: stopped ranks]
+        )
     except SignalException as exc:  # torch elastic turns SIGINT/SIGTERM into this
         raise Interrupted(exc.sigval.name) from None
     except ChildFailedError as err:

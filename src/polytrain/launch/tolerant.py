@@ -160,9 +160,15 @@ class TolerantAgent(MonitoredAgent):
 
 
 def launch_tolerant(
-    config: LaunchConfig, entrypoint: str, args: list[str], tolerated: Collection[int]
+    config: LaunchConfig,
+    entrypoint: str,
+    args: list[str],
+    tolerated: Collection[int],
+    *,
+    grace_s: int = 30,
 ) -> None:
-    """Run ``entrypoint args`` under a ``TolerantAgent``; raise ``ChildFailedError`` on failure."""
+    """Run ``entrypoint args`` under a ``TolerantAgent``; raise ``ChildFailedError`` on failure.
+    ``grace_s``: seconds between SIGTERM and SIGKILL when workers are stopped."""
     params = rendezvous.RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -189,7 +195,7 @@ def launch_tolerant(
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
+        shutdown_timeout=grace_s,
         tolerated=tolerated,
     )
     shutdown_rdzv = True

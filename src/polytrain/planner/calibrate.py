@@ -85,6 +85,24 @@ class CalibrationPlan:
             budget_s=0.05,
         )
 
+    @staticmethod
+    def accelerator() -> CalibrationPlan:
+        """A GPU host: matmuls up to 8192 (a GPU reaches its rate only at a few thousand), a
+        1 GiB copy, larger end-of-step tensors, and no gloo collectives: GPU ranks talk NCCL,
+        which the catalog's links price ([Note: asynchronous devices] in planner/cost/common.py
+        for how the compute figures are used)."""
+        return CalibrationPlan(
+            matmul_sizes=(256, 512, 1024, 2048, 4096, 8192),
+            copy_bytes=2**30,
+            world_sizes=(),
+            step_shapes=((256, 64), (64, 4096), (4, 1 << 22)),
+        )
+
+    @staticmethod
+    def for_this_host() -> CalibrationPlan:
+        """`accelerator` where torch sees a GPU, else the CPU default."""
+        return CalibrationPlan.accelerator() if torch.cuda.is_available() else CalibrationPlan()
+
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -274,7 +292,7 @@ def calibrate(
     on_progress: Callable[[str], None] | None = None,
 ) -> HostProfile:
     """Measure this host (see the module docstring); ``on_progress`` hears each finished part."""
-    plan = plan or CalibrationPlan()
+    plan = plan or CalibrationPlan.for_this_host()
     tell = on_progress or (lambda _: None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     old_threads = torch.get_num_threads()

@@ -17,7 +17,7 @@ import torch
 from polytrain.planner.profile_io import cache_dir, fingerprint, load_profile, profile_path
 from polytrain.planner.types import HostProfile
 
-__all__ = ["host_identity", "saved_profile"]
+__all__ = ["describes", "host_identity", "profile_for", "saved_profile"]
 
 
 def host_identity(threads: int = 1) -> dict[str, str]:
@@ -45,3 +45,19 @@ def saved_profile(threads: int = 1, directory: Path | None = None) -> HostProfil
     `polytrain plan` and ``--strategy auto`` use for a cluster of this host's CPUs)."""
     path = profile_path(fingerprint(host_identity(threads)), directory or cache_dir())
     return load_profile(path) if path.exists() else None
+
+
+def describes(profile: HostProfile, device_key: str) -> bool:
+    """Whether ``profile`` was measured on the catalog device ``device_key``: "cpu" for a host
+    without a GPU, else the key within the GPU's name ("H100" in "NVIDIA H100 80GB HBM3")."""
+    if device_key == "cpu":
+        return profile.device == "cpu"
+    return device_key.lower() in profile.device.lower()
+
+
+def profile_for(device_key: str, threads: int = 1) -> HostProfile | None:
+    """This host's saved profile when it describes the catalog device ``device_key`` (a
+    cluster of this host's kind of device), else None: a plan for other hardware uses the
+    catalog's figures."""
+    profile = saved_profile(threads)
+    return profile if profile is not None and describes(profile, device_key) else None

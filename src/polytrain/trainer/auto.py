@@ -19,9 +19,9 @@ from polytrain.config.base import to_dict
 from polytrain.config.io import job_from_dict, merge
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
-from polytrain.planner.calibrate import saved_profile
 from polytrain.planner.catalog import device_names
 from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.host import profile_for
 from polytrain.planner.search import PlanRequest, search
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout, Prediction
@@ -59,7 +59,7 @@ def resolve_auto(job: JobConfig, profile: HostProfile | None = None) -> AutoChoi
             "the cluster with `polytrain plan --cluster ...` and pass its layout by hand"
         )
     cluster = parse_cluster(host_cluster_spec(job))
-    profile = profile if profile is not None else saved_profile()
+    profile = profile if profile is not None else profile_for(cluster.device.key)
     stats = model_stats(job)  # meta device: FLOPs and bytes, no weights
     request = PlanRequest(
         stats=stats,

@@ -135,27 +135,36 @@ class Env:
             return self.profile.mem_bw
         return self.cluster.device.mem_bw
 
-    def matmul_rate(self, block: BlockStats) -> float:
-        """[Note: matmul size] The FLOP/s of ``block``'s matmuls. `flops_rate` is the rate of
-        the calibrated largest square matmul (1024 here); a block whose weights are small runs
-        its matmuls slower (this CPU: 55 GFLOP/s at 128 against 86 at 1024). With a calibrated
-        rate by size and the block's Linear shapes, the rate is read at the block's matmul
-        size: the geometric mean of each Linear's smaller weight dimension, weighted by its
-        FLOPs, interpolated in log-log between the calibrated sizes and clamped to their range
-        (the rows a batch brings are many more than that; the weights set the inner loops).
+    def matmul_rate(self, block: BlockStats, rows: float = 0.0) -> float:
+        """[Note: matmul size] The FLOP/s of ``block``'s matmuls when ``rows`` rows (samples x
+        rows per sample of one tensor-parallel shard) go through it. `flops_rate` is the rate of
+        the calibrated largest square matmul; smaller matmuls run slower, so with a calibrated
+        rate by size and the block's Linear shapes the rate is read at the block's matmul size,
+        interpolated in log-log between the calibrated sizes and clamped to their range: the
+        FLOP-weighted geometric mean over its Linears of
+
+        * on a CPU host, the smaller weight dimension: one thread's blocked loops are set by the
+          weights (this CPU: 55 GFLOP/s at 128 against 86 at 1024), the rows a batch brings are
+          many more and change little;
+        * on an accelerator, the side of the square matmul with the same FLOPs,
+          (rows x fan_in x fan_out)^(1/3): a GPU fills its multiprocessors with output tiles,
+          so the rows count as much as the weights (an H100 runs a 512-cube matmul at a few
+          percent of its 8192-cube rate).
+
         Without them, `flops_rate`."""
         rate = self.flops_rate
         prof = self.profile
         by_size = prof.matmul_by_size.get(self.dtype) if prof is not None else None
-        if not by_size or not block.linears or self.cluster.device.key != "cpu":
+        cpu = self.cluster.device.key == "cpu"
+        if not by_size or not block.linears or (not cpu and rows <= 0):
             return rate
         weights = [fi * fo for fi, fo in block.linears]
+        if cpu:
+            sides = [float(min(fi, fo)) for fi, fo in block.linears]
+        else:
+            sides = [(rows * fi * fo) ** (1 / 3) for fi, fo in block.linears]
         dim = math.exp(
-            sum(
-                w * math.log(min(fi, fo))
-                for w, (fi, fo) in zip(weights, block.linears, strict=True)
-            )
-            / sum(weights)
+            sum(w * math.log(side) for w, side in zip(weights, sides, strict=True)) / sum(weights)
         )
         return rate * size_rate(by_size, dim) / by_size[max(by_size)]
 
@@ -164,25 +173,38 @@ class Env:
         of ``block`` (measured when known); see [Note: non-matmul time]."""
         if block.fwd_s is not None:
             return block.fwd_s * samples * self.cpu_slowdown / tp
-        matmul = block.fwd_flops * samples / self.matmul_rate(block) / tp
-        return matmul + self._non_matmul_s(block.fwd_ops, block.fwd_moved_bytes * samples / tp)
+        rate = self.matmul_rate(block, samples * block.rows_per_sample / tp)
+        matmul = block.fwd_flops * samples / rate / tp
+        return self._compute_s(matmul, block.fwd_ops, block.fwd_moved_bytes * samples / tp)
 
     def bwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
         """Backward = input and weight gradients = 2x the forward FLOPs (measured when known),
         plus its own operators' overhead and memory traffic."""
         if block.bwd_s is not None:
             return block.bwd_s * samples * self.cpu_slowdown / tp
-        matmul = 2.0 * block.fwd_flops * samples / self.matmul_rate(block) / tp
-        return matmul + self._non_matmul_s(block.bwd_ops, block.bwd_moved_bytes * samples / tp)
+        rate = self.matmul_rate(block, samples * block.rows_per_sample / tp)
+        matmul = 2.0 * block.fwd_flops * samples / rate / tp
+        return self._compute_s(matmul, block.bwd_ops, block.bwd_moved_bytes * samples / tp)
 
-    def _non_matmul_s(self, ops: int, moved_bytes: float) -> float:
-        """[Note: non-matmul time] With a calibrated operator cost (``HostProfile.op_s``):
-        every operator call's dispatch plus the bytes the non-matmul operators move at the
-        calibrated memory bandwidth, slowed like all CPU work by shared cores. Without one, 0:
-        the catalog's efficiency factor already folds this time into the FLOP rate."""
+    def _compute_s(self, matmul_s: float, ops: int, moved_bytes: float) -> float:
+        """[Note: non-matmul time] With a calibrated operator cost (``HostProfile.op_s``), the
+        operator calls' dispatch and the bytes the non-matmul operators move at the calibrated
+        memory bandwidth come on top of the matmuls. Without one, the matmuls alone: the
+        catalog's efficiency factor already folds the rest into the FLOP rate.
+
+        On a CPU host the one thread does all of it in turn, slowed like all CPU work by shared
+        cores. [Note: asynchronous devices] An accelerator runs kernels while the host thread
+        is still dispatching the next ones (CUDA's launch queue), so a block takes the longer
+        of the host's dispatch (operator calls x ``op_s``, which `polytrain calibrate` measures
+        on the device: dispatch, launch and the tiny kernel) and the device's own work
+        (matmuls and bytes moved). Taking it per block is exact for a stack of equal blocks
+        (a transformer); a deep queue can also carry one block's slack into the next."""
         if self.profile is None or self.profile.op_s <= 0:
-            return 0.0
-        return (ops * self.profile.op_s + moved_bytes / self.mem_bw) * self.cpu_slowdown
+            return matmul_s
+        dispatch = ops * self.profile.op_s
+        if self.cluster.device.key != "cpu":
+            return max(dispatch, matmul_s + moved_bytes / self.mem_bw)
+        return matmul_s + (dispatch + moved_bytes / self.mem_bw) * self.cpu_slowdown
 
     def fsdp_overhead_s(self, stage: int, units: int) -> float:
         """FSDP2's hook overhead for ``units`` sharded modules in one forward + backward, as
