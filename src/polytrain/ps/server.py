@@ -152,6 +152,9 @@ class ParameterServer:
         self.rule = apply_rule(mode, staleness)
         self.table = ClockTable(workers)
         self.aggregator = SyncAggregator(workers) if self.rule is ApplyRule.SUM_THEN_APPLY else None
+        # sync: clocks whose update is made (or dropped); set after the optimizer step, so a
+        # colocated rank's checkpointer waits on it ([Note: colocated checkpoints]).
+        self.applied = 0
         self.sum_flat = torch.zeros(numel, dtype=self.flat.dtype)
         self.staging: dict[int, torch.Tensor] = {}
         self.chunks_in: dict[int, set[int]] = {}
@@ -268,6 +271,7 @@ class ParameterServer:
         """
         live = [w for w, s in self.state.items() if s == "live"]
         self.table = ClockTable(live, clock=clock)
+        self.applied = clock
         if self.aggregator is not None:
             self.aggregator = SyncAggregator(live, clock=clock)
 
@@ -432,6 +436,7 @@ class ParameterServer:
             coef = clip_coefficient(self.optim_cfg.grad_clip, square.sqrt()[0])
             self.grad_flat.mul_(coef.to(self.grad_flat.dtype))
         self._step(clock)
+        self.applied = clock + 1
 
     def _step(self, clock: int) -> None:
         if not _all_finite(self.grad_flat):
