@@ -1,4 +1,5 @@
-"""Parameter-server (sync) checkpoints: exact resume and resume under plain dp (issue 6).
+"""Parameter-server (sync) checkpoints: exact resume and resume under plain dp (issue 6), and
+colocated servers' checkpoints (issue 14).
 
 A sync PS job (1 server, 2 workers) that stops after step 3 (``train.steps = 3``, the final
 checkpoint) and is resumed to step 6 must end with the weights of the uninterrupted 6-step run:
@@ -16,7 +17,7 @@ from safetensors import safe_open
 
 from polytrain.config import JobConfig
 from polytrain.testing import assert_state_close, run_job
-from polytrain.trainer.manifest import committed, verify
+from polytrain.trainer.manifest import committed, step_dir, verify
 from tests.conftest import small_job
 
 pytestmark = pytest.mark.slow
@@ -76,3 +77,45 @@ def test_sync_ps_resume_matches_uninterrupted_and_resumes_under_dp(tmp_path: Pat
     under_dp = run(dp)
     assert under_dp["start"] == STOP
     assert_state_close(under_dp["state"], full["state"], atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_colocated_resume_matches_uninterrupted(tmp_path: Path, world: int) -> None:
+    """[Note: colocated checkpoints]: servers on ranks 0 and 1 (world 3: rank 2 only works)
+    save their shards and AdamW state from their worker's rank; resuming from the checkpoint
+    after step 3 of 6 reproduces the uninterrupted run (to 1e-6 like the dedicated test: a
+    server sums the pushes of a clock in their order of arrival)."""
+
+    def job(ckpt: Path, resume: bool) -> JobConfig:
+        return small_job(
+            parallel={"sync": "ps"},
+            # The last rank pushes late, so the servers' ranks reach a save before their
+            # threads can apply the step's update: the save must wait for it. (A checkpoint
+            # every step: only the first save meets the world in a collective.)
+            ps={"servers": 2, "colocate": True, "chunk_kb": 8, "straggler_delay_s": 0.1},
+            optim=OPTIM,
+            train={"steps": STEPS, "global_batch_size": 12},
+            checkpoint={"dir": str(ckpt), "every": 1, "keep": STEPS, "resume": resume},
+            launch={"nproc": world},
+        )
+
+    full = run(job(tmp_path / "a", False))
+    assert full["strategy"].endswith("-colocated")
+    assert sorted(s for s, _ in committed(tmp_path / "a")) == list(range(1, STEPS + 1))
+    manifest = verify(tmp_path / "a" / f"step_{STOP:09d}")
+    # Every weight written by the rank whose server updates it (its worker's replica lags one
+    # update), each of the two servers writing its shard and its optimizer state.
+    writers = {info["file"] for k, info in manifest.tensors.items() if k.startswith("model.")}
+    assert writers == {"rank_00000.safetensors", "rank_00001.safetensors"}
+    moments = {info["file"] for k, info in manifest.tensors.items() if k.endswith(".exp_avg")}
+    assert moments == writers
+
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for step in range(STOP + 1, STEPS + 1):
+        shutil.rmtree(step_dir(tmp_path / "b", step))
+    resumed = run(job(tmp_path / "b", True))
+    assert resumed["start"] == STOP
+    assert [r["step"] for r in resumed["history"]] == list(range(STOP + 1, STEPS + 1))
+    assert_state_close(resumed["state"], full["state"], atol=1e-6)
+    losses = [r["loss"] for r in resumed["history"]]
+    assert losses == pytest.approx([r["loss"] for r in full["history"]][STOP:], abs=1e-6)

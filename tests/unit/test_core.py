@@ -109,6 +109,8 @@ def test_capabilities_are_declared_with_defaults() -> None:
     assert s.checkpointable and s.world_collectives and s.evaluates
     assert s.checkpoint_group is None and s.checkpoint_refusal == ""
     s.resume_at(3)  # a no-op unless a strategy needs it
+    s.before_save(3)  # likewise
+    assert s.checkpoint_parts() == (s.modules, s.optimizer)  # what the checkpointer saves
     s.set_lr(0.25)
     assert s.optimizer is not None and s.optimizer.param_groups[0]["lr"] == 0.25
 

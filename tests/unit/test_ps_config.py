@@ -55,8 +55,10 @@ def test_preflight_rejects_what_ps_cannot_run() -> None:
 
 
 def test_colocated_servers_config() -> None:
-    """[Note: colocated servers]: sync only, no host reduction, at most one server per rank,
-    no checkpoints yet; a valid job needs no extra ranks."""
+    """[Note: colocated servers]: sync only, no host reduction, at most one server per rank;
+    a valid job needs no extra ranks and may be checkpointed ([Note: colocated
+    checkpoints])."""
+    from polytrain.ps.checks import checkpoint_refusal
     from polytrain.trainer.preflight import preflight
 
     ps = {"sync": "ps"}
@@ -66,15 +68,14 @@ def test_colocated_servers_config() -> None:
         small_job(parallel=ps, ps={"colocate": True, "hierarchical": True}, launch={"nproc": 2})
     with pytest.raises(ConfigError, match="ps.servers = 3 with ps.colocate = true: .* at most 2"):
         small_job(parallel=ps, ps={"colocate": True, "servers": 3}, launch={"nproc": 2})
-    with pytest.raises(ConfigError, match="ps.colocate = true: colocated servers are not checkp"):
-        preflight(
-            small_job(
-                parallel=ps,
-                ps={"colocate": True, "servers": 2},
-                checkpoint={"dir": "ck"},
-                launch={"nproc": 2},
-            )
-        )
     job = small_job(parallel=ps, ps={"colocate": True, "servers": 2}, launch={"nproc": 2})
     assert job.num_trainers == 2 and job.parallel.dp == 2
     preflight(job)
+    saved = small_job(
+        parallel=ps,
+        ps={"colocate": True, "servers": 2},
+        checkpoint={"dir": "ck"},
+        launch={"nproc": 2},
+    )
+    assert checkpoint_refusal(saved) == ""
+    preflight(saved)

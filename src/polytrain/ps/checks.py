@@ -17,13 +17,7 @@ def checkpoint_refusal(job: JobConfig) -> str:
     The one home of the rule: pre-flight raises it as a `ConfigError`, and `PSStrategy`
     declares it (``checkpointable``, ``checkpoint_refusal``) for the checkpointer.
     """
-    if job.ps.colocate:  # [Note: colocated servers] in polytrain.ps.local
-        return (
-            f"checkpoint.dir = {job.checkpoint.dir!r} with ps.colocate = true: colocated "
-            f"servers are not checkpointed yet; set ps.colocate = false (dedicated server "
-            f"ranks), or drop --checkpoint-dir and export final weights with --save-final"
-        )
-    if job.ps.mode == "sync":
+    if job.ps.mode == "sync":  # colocated or not ([Note: colocated checkpoints] in ps.local)
         return ""
     return (
         f"checkpoint.dir = {job.checkpoint.dir!r} with ps.mode = {job.ps.mode!r}: only "

@@ -12,8 +12,22 @@ validates them like the receiver threads do and puts them on the server's inbox,
 copied into the link's staging buffer (the local copy), and the server's replies to it (ACK,
 the shard) are copied into the buffer the worker registered with its PULL and announced by
 encoded headers on a queue, which the worker decodes like a remote reply. Sync mode only, not
-hierarchical, no checkpoints (refused in pre-flight): a server thread beside the loop's
-collectives has no consistent cut to save at yet.
+hierarchical.
+
+[Note: colocated checkpoints] A colocated server is checkpointed like a dedicated one ([Note:
+parameter-server checkpoints] in polytrain.ps.strategy): its rank gives the checkpointer
+(`Strategy.checkpoint_parts`) its replica's state with the server's shard in place of the
+replica's copy of those weights, and the server's optimizer, so the rank that updates a weight
+writes it. Two things differ from a server rank, whose loop is the loop's own:
+
+- the save after step k must read the shard after k updates, but the server thread applies
+  clock k - 1 once every worker's push is in, which may be after this rank's step returned:
+  `before_save` waits for it (`ColocatedServer.wait_applied`). The thread cannot make the
+  next update meanwhile: it needs this rank's push of clock k, which follows the save.
+- a restore loads the shard and optimizer state in place and restarts the clocks, and no
+  message may be handled before that: the thread starts at the rank's first train step,
+  evaluation or final gather (`ColocatedServer.start`); the receivers queue what comes
+  earlier (another rank that resumed sooner pulls at clock k).
 """
 
 from __future__ import annotations
@@ -102,19 +116,24 @@ class _Serving(Protocol):
     this module, so it is named structurally here)."""
 
     table: ClockTable
+    applied: int
 
     def finish(self, out_dir: str) -> None: ...
 
 
 class ColocatedServer:
-    """Runs a server's `finish` loop on a daemon thread; its error reaches the worker through
-    the `LocalLink` (and `check`)."""
+    """Runs a server's `finish` loop on a daemon thread from `start` on; its error reaches the
+    worker through the `LocalLink` (and `check`)."""
 
     def __init__(self, server: _Serving, link: LocalLink, out_dir: str) -> None:
         self.server, self.link = server, link
         self.thread = threading.Thread(target=self._run, args=(out_dir,), name="ps-colocated")
         self.thread.daemon = True
-        self.thread.start()
+
+    def start(self) -> None:
+        """Start serving (once; after a restore, [Note: colocated checkpoints])."""
+        if self.thread.ident is None:
+            self.thread.start()
 
     def _run(self, out_dir: str) -> None:
         try:
@@ -132,6 +151,18 @@ class ColocatedServer:
         while self.thread.is_alive() and not self.link.failed:
             if self.server.table.min_clock() > clock:
                 return
+            self.thread.join(timeout=0.01)
+
+    def wait_applied(self, clock: int) -> None:
+        """Wait until this server has made the updates of clocks ``0 .. clock - 1`` (applied or
+        dropped as NaN; [Note: colocated checkpoints]); raise its error if it stopped."""
+        while self.server.applied < clock:
+            if not self.thread.is_alive():
+                self.check()
+                raise RuntimeError(
+                    f"the colocated server on rank {self.link.worker} is not serving: it made "
+                    f"{self.server.applied} of {clock} updates"
+                )
             self.thread.join(timeout=0.01)
 
     def join(self) -> None:

@@ -6,23 +6,15 @@ NIPS 2013). Shapes: P = elements of this server's shard.
 
 [Note: server threads] One receiver thread per worker blocks on that worker's next header and,
 for a PUSH, on its payload; it decodes and validates every message ([Note: validate before use] in
-`polytrain.ps.protocol`) and hands it to the main thread through a queue. The main thread owns
-all state (clocks, buffers, optimizer) and all sends. It wakes up at least every
-`_POLL_S` seconds, so it can notice dead workers without ever waiting on gloo with a timeout
-([Note: no timeouts on gloo waits] in `polytrain.comm.ps_wire`).
+`polytrain.ps.protocol`) and hands it to the main thread through a queue (`polytrain.ps.receive`,
+[Note: staging in place]). The main thread owns all state (clocks, buffers, optimizer) and all
+sends. It wakes up at least every `_POLL_S` seconds, so it can notice dead workers without ever
+waiting on gloo with a timeout ([Note: no timeouts on gloo waits] in `polytrain.comm.ps_wire`).
 
 [Note: atomic pushes] A push is a sequence of chunks followed by a CLOCK message. Chunks land in
 a per-worker staging buffer and reach the parameters (async, ssp) or the clock's sum (sync) only
 when the CLOCK arrives with every chunk in. A worker that dies mid-push, or a chunk that fails
 validation, therefore changes nothing.
-
-[Note: staging in place] Each receiver thread owns its worker's staging buffer (P + 1 elements)
-and receives every PUSH chunk straight into its slice, borrowing the element after the slice as
-the payload guard ([Note: payload guard] in `polytrain.comm.ps_wire`) and putting it back after
-the check, so chunks may arrive in any order (last layers first) and nothing is allocated or
-copied per chunk. The main thread reads the buffer only when the push's CLOCK arrives, and the
-receiver writes it again only for the worker's next push, which follows a pull the main thread
-grants after handling that CLOCK: the two threads never touch the buffer at the same time.
 
 [Note: replies never wait] A worker posts the receives of a reply (ACK, then every PARAMS
 chunk of every server) before it sends the request, and the coordinator posts those of the
@@ -42,7 +34,6 @@ from __future__ import annotations
 
 import json
 import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,13 +60,13 @@ from polytrain.ps.consistency import (
 )
 from polytrain.ps.layout import ShardLayout
 from polytrain.ps.local import LocalLink
-from polytrain.ps.protocol import HEADER_LEN, Header, Op
+from polytrain.ps.protocol import Header, Op
+from polytrain.ps.receive import Inbox, Receivers
 
 __all__ = ["ParameterServer", "ServerStats"]
 
 _POLL_S = 0.2
 _PROBE_AFTER_S = 1.0
-_WORKER_OPS = frozenset({Op.PULL, Op.PUSH, Op.CLOCK, Op.JOIN, Op.LEAVE, Op.SHUTDOWN})
 
 
 @dataclass
@@ -152,6 +143,9 @@ class ParameterServer:
         self.rule = apply_rule(mode, staleness)
         self.table = ClockTable(workers)
         self.aggregator = SyncAggregator(workers) if self.rule is ApplyRule.SUM_THEN_APPLY else None
+        # sync: clocks whose update is made (or dropped); set after the optimizer step, so a
+        # colocated rank's checkpointer waits on it ([Note: colocated checkpoints]).
+        self.applied = 0
         self.sum_flat = torch.zeros(numel, dtype=self.flat.dtype)
         self.staging: dict[int, torch.Tensor] = {}
         self.chunks_in: dict[int, set[int]] = {}
@@ -165,92 +159,23 @@ class ParameterServer:
         self.stats = ServerStats()
         self.shutdown_received = False
         self.started = time.perf_counter()
-        self._inbox: queue.Queue[tuple[str, int, Any, Any]] = queue.Queue()
+        self._inbox: Inbox = queue.Queue()
         # [Note: colocated servers] in polytrain.ps.local: the worker on this rank, if any,
         # talks through `link` instead of gloo; everyone else over ``group``.
         self.group = group
+        self.receivers = Receivers(
+            index=index,
+            layout=layout,
+            num_worker_slots=num_worker_slots,
+            coordinator=coordinator,
+            group=group,
+            inbox=self._inbox,
+        )
         self.link: LocalLink | None = None
         if local is not None:
-            self.link = LocalLink(local, self.spans, self.flat.dtype, self._inbox, self._decode)
-        self._receivers = [
-            threading.Thread(target=self._receive, args=(w,), name=f"ps-recv-{w}", daemon=True)
-            for w in sorted(self.state)
-            if w != local
-        ]
-        for thread in self._receivers:
-            thread.start()
-
-    # --- receiver thread -----------------------------------------------------------------
-
-    def _receive(self, src: int) -> None:
-        """Blocking receives from worker ``src``; hands ("msg", src, header, payload) items to
-        the main thread. One thread per worker: a receive from any source would fail again and
-        again once one peer's connection broke, and a dead peer must only end its own stream.
-        """
-        # [Note: staging in place]: this worker's staging buffer, one guard element longer.
-        staging = torch.zeros(self.layout.numel(self.index) + 1, dtype=self.layout.dtype)
-        while True:
-            wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
-            try:
-                ps_wire.wait_all([ps_wire.post_recv(wire, src, ps_wire.TAG_REQUEST, self.group)])
-                header = self._decode(wire, src)
-                payload = None
-                if header.op is Op.PUSH:
-                    start, stop = self.spans[header.chunk]
-                    window = staging[start : stop + 1]
-                    borrowed = window[-1].clone()  # the next chunk's first element, if in
-                    ps_wire.arm_guard(window)
-                    op = ps_wire.post_recv(window, src, ps_wire.TAG_PUSH, self.group)
-                    ps_wire.wait_all([op])
-                    ps_wire.check_guarded(window, src)
-                    window[-1] = borrowed
-                    payload = staging[:-1]
-            except PeerLost as exc:
-                self._inbox.put(("lost", src, str(exc), None))
-                return
-            except ProtocolError as exc:
-                # The stream from ``src`` is out of step: stop receiving, report, apply nothing.
-                self._inbox.put(("error", src, exc, None))
-                return
-            except Exception as exc:  # e.g. the group torn down under a failed colocated rank
-                self._inbox.put(("failed", src, f"{type(exc).__name__}: {exc}", None))
-                return
-            self._inbox.put(("msg", src, header, payload))
-            if header.op is Op.SHUTDOWN or (header.op is Op.LEAVE and src != self.coordinator):
-                return
-
-    def _decode(self, wire: torch.Tensor, src: int) -> Header:
-        try:
-            header = Header.decode(
-                wire,
-                expect_job=self.layout.job_id,
-                num_workers=self.num_worker_slots,
-                num_shards=self.layout.num_servers,
-                expect_ops=_WORKER_OPS,
-            )
-        except ProtocolError as exc:
-            raise ProtocolError(f"server {self.index}: message from rank {src}: {exc}") from None
-        where = f"server {self.index}: {header.op.name} from rank {src}"
-        if header.worker != src:
-            raise ProtocolError(f"{where}: header field worker = {header.worker}: expected {src}")
-        if header.shard != self.index:
-            raise ProtocolError(
-                f"{where}: header field shard = {header.shard}: expected {self.index} "
-                f"(this server's shard)"
-            )
-        if header.op is Op.PUSH:
-            if header.num_chunks != len(self.spans):
-                raise ProtocolError(
-                    f"{where}: header field num_chunks = {header.num_chunks}: expected "
-                    f"{len(self.spans)}"
-                )
-            start, stop = self.spans[header.chunk]
-            if header.numel != stop - start or header.dtype != self.layout.dtype_code:
-                raise ProtocolError(
-                    f"{where}: chunk {header.chunk} announces numel = {header.numel}, dtype "
-                    f"code {header.dtype}: expected {stop - start}, {self.layout.dtype_code}"
-                )
-        return header
+            decode = self.receivers.decode
+            self.link = LocalLink(local, self.spans, self.flat.dtype, self._inbox, decode)
+        self.receivers.start(w for w in sorted(self.state) if w != local)
 
     # --- main thread ---------------------------------------------------------------------
 
@@ -268,6 +193,7 @@ class ParameterServer:
         """
         live = [w for w, s in self.state.items() if s == "live"]
         self.table = ClockTable(live, clock=clock)
+        self.applied = clock
         if self.aggregator is not None:
             self.aggregator = SyncAggregator(live, clock=clock)
 
@@ -285,8 +211,7 @@ class ParameterServer:
         ops = self._params_ops(self.coordinator, self.table.min_clock())
         ps_wire.wait_all(ops)
         self._serve(lambda: self.shutdown_received)
-        for thread in self._receivers:
-            thread.join(timeout=1)  # a dropped worker that is still alive keeps its thread
+        self.receivers.join(timeout_s=1)  # a dropped worker that is still alive keeps its thread
         if out_dir:
             self.write_stats(Path(out_dir) / "ps" / f"server{self.index}.json")
 
@@ -387,7 +312,7 @@ class ParameterServer:
         elif op is Op.PUSH:
             assert payload is not None
             start, stop = self.spans[header.chunk]
-            self.staging[w] = payload  # the chunk is already in place ([Note: staging in place])
+            self.staging[w] = payload  # already in place ([Note: staging in place] in ps.receive)
             self.chunks_in.setdefault(w, set()).add(header.chunk)
             self.stats.bytes_in += (stop - start) * payload.element_size()
         elif op is Op.CLOCK:
@@ -432,6 +357,7 @@ class ParameterServer:
             coef = clip_coefficient(self.optim_cfg.grad_clip, square.sqrt()[0])
             self.grad_flat.mul_(coef.to(self.grad_flat.dtype))
         self._step(clock)
+        self.applied = clock + 1
 
     def _step(self, clock: int) -> None:
         if not _all_finite(self.grad_flat):

@@ -31,6 +31,8 @@ applied clock k - 1 (``serve_until_clock``) and every worker has pushed it, so t
 state is exactly the state after k updates. On resume the servers load their shards in place
 and `resume_at` restarts every clock (servers' tables and aggregator, workers' clocks) at k.
 The keys are the model's, so such a checkpoint also resumes under other layouts (plain dp).
+Colocated servers are saved the same way from their worker's rank ([Note: colocated
+checkpoints] in polytrain.ps.local).
 async and ssp are refused (`ps.checks.checkpoint_refusal`, declared as ``checkpointable``):
 their workers run ahead of the servers (no consistent cut at a step) and a save is a world
 collective, which a dead worker would hang ([Note: no world collectives]).
@@ -182,6 +184,7 @@ class PSStrategy(Strategy):
         self.fetcher: ParamFetcher | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.modules: list[nn.Module] = []
+        self._saved_parts: list[nn.Module] = []  # a colocated server's rank: checkpoint_parts
         steps = job.train.steps
         if self.is_server or (ps.colocate and rank in self.servers):
             index = self.servers.index(rank)
@@ -233,6 +236,10 @@ class PSStrategy(Strategy):
             if self.server is not None:  # colocated: serve on a thread of this rank
                 assert self.server.link is not None
                 self.colocated = ColocatedServer(self.server, self.server.link, job.observe.out_dir)
+                # [Note: colocated checkpoints]: the replica's state, the shard's weights.
+                saved = dict(model.state_dict(keep_vars=True))
+                saved.update(self.server.params)
+                self._saved_parts = [module_of(saved)]
         self.is_pusher = rank in pushers
         self.joining = rank in spares
         self.straggler = rank == self.num_workers - 1 and ps.straggler_delay_s > 0
@@ -257,14 +264,32 @@ class PSStrategy(Strategy):
         self.clock = step
         self.fresh = -1
 
+    def checkpoint_parts(self) -> tuple[list[nn.Module], torch.optim.Optimizer | None]:
+        """A colocated server's rank saves its shard and optimizer ([Note: colocated
+        checkpoints]); they stay out of ``modules`` and ``optimizer``, which the loop reads on
+        its own thread (the optimizer steps on the server's)."""
+        if self.colocated is not None and self.server is not None:
+            return self._saved_parts, self.server.optimizer
+        return self.modules, self.optimizer
+
+    def before_save(self, step: int) -> None:
+        """A colocated server must have made ``step`` updates ([Note: colocated checkpoints])."""
+        if self.colocated is not None:
+            self.colocated.wait_applied(step)
+
+    def _serve_colocated(self) -> None:
+        """Start this rank's colocated server, if any (after a restore), and raise its error."""
+        if self.colocated is not None:
+            self.colocated.start()
+            self.colocated.check()
+
     def train_step(self, step: int) -> StepOutput:
         if self.server is not None and self.is_server:
             with self.tracer.span("serve", cat="communication", step=step):
                 self.server.serve_until_clock(step + 1)
             skipped = step in self.server.stats.skipped
             return StepOutput(loss=math.nan, skipped=skipped, metrics=self.server.metrics())
-        if self.colocated is not None:
-            self.colocated.check()
+        self._serve_colocated()
         if self.joining:
             self._join()
         if step < self.clock:  # a joined worker skips the clocks the job ran before it came
@@ -303,6 +328,7 @@ class PSStrategy(Strategy):
                 # follow, a collective the server must not enter while a worker waits on it.
                 self.server.serve_until_pulled(self.server.table.min_clock())
             return math.nan
+        self._serve_colocated()
         self._ensure_params(self.clock)
         self.model.eval()
         total = 0.0
@@ -318,6 +344,7 @@ class PSStrategy(Strategy):
             self.server.finish(self.job.observe.out_dir)
             return {}
         assert self.client is not None
+        self._serve_colocated()
         posted = self.client.leave(self.clock) if self.is_pusher else None
         state: dict[str, torch.Tensor] = {}
         if posted is not None:

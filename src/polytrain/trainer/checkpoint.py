@@ -111,13 +111,13 @@ class _Parts:
     """
 
     def __init__(self, strategy: Strategy) -> None:
-        modules = strategy.modules
+        modules, optimizer = strategy.checkpoint_parts()
         self.multi = len(modules) > 1
         self.module: nn.Module = nn.ModuleList(modules) if len(modules) != 1 else modules[0]
         # A rank without model parts (a parameter server before it exposes its shard) has no
         # state of its own to save; an optimizer over parameters outside the modules cannot be
         # named, so it is left out too.
-        self.optimizer = strategy.optimizer if modules else None
+        self.optimizer = optimizer if modules else None
 
     def _strip(self, key: str) -> str:
         return key.split(".", 1)[1] if self.multi else key
@@ -265,6 +265,7 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Collective: checkpoint the state after ``step`` optimizer steps."""
         self.wait()  # one save in flight at a time
+        self.strategy.before_save(step)  # e.g. a colocated server applies its last update
         state, hyper = self.parts.state()
         owners = self._owners_of(state)
         tensors = {k: _as_tensor(v) for k, v in state.items() if owners[k] == self.rank}
