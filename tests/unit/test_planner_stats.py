@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from polytrain.config.job import DataConfig, JobConfig, ModelConfig, OptimConfig
-from polytrain.data.datasets import build_datasets
+from polytrain.data.datasets import PairDataset, TokenDataset, build_datasets
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.planner.stats import model_stats, optimizer_state_per_param
+from polytrain.planner.stats import held_data_bytes, model_stats, optimizer_state_per_param
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 200
 
@@ -131,3 +131,15 @@ def test_operator_counts_cover_forward_and_backward(tmp_path: Path) -> None:
     with OpCounter() as counter:
         lin(x)
     assert counter.ops == 2 and counter.moved == 0.0  # t (a view) and mm
+
+
+def test_data_bytes_are_the_data_sets_storages_each_once(tmp_path: Path) -> None:
+    """[Note: a worker's own memory]: every worker holds the whole token stream (int64 per
+    character for the char tokenizer); the validation split is a view of the same storage."""
+    stats = model_stats(_job(tmp_path, "mlp"))
+    assert stats.data_bytes == len(TEXT) * 8
+    tokens = torch.arange(100)
+    assert held_data_bytes(TokenDataset(tokens[:80], 8), TokenDataset(tokens[80:], 8)) == 800
+    x, y = torch.zeros(10, 3), torch.zeros(10, dtype=torch.long)
+    named = PairDataset({"a": x, "b": x[:, :1]}, y)
+    assert held_data_bytes(PairDataset(x, y), named) == 10 * 3 * 4 + 10 * 8

@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from polytrain._torch_private import TorchDispatchMode
 from polytrain.config.job import JobConfig
-from polytrain.data.datasets import build_datasets
+from polytrain.data.datasets import Dataset, TokenDataset, build_datasets
 from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
@@ -40,7 +40,14 @@ from polytrain.parallel.tensor_parallel import module_infos, resolve_tp_plan
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
 from polytrain.planner.types import BlockStats, ModelStats
 
-__all__ = ["OpCounter", "model_stats", "optimizer_state_per_param", "stats_of", "tp_shards"]
+__all__ = [
+    "OpCounter",
+    "held_data_bytes",
+    "model_stats",
+    "optimizer_state_per_param",
+    "stats_of",
+    "tp_shards",
+]
 
 _MATMULS = {
     "aten.mm",
@@ -188,6 +195,7 @@ def stats_of(
     optimizer: str = "adamw",
     grad_clip: bool = True,
     shards: list[tuple[tuple[float, int], ...]] | None = None,
+    data_bytes: int = 0,
 ) -> ModelStats:
     """Per-block statistics from one forward pass over ``inputs`` (B samples, any device).
 
@@ -245,6 +253,7 @@ def stats_of(
         tp_divisor=_heads(model),
         optimizer=optimizer,
         grad_clip=grad_clip,
+        data_bytes=data_bytes,
     )
 
 
@@ -292,6 +301,21 @@ def _time_blocks(
     return out
 
 
+def held_data_bytes(*datasets: Dataset) -> int:
+    """Bytes of the storages behind ``datasets``' tensors, each storage once (the validation
+    split is a view of the same token stream): what a worker holds for its data
+    ([Note: a worker's own memory] in planner/memory.py)."""
+    tensors: list[torch.Tensor] = []
+    for ds in datasets:
+        if isinstance(ds, TokenDataset):
+            tensors.append(ds.tokens)
+        else:
+            inputs = ds.inputs
+            tensors += [ds.targets, *(inputs.values() if isinstance(inputs, dict) else [inputs])]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 def model_stats(
     job: JobConfig,
     *,
@@ -306,7 +330,7 @@ def model_stats(
     bytes]`); with ``measure``, forward/backward seconds per sample from a batch of ``batch`` on
     ``measure_device`` with ``threads`` intra-op threads (workers run one each)."""
     block_size = block_size_of(job.model)
-    train_set, _, spec = build_datasets(job.data, block_size)
+    train_set, val_set, spec = build_datasets(job.data, block_size)
     x, y = train_set.get(torch.arange(_PROBE_BATCH))
     tokens = block_size if spec.kind == "tokens" else 1
     with torch.device(device):
@@ -321,6 +345,7 @@ def model_stats(
         optimizer=job.optim.name,
         grad_clip=job.optim.grad_clip > 0,
         shards=tp_shards(model, job.model.name, list(job.parallel.tp_plan)),
+        data_bytes=held_data_bytes(train_set, val_set),
     )
     if not measure:
         return stats
