@@ -44,6 +44,18 @@ def test_tensor_parallel_divides_weights_and_activations() -> None:
     assert m.activations == 4 * 1000.0 * 8 / 4
 
 
+def test_tensor_parallel_leaves_the_whole_saved_tensors_whole() -> None:
+    """[Note: tensor-parallel activations]: of a block's 1000 saved bytes per sample, the 250
+    every rank holds whole (layer norms, the residual stream) are not divided by tp."""
+    block = BlockStats("b", P, 4 * P, 1e9, 1000.0, 100.0, saved_whole_bytes=250.0)
+    stats = ModelStats("toy", (block,) * 4, dtype_bytes=4, optimizer_state_per_param=2)
+    m = memory_per_rank(stats, Layout(tp=2), [stats.blocks], 8.0)
+    assert m.activations == 4 * (250.0 + 750.0 / 2) * 8
+    assert memory_per_rank(stats, Layout(), [stats.blocks], 8.0).activations == 4 * 1000.0 * 8
+    rec = memory_per_rank(stats, Layout(tp=2, recompute=True), [stats.blocks], 8.0)
+    assert rec.activations == 4 * 100.0 * 8 + (250.0 + 750.0 / 2) * 8
+
+
 def test_pipeline_in_flight_microbatches_come_from_the_schedule() -> None:
     # 2 stages of 2 blocks; GPipe holds all m = 8 micro-batches, 1F1B at most p - s = 2
     gpipe = _mem(Layout(pp=2, schedule="gpipe", microbatches=8), mb=1.0)

@@ -143,3 +143,25 @@ def test_data_bytes_are_the_data_sets_storages_each_once(tmp_path: Path) -> None
     x, y = torch.zeros(10, 3), torch.zeros(10, dtype=torch.long)
     named = PairDataset({"a": x, "b": x[:, :1]}, y)
     assert held_data_bytes(PairDataset(x, y), named) == 10 * 3 * 4 + 10 * 8
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_tensor_parallel_splits_saved_tensors_from_column_to_row_parallel(
+    tmp_path: Path, device: str
+) -> None:
+    """[Note: tensor-parallel activations] gpt tiny (T = 64, C = 128) under `gpt_plan`: a layer
+    keeps whole its two layer norms' inputs and outputs (4 T C floats: the residual stream and
+    the column-parallel layers' inputs) and their means and reciprocal deviations (4 T); q, k,
+    v, the attention's output and the MLP's two 4C-wide activations (12 T C on CPU's fused
+    attention) are split. The last block (final norm, gathered logits, loss) is all whole."""
+    stats = model_stats(_job(tmp_path, "gpt"), device=device)
+    t, c = 64, 128
+    layer = stats.blocks[1]
+    assert layer.saved_whole_bytes == (4 * t * c + 4 * t) * 4
+    if device == "cpu":
+        split = layer.saved_bytes - layer.saved_whole_bytes
+        assert split == pytest.approx(12 * t * c * 4, rel=0.01)
+    assert layer.saved_per_tp_rank(2) == pytest.approx(
+        layer.saved_whole_bytes + (layer.saved_bytes - layer.saved_whole_bytes) / 2
+    )
+    assert stats.blocks[-1].saved_whole_bytes == stats.blocks[-1].saved_bytes

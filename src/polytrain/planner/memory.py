@@ -157,13 +157,15 @@ def _stage(
         # merge (pipeline/partition.stashed_copies -> pipeline/schedule/pipedream.stash_bound).
         copies = -(-(layout.pp - 1 - stage_index) // layout.microbatches) + 1
         weights += p_bytes * (copies - 1)
-    # Activations: tensor parallel splits the saved tensors of a Megatron layer across tp.
-    saved = sum(b.saved_bytes for b in blocks) * mb_samples / tp
+    # Activations: tensor parallel splits the saved tensors between a column-parallel output and
+    # a row-parallel input; the rest every rank holds whole ([Note: tensor-parallel activations]
+    # in planner/stats.py)
+    saved = sum(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
     if layout.recompute:
         # only each block's input survives the forward; one block's saved tensors are rebuilt
         # at a time during backward
         kept = sum(b.output_bytes for b in blocks) * mb_samples
-        activations = kept * in_flight + max(b.saved_bytes for b in blocks) * mb_samples / tp
+        activations = kept * in_flight + max(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
     else:
         activations = saved * in_flight
     # DDP runs with gradient_as_bucket_view=True (parallel/data_parallel.py): the gradients

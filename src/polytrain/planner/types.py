@@ -64,6 +64,11 @@ class BlockStats:
     # rank holds them whole (divisor 1: LayerNorms, row-parallel biases, position tables).
     # () = unknown: everything is split.
     tp_shards: tuple[tuple[float, int], ...] = ()
+    # [Note: tensor-parallel activations] of saved_bytes, what every tensor-parallel rank holds
+    # whole (per sample): the inputs of the column-parallel layers, layer norms, residual
+    # stream; the rest (from a column-parallel output to a row-parallel input) is split tp
+    # ways. 0 = unknown: everything is split (the old estimate).
+    saved_whole_bytes: float = 0.0
 
     def bytes_per_tp_rank(self, tp: int) -> float:
         """Parameter bytes one of ``tp`` tensor-parallel ranks holds of this block."""
@@ -72,6 +77,11 @@ class BlockStats:
         if not self.tp_shards:
             return self.param_bytes / tp
         return sum(b / tp if d % tp == 0 else b for b, d in self.tp_shards)
+
+    def saved_per_tp_rank(self, tp: int) -> float:
+        """Saved activation bytes per sample one of ``tp`` tensor-parallel ranks holds."""
+        whole = min(self.saved_whole_bytes, self.saved_bytes)
+        return whole + (self.saved_bytes - whole) / max(tp, 1)
 
     def params_per_tp_rank(self, tp: int) -> float:
         """Parameters one of ``tp`` tensor-parallel ranks holds (the same split as the bytes)."""
