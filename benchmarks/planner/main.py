@@ -414,16 +414,18 @@ def main() -> None:
                 "peers": peer_estimates(counted, layout),
                 "predicted": {},
             }
+            own = _planner()["memory"].process_bytes(counted, profile)
             for variant, plist in preds.items():
                 pv = plist[i]
                 # The cost model's memory is model states + activations + buffers; a CPU
-                # worker also holds the interpreter, torch and the data: the calibrated
-                # baseline (`HostProfile.baseline_bytes`), added here.
+                # worker also holds the interpreter with torch, what its first optimizer and
+                # step add, and its data set: `memory.process_bytes` ([Note: a worker's own
+                # memory]), added here.
                 row["predicted"][variant] = {
                     "step_s": pv["step_s"],
                     "states": pv["states"],
                     "server_states": pv["server_states"],
-                    "peak": pv["memory_per_rank"] + profile.baseline_bytes,
+                    "peak": pv["memory_per_rank"] + own,
                     "breakdown": pv["breakdown"],
                 }
             if not trial["error"]:

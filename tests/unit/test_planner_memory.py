@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from polytrain.planner.memory import ALLOCATOR_SLACK, memory_per_rank
+from polytrain.planner.memory import ALLOCATOR_SLACK, memory_per_rank, process_bytes
 from polytrain.planner.partition import balanced_stages
-from polytrain.planner.types import BlockStats, Layout, ModelStats
+from polytrain.planner.types import BlockStats, HostProfile, Layout, ModelStats
 
 P = 1_000_000  # parameters per block
 BLOCK = BlockStats("b", P, 4 * P, fwd_flops=1e9, saved_bytes=1000.0, output_bytes=100.0)
@@ -42,6 +42,18 @@ def test_tensor_parallel_divides_weights_and_activations() -> None:
     m = _mem(Layout(tp=4))
     assert m.weights == WEIGHTS / 4
     assert m.activations == 4 * 1000.0 * 8 / 4
+
+
+def test_tensor_parallel_leaves_the_whole_saved_tensors_whole() -> None:
+    """[Note: tensor-parallel activations]: of a block's 1000 saved bytes per sample, the 250
+    every rank holds whole (layer norms, the residual stream) are not divided by tp."""
+    block = BlockStats("b", P, 4 * P, 1e9, 1000.0, 100.0, saved_whole_bytes=250.0)
+    stats = ModelStats("toy", (block,) * 4, dtype_bytes=4, optimizer_state_per_param=2)
+    m = memory_per_rank(stats, Layout(tp=2), [stats.blocks], 8.0)
+    assert m.activations == 4 * (250.0 + 750.0 / 2) * 8
+    assert memory_per_rank(stats, Layout(), [stats.blocks], 8.0).activations == 4 * 1000.0 * 8
+    rec = memory_per_rank(stats, Layout(tp=2, recompute=True), [stats.blocks], 8.0)
+    assert rec.activations == 4 * 100.0 * 8 + (250.0 + 750.0 / 2) * 8
 
 
 def test_pipeline_in_flight_microbatches_come_from_the_schedule() -> None:
@@ -100,3 +112,15 @@ def test_a_parameter_server_holds_its_shard_its_gradient_buffer_and_the_optimize
     pred = predict(layout, STATS, Env(parse_cluster("1x3xcpu")), 8)
     worker = _mem(layout, 4.0)
     assert pred.memory_per_rank == max(worker.total, one.total) == one.total
+
+
+def test_a_worker_also_holds_its_imports_runtime_and_data_set() -> None:
+    """[Note: a worker's own memory]: the calibrated import baseline and runtime (the first
+    optimizer's torch._dynamo, the first step's kernel pages) and the job's data set, whatever
+    the layout; mlp tiny on the development host: 277 + 44 + 3.5 MiB."""
+    mib = 2**20
+    profile = HostProfile("x", "cpu", {}, 1.0, baseline_bytes=277 * mib, runtime_bytes=44 * mib)
+    stats = ModelStats("toy", (BLOCK,), data_bytes=465_126 * 8)
+    assert process_bytes(stats, profile) == 277 * mib + 44 * mib + 465_126 * 8
+    # an old profile (no runtime measured) and a model without data: the baseline alone
+    assert process_bytes(STATS, HostProfile("x", "cpu", {}, 1.0, baseline_bytes=1e8)) == 1e8

@@ -28,6 +28,7 @@ def _profile() -> HostProfile:
         collectives={"all_reduce": {2: Curve(((4096.0, 1e-4), (2**20, 2e-3)))}},
         startup_s=3.0,
         baseline_bytes=3e8,
+        runtime_bytes=4.5e7,
         matmul_concurrent={1: 5e10, 4: 2.5e10},
         step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11)},
         op_s=6e-6,

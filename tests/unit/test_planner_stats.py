@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from polytrain.config.job import DataConfig, JobConfig, ModelConfig, OptimConfig
-from polytrain.data.datasets import build_datasets
+from polytrain.data.datasets import PairDataset, TokenDataset, build_datasets
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.planner.stats import model_stats, optimizer_state_per_param
+from polytrain.planner.stats import held_data_bytes, model_stats, optimizer_state_per_param
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 200
 
@@ -131,3 +131,37 @@ def test_operator_counts_cover_forward_and_backward(tmp_path: Path) -> None:
     with OpCounter() as counter:
         lin(x)
     assert counter.ops == 2 and counter.moved == 0.0  # t (a view) and mm
+
+
+def test_data_bytes_are_the_data_sets_storages_each_once(tmp_path: Path) -> None:
+    """[Note: a worker's own memory]: every worker holds the whole token stream (int64 per
+    character for the char tokenizer); the validation split is a view of the same storage."""
+    stats = model_stats(_job(tmp_path, "mlp"))
+    assert stats.data_bytes == len(TEXT) * 8
+    tokens = torch.arange(100)
+    assert held_data_bytes(TokenDataset(tokens[:80], 8), TokenDataset(tokens[80:], 8)) == 800
+    x, y = torch.zeros(10, 3), torch.zeros(10, dtype=torch.long)
+    named = PairDataset({"a": x, "b": x[:, :1]}, y)
+    assert held_data_bytes(PairDataset(x, y), named) == 10 * 3 * 4 + 10 * 8
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_tensor_parallel_splits_saved_tensors_from_column_to_row_parallel(
+    tmp_path: Path, device: str
+) -> None:
+    """[Note: tensor-parallel activations] gpt tiny (T = 64, C = 128) under `gpt_plan`: a layer
+    keeps whole its two layer norms' inputs and outputs (4 T C floats: the residual stream and
+    the column-parallel layers' inputs) and their means and reciprocal deviations (4 T); q, k,
+    v, the attention's output and the MLP's two 4C-wide activations (12 T C on CPU's fused
+    attention) are split. The last block (final norm, gathered logits, loss) is all whole."""
+    stats = model_stats(_job(tmp_path, "gpt"), device=device)
+    t, c = 64, 128
+    layer = stats.blocks[1]
+    assert layer.saved_whole_bytes == (4 * t * c + 4 * t) * 4
+    if device == "cpu":
+        split = layer.saved_bytes - layer.saved_whole_bytes
+        assert split == pytest.approx(12 * t * c * 4, rel=0.01)
+    assert layer.saved_per_tp_rank(2) == pytest.approx(
+        layer.saved_whole_bytes + (layer.saved_bytes - layer.saved_whole_bytes) / 2
+    )
+    assert stats.blocks[-1].saved_whole_bytes == stats.blocks[-1].saved_bytes

@@ -24,6 +24,10 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     table.add_row("memory bandwidth", f"{profile.mem_bw / 1e9:.2f} GB/s")
     table.add_row("process start-up", f"{profile.startup_s:.2f} s")
     table.add_row("worker baseline memory", f"{profile.baseline_bytes / 2**20:.0f} MiB")
+    table.add_row(
+        "worker runtime memory (optimizer, first step)",
+        f"{profile.runtime_bytes / 2**20:.0f} MiB",
+    )
     for n, flops in sorted(profile.matmul_concurrent.items()):
         table.add_row(f"matmul fp32, {n} process(es) at once", f"{flops / 1e9:.1f} GFLOP/s each")
     if profile.op_s > 0:

@@ -11,7 +11,7 @@ the meta device, where every ``data_ptr`` is 0.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -25,6 +25,7 @@ class SavedBytes:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.split_bytes = 0  # of ``bytes``, the storages ``split`` said a tp plan splits
 
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -33,8 +34,11 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
 
 
 @contextlib.contextmanager
-def count_saved_bytes(exclude: set[int]) -> Iterator[SavedBytes]:
-    """Count the bytes of the distinct storages autograd saves while the block runs."""
+def count_saved_bytes(
+    exclude: set[int], split: Callable[[torch.Tensor], bool] | None = None
+) -> Iterator[SavedBytes]:
+    """Count the bytes of the distinct storages autograd saves while the block runs (and, with
+    ``split``, those of them it says a tensor-parallel plan splits: `planner.stats`)."""
     total = SavedBytes()
     seen: set[int] = set()
 
@@ -42,7 +46,10 @@ def count_saved_bytes(exclude: set[int]) -> Iterator[SavedBytes]:
         key = storage_key(tensor)
         if key not in exclude and key not in seen:
             seen.add(key)
-            total.bytes += tensor.untyped_storage().nbytes()
+            nbytes = tensor.untyped_storage().nbytes()
+            total.bytes += nbytes
+            if split is not None and split(tensor):
+                total.split_bytes += nbytes
         return tensor
 
     def unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -272,6 +272,37 @@ def _fresh_worker_baseline() -> float:
     return float(proc.stdout.strip().splitlines()[-1]) * 2**20
 
 
+# [Note: a worker's own memory] in planner/memory.py: after the imports, one optimizer (whose
+# first construction imports torch._dynamo) and two steps of a miniature of the default model
+# (gpt: embedding, layer norm, attention, GELU, cross-entropy), printing the peak before and after
+_WORKER_STEP = (
+    _WORKER_IMPORTS + "; from polytrain.config.job import ModelConfig, OptimConfig"
+    "; from polytrain.core.optim import build_optimizer"
+    "; from polytrain.data.datasets import DataSpec"
+    "; from polytrain.models.registry import build_model"
+    "; torch.set_num_threads(1)"
+    "; spec = DataSpec(kind='tokens', vocab_size=16, input_shape=(8,))"
+    "; model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, block_size=8), spec, 0)"
+    "; opt = build_optimizer(model.parameters(), OptimConfig())"
+    "; x = torch.zeros(2, 8, dtype=torch.long)"
+    "\nfor _ in range(2): model.loss(model(x), x).backward(); opt.step(); opt.zero_grad()"
+    "\nprint(peak_memory_mb(torch.device('cpu')))"
+)
+
+
+def _fresh_worker_runtime() -> float:
+    """Resident bytes a fresh worker adds past its imports by building an optimizer and running
+    a step of a negligible model ([Note: a worker's own memory] in planner/memory.py): what
+    every worker holds on top of `_fresh_worker_baseline` whatever its model."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKER_STEP], capture_output=True, text=True, timeout=300
+    )
+    if proc.returncode != 0:
+        raise PlanError(f"measuring a worker's runtime memory failed: {proc.stderr.strip()[-300:]}")
+    before, after = (float(v) for v in proc.stdout.strip().splitlines()[-2:])
+    return max(after - before, 0.0) * 2**20
+
+
 def _rank_baseline(rank: int, world: int) -> float:
     """Peak resident bytes of a worker that imported the strategy packages and joined the group (the
     trainer's own measure, `observe.metrics.peak_memory_mb`: see its [Note: inherited maxrss])."""
@@ -352,6 +383,7 @@ def calibrate(
         collectives=collectives,
         startup_s=startup_s,
         baseline_bytes=baseline,
+        runtime_bytes=_fresh_worker_runtime(),
         threads=threads,
         matmul_concurrent=concurrent,
         step_costs=step_costs,

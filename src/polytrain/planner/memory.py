@@ -14,9 +14,15 @@ from functools import cache
 
 from polytrain.gossip.graphs import graph_for_round
 from polytrain.pipeline.schedule import build, peak_activations
-from polytrain.planner.types import BlockStats, Layout, ModelStats
+from polytrain.planner.types import BlockStats, HostProfile, Layout, ModelStats
 
-__all__ = ["ALLOCATOR_SLACK", "MemoryEstimate", "memory_per_rank", "ps_server_memory"]
+__all__ = [
+    "ALLOCATOR_SLACK",
+    "MemoryEstimate",
+    "memory_per_rank",
+    "process_bytes",
+    "ps_server_memory",
+]
 
 ALLOCATOR_SLACK = 0.10
 """Fraction added for the caching allocator's fragmentation and rounding. An assumption: PyTorch
@@ -82,6 +88,35 @@ def ps_server_memory(stats: ModelStats, layout: Layout) -> MemoryEstimate:
     return MemoryEstimate(shard, shard, shard * stats.optimizer_state_per_param, 0.0, 0.0)
 
 
+def process_bytes(stats: ModelStats, profile: HostProfile) -> float:
+    """Resident bytes of a CPU worker besides its `MemoryEstimate`: the interpreter with what a
+    worker imports, the runtime its first optimizer and step add, and the data set it loaded.
+
+    [Note: a worker's own memory] A worker's peak resident memory on a CPU host is its model
+    states, activations and buffers (`memory_per_rank`) plus three terms that do not scale with
+    the layout:
+
+    * ``profile.baseline_bytes``: a fresh interpreter that imported torch, the trainer and the
+      strategy packages (calibrated; 277 MiB on the development host);
+    * ``profile.runtime_bytes``: what the first optimizer and the first step add whatever the
+      model. ``torch.optim.Optimizer.__init__`` imports ``torch._dynamo`` lazily
+      (``torch._compile._disable_dynamo``: ~220 modules, ~23 MiB of Python objects), and the
+      first forward, backward and update touch the pages of the kernels they run (~13 MiB of
+      libtorch's code). Calibrated by a fresh worker that builds the library's optimizer and runs
+      two steps of a miniature of the default model (`planner.calibrate._fresh_worker_runtime`;
+      44 MiB on the development host);
+    * ``stats.data_bytes``: the token stream or (inputs, targets) tensors of the job's data set,
+      which every worker loads whole (`data.datasets.build_datasets`; the pydoc corpus: 465k
+      int64 tokens, 3.5 MiB). Counted from the data set itself by `planner.stats`.
+
+    Measured phase by phase in one mlp tiny worker (VmHWM, 2026-11-25): imports 277 MiB, data
+    set +7-11, optimizer and strategy +28, first step +14, then flat: 329 MiB against the 278
+    MiB the baseline alone predicted (the 13-22% under-prediction of planner2's benchmark). The
+    rest of the data set's part (the corpus text, the tokenizer's transient list) and DTensor's
+    or FSDP2's own first-use pages (a few MiB more on tp and ZeRO layouts) are not modelled."""
+    return profile.baseline_bytes + profile.runtime_bytes + stats.data_bytes
+
+
 def _in_flight(layout: Layout) -> list[int]:
     """Micro-batches whose activations a stage holds at once, from the schedule itself."""
     if layout.pp <= 1:
@@ -122,13 +157,15 @@ def _stage(
         # merge (pipeline/partition.stashed_copies -> pipeline/schedule/pipedream.stash_bound).
         copies = -(-(layout.pp - 1 - stage_index) // layout.microbatches) + 1
         weights += p_bytes * (copies - 1)
-    # Activations: tensor parallel splits the saved tensors of a Megatron layer across tp.
-    saved = sum(b.saved_bytes for b in blocks) * mb_samples / tp
+    # Activations: tensor parallel splits the saved tensors between a column-parallel output and
+    # a row-parallel input; the rest every rank holds whole ([Note: tensor-parallel activations]
+    # in planner/stats.py)
+    saved = sum(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
     if layout.recompute:
         # only each block's input survives the forward; one block's saved tensors are rebuilt
         # at a time during backward
         kept = sum(b.output_bytes for b in blocks) * mb_samples
-        activations = kept * in_flight + max(b.saved_bytes for b in blocks) * mb_samples / tp
+        activations = kept * in_flight + max(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
     else:
         activations = saved * in_flight
     # DDP runs with gradient_as_bucket_view=True (parallel/data_parallel.py): the gradients

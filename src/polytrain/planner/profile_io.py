@@ -64,6 +64,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         },
         "startup_s": profile.startup_s,
         "baseline_bytes": profile.baseline_bytes,
+        "runtime_bytes": profile.runtime_bytes,
         "threads": profile.threads,
         "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
         "step_costs": {part: list(pair) for part, pair in profile.step_costs.items()},
@@ -92,6 +93,7 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         },
         startup_s=float(data.get("startup_s", 0.0)),
         baseline_bytes=float(data.get("baseline_bytes", 0.0)),
+        runtime_bytes=float(data.get("runtime_bytes", 0.0)),  # older profiles: unknown
         threads=int(data.get("threads", 1)),
         matmul_concurrent={int(n): float(v) for n, v in data.get("matmul_concurrent", {}).items()},
         # absent in profiles saved before the per-step costs were calibrated: {} makes the

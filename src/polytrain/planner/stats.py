@@ -22,7 +22,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from polytrain._torch_private import TorchDispatchMode
+from polytrain._torch_private import TorchDispatchMode, storage_key
 from polytrain.config.job import JobConfig
-from polytrain.data.datasets import build_datasets
+from polytrain.data.datasets import Dataset, TokenDataset, build_datasets
 from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
@@ -40,7 +40,15 @@ from polytrain.parallel.tensor_parallel import module_infos, resolve_tp_plan
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
 from polytrain.planner.types import BlockStats, ModelStats
 
-__all__ = ["OpCounter", "model_stats", "optimizer_state_per_param", "stats_of", "tp_shards"]
+__all__ = [
+    "OpCounter",
+    "SplitActivations",
+    "held_data_bytes",
+    "model_stats",
+    "optimizer_state_per_param",
+    "stats_of",
+    "tp_shards",
+]
 
 _MATMULS = {
     "aten.mm",
@@ -87,6 +95,72 @@ class OpCounter(TorchDispatchMode):
         return out
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (an operator's arguments or results: tensors, lists, tuples,
+    dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class SplitActivations(TorchDispatchMode):
+    """[Note: tensor-parallel activations] Which of a block's tensors a tensor-parallel plan
+    splits. Megatron's plan (Korthikanti et al. 2022, sec. 4.1, eq. 2: ``sbh (10 + 24/t +
+    5as/(ht))`` per layer) splits what lies between a column-parallel output and a
+    row-parallel input (q, k, v, the attention's output, the MLP's hidden activations) and
+    leaves whole what every rank computes in full: the layer norms' inputs and outputs (the
+    column-parallel layers' inputs), the residual stream, the loss. The runtime's plan (``styles``:
+    module path -> style, `parallel.tensor_parallel.resolve_tp_plan`) names the modules: the
+    output of a ``colwise``/``qkv`` module is split, the output of any other planned module
+    (``rowwise`` after its all-reduce, ``colwise_gather`` after its gather, ``vocab``) is
+    whole, and every operator's result is split iff one of its tensor arguments is. Tensors are
+    told apart by storage (`storage_key`: views share it); the tagged ones are kept referenced
+    so no storage is freed and its identity reused while the block runs. A
+    ``rowwise_split`` module slices a whole input inside itself: its saved input counts whole
+    (a little high)."""
+
+    def __init__(self, block: nn.Module, prefix: str, styles: dict[str, str]) -> None:
+        super().__init__()
+        self.split: set[int] = set()
+        self.kept: list[torch.Tensor] = []
+        self.handles = []
+        for sub, module in block.named_modules():
+            style = styles.get(prefix + (f".{sub}" if sub else ""))
+            if style is not None:
+                hook = self._mark if style in ("colwise", "qkv") else self._unmark
+                self.handles.append(module.register_forward_hook(hook))
+
+    def _mark(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        for t in _tensors(output):
+            self.split.add(storage_key(t))
+            self.kept.append(t)
+
+    def _unmark(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        for t in _tensors(output):
+            self.split.discard(storage_key(t))
+
+    def is_split(self, tensor: torch.Tensor) -> bool:
+        return storage_key(tensor) in self.split
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(self.is_split(t) for t in _tensors((args, kwargs or {}))):
+            for t in _tensors(out):
+                self.split.add(storage_key(t))
+                self.kept.append(t)
+        return out
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.kept.clear()
+
+
 _PROBE_BATCH = 2  # samples in the counting pass; per-sample figures divide by it
 
 
@@ -99,9 +173,17 @@ def optimizer_state_per_param(job: JobConfig) -> int:
 
 
 @contextmanager
-def _counting(exclude: set[int]) -> Iterator[tuple[FlopCounterMode, SavedBytes]]:
+def _counting(
+    exclude: set[int], split: SplitActivations | None = None
+) -> Iterator[tuple[FlopCounterMode, SavedBytes]]:
     # One saved-bytes counter for the profile, the runtime and the planner (pipeline/saved_tensors).
-    with FlopCounterMode(display=False) as flops, count_saved_bytes(exclude) as saved:
+    tagging = split if split is not None else nullcontext()
+    is_split = split.is_split if split is not None else None
+    with (
+        FlopCounterMode(display=False) as flops,
+        count_saved_bytes(exclude, is_split) as saved,
+        tagging,
+    ):
         yield flops, saved
 
 
@@ -134,6 +216,15 @@ def _heads(model: nn.Module) -> int:
         if isinstance(head_dim, int) and isinstance(q, nn.Linear):
             counts.append(q.out_features // head_dim)
     return math.gcd(*counts) if counts else 0
+
+
+def _tp_styles(model: BlockModel, model_name: str, plan_rows: list[str]) -> dict[str, str] | None:
+    """The runtime's tensor-parallel plan resolved at tp = 1 (every conditional row in), or
+    None for a model without one."""
+    try:
+        return dict(resolve_tp_plan(model_name, model, 1, plan_rows))
+    except (ConfigError, MeshError):
+        return None
 
 
 def tp_shards(
@@ -188,11 +279,15 @@ def stats_of(
     optimizer: str = "adamw",
     grad_clip: bool = True,
     shards: list[tuple[tuple[float, int], ...]] | None = None,
+    data_bytes: int = 0,
+    tp_styles: dict[str, str] | None = None,
 ) -> ModelStats:
     """Per-block statistics from one forward pass over ``inputs`` (B samples, any device).
 
     The loss is charged to the last block (it runs on the last pipeline stage). Each block gets
     a fresh input that requires grad, so a block's saved input counts toward that block only.
+    ``tp_styles`` (module path -> tensor-parallel style) also counts what of the saved bytes
+    every tensor-parallel rank holds whole (`SplitActivations`).
     """
     batch = inputs.shape[0]
     exclude = storage_keys(model.parameters())
@@ -203,13 +298,16 @@ def stats_of(
         if h.is_floating_point():
             h = h.detach().requires_grad_(True)
         linears = _LinearRows(block)
+        split = SplitActivations(block, f"blocks.{index}", tp_styles) if tp_styles else None
         fwd_ops, bwd_ops = OpCounter(), OpCounter()
         try:
-            with _counting(exclude) as (flops, saved), fwd_ops:
+            with _counting(exclude, split) as (flops, saved), fwd_ops:
                 y = block(h)
                 result = model.loss(y, targets) if index == last else y
         finally:
             linears.close()
+            if split is not None:
+                split.close()
         if result.requires_grad:  # backward outside the FLOP and saved-bytes counters
             grad = torch.ones_like(result)
             with bwd_ops:
@@ -232,6 +330,7 @@ def stats_of(
                 fwd_moved_bytes=fwd_ops.moved / batch,
                 bwd_moved_bytes=bwd_ops.moved / batch,
                 tp_shards=shards[index] if shards else (),
+                saved_whole_bytes=(saved.bytes - saved.split_bytes) / batch if split else 0.0,
             )
         )
         h = y.detach()
@@ -245,6 +344,7 @@ def stats_of(
         tp_divisor=_heads(model),
         optimizer=optimizer,
         grad_clip=grad_clip,
+        data_bytes=data_bytes,
     )
 
 
@@ -292,6 +392,21 @@ def _time_blocks(
     return out
 
 
+def held_data_bytes(*datasets: Dataset) -> int:
+    """Bytes of the storages behind ``datasets``' tensors, each storage once (the validation
+    split is a view of the same token stream): what a worker holds for its data
+    ([Note: a worker's own memory] in planner/memory.py)."""
+    tensors: list[torch.Tensor] = []
+    for ds in datasets:
+        if isinstance(ds, TokenDataset):
+            tensors.append(ds.tokens)
+        else:
+            inputs = ds.inputs
+            tensors += [ds.targets, *(inputs.values() if isinstance(inputs, dict) else [inputs])]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 def model_stats(
     job: JobConfig,
     *,
@@ -306,7 +421,7 @@ def model_stats(
     bytes]`); with ``measure``, forward/backward seconds per sample from a batch of ``batch`` on
     ``measure_device`` with ``threads`` intra-op threads (workers run one each)."""
     block_size = block_size_of(job.model)
-    train_set, _, spec = build_datasets(job.data, block_size)
+    train_set, val_set, spec = build_datasets(job.data, block_size)
     x, y = train_set.get(torch.arange(_PROBE_BATCH))
     tokens = block_size if spec.kind == "tokens" else 1
     with torch.device(device):
@@ -321,6 +436,8 @@ def model_stats(
         optimizer=job.optim.name,
         grad_clip=job.optim.grad_clip > 0,
         shards=tp_shards(model, job.model.name, list(job.parallel.tp_plan)),
+        data_bytes=held_data_bytes(train_set, val_set),
+        tp_styles=_tp_styles(model, job.model.name, list(job.parallel.tp_plan)),
     )
     if not measure:
         return stats

@@ -8,7 +8,8 @@ FLOPs count a multiply-add as 2. Per transformer layer and sample (sequence of T
 C): ``24 T C^2 + 4 T^2 C`` forward FLOPs (Narayanan et al. SC21, eq. 3 before its 3x/4x factor
 for backward and recomputation), ``12 C^2 + 13 C`` parameters, and saved activations of
 ``T C (34 + 5 a T / C)`` bytes with 16-bit activations (Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models", eq. 1; doubled for fp32).
+"Reducing Activation Recomputation in Large Transformer Models", eq. 1; doubled for fp32), of
+which ``10 T C`` stay whole under tensor parallelism (eq. 2).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def transformer_stats(
             saved_bytes=float(act),
             output_bytes=float(act),
             tensors=2,  # token and position tables
+            saved_whole_bytes=float(act),  # the embedding's output: all-reduced, whole
             # the token table is vocabulary-parallel, the position table whole (gpt_plan)
             tp_shards=((V * C * param_bytes, V), (T * C * param_bytes, 1)),
         )
@@ -60,6 +62,9 @@ def transformer_stats(
                 param_bytes=layer_params * param_bytes,
                 fwd_flops=24.0 * T * C * C + 4.0 * T * T * C,
                 saved_bytes=saved,
+                # eq. 2 (tensor parallel, no sequence parallelism): the 10 T C bytes of layer
+                # norm and dropout inputs stay whole ([Note: tensor-parallel activations])
+                saved_whole_bytes=10.0 * T * C * act_bytes / 2,
                 output_bytes=float(act),
                 linears=((C, C), (C, C), (C, C), (C, C), (C, 4 * C), (4 * C, C)),
                 rows_per_sample=T,
@@ -83,6 +88,7 @@ def transformer_stats(
             fwd_flops=2.0 * T * C * V,
             # layer norm input + logits, and the loss's fp32 softmax of the logits
             saved_bytes=float(act + T * V * act_bytes + T * V * 4),
+            saved_whole_bytes=float(act + T * V * act_bytes + T * V * 4),  # logits gathered
             output_bytes=float(T * V * act_bytes),
             linears=((C, V),),
             rows_per_sample=T,

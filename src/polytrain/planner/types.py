@@ -64,6 +64,11 @@ class BlockStats:
     # rank holds them whole (divisor 1: LayerNorms, row-parallel biases, position tables).
     # () = unknown: everything is split.
     tp_shards: tuple[tuple[float, int], ...] = ()
+    # [Note: tensor-parallel activations] of saved_bytes, what every tensor-parallel rank holds
+    # whole (per sample): the inputs of the column-parallel layers, layer norms, residual
+    # stream; the rest (from a column-parallel output to a row-parallel input) is split tp
+    # ways. 0 = unknown: everything is split (the old estimate).
+    saved_whole_bytes: float = 0.0
 
     def bytes_per_tp_rank(self, tp: int) -> float:
         """Parameter bytes one of ``tp`` tensor-parallel ranks holds of this block."""
@@ -72,6 +77,11 @@ class BlockStats:
         if not self.tp_shards:
             return self.param_bytes / tp
         return sum(b / tp if d % tp == 0 else b for b, d in self.tp_shards)
+
+    def saved_per_tp_rank(self, tp: int) -> float:
+        """Saved activation bytes per sample one of ``tp`` tensor-parallel ranks holds."""
+        whole = min(self.saved_whole_bytes, self.saved_bytes)
+        return whole + (self.saved_bytes - whole) / max(tp, 1)
 
     def params_per_tp_rank(self, tp: int) -> float:
         """Parameters one of ``tp`` tensor-parallel ranks holds (the same split as the bytes)."""
@@ -92,6 +102,9 @@ class ModelStats:
     tp_divisor: int = 0  # a tensor-parallel degree must divide this (attention heads); 0 = any
     optimizer: str = "adamw"  # optim.name: which calibrated update cost applies
     grad_clip: bool = True  # optim.grad_clip > 0: the step clips by the global norm
+    # bytes of the tensors behind the training and validation data (each storage once): every
+    # worker loads the whole data set ([Note: a worker's own memory] in planner/memory.py)
+    data_bytes: int = 0
 
     @property
     def params(self) -> int:
@@ -152,6 +165,10 @@ class HostProfile:
     # dtype -> matrix size n (n x n @ n x n) -> achieved FLOP/s; `matmul_flops` is the largest n
     matmul_by_size: dict[str, dict[int, float]] = field(default_factory=dict)
     baseline_bytes: float = 0.0  # resident bytes of a started worker before it builds a model
+    # resident bytes a worker adds beyond its model states and activations once it has built its
+    # optimizer and run a step: torch._dynamo (imported by the first optimizer) and the pages of
+    # the kernels a step runs ([Note: a worker's own memory] in planner/memory.py); 0 = unknown
+    runtime_bytes: float = 0.0
     threads: int = 1  # intra-op threads per process the numbers were measured with
     # processes computing at once -> fp32 FLOP/s of each (cores are shared past the core count)
     matmul_concurrent: dict[int, float] = field(default_factory=dict)
