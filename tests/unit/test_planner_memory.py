@@ -124,3 +124,18 @@ def test_a_worker_also_holds_its_imports_runtime_and_data_set() -> None:
     assert process_bytes(stats, profile) == 277 * mib + 44 * mib + 465_126 * 8
     # an old profile (no runtime measured) and a model without data: the baseline alone
     assert process_bytes(STATS, HostProfile("x", "cpu", {}, 1.0, baseline_bytes=1e8)) == 1e8
+
+
+def test_autocast_weight_copies_count_once_per_pass_not_per_sample() -> None:
+    """[Note: counted under autocast]: the fixed part of a block's saved bytes is added once
+    per micro-batch in flight (and for the one block recomputed at a time), never times the
+    samples; a tensor-parallel rank holds its shard of it."""
+    fixed = BlockStats("b", P, 4 * P, 1e9, 1000.0, 100.0, saved_fixed_bytes=2 * P)
+    stats = ModelStats("toy", (fixed,) * 4, dtype_bytes=4, optimizer_state_per_param=2)
+
+    def mem(layout: Layout):  # type: ignore[no-untyped-def]
+        return memory_per_rank(stats, layout, balanced_stages(stats.blocks, layout.pp), 8.0)
+
+    assert mem(Layout()).activations == 4 * 1000.0 * 8 + 4 * 2 * P
+    assert mem(Layout(recompute=True)).activations == 4 * 100.0 * 8 + 1000.0 * 8 + 2 * P
+    assert mem(Layout(tp=2)).activations == 4 * 1000.0 * 8 / 2 + 4 * P

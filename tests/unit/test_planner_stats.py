@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,21 @@ def test_tensor_parallel_splits_saved_tensors_from_column_to_row_parallel(
         layer.saved_whole_bytes + (layer.saved_bytes - layer.saved_whole_bytes) / 2
     )
     assert stats.blocks[-1].saved_whole_bytes == stats.blocks[-1].saved_bytes
+
+
+def test_bf16_counts_weight_copies_apart_from_the_per_sample_bytes(tmp_path: Path) -> None:
+    """[Note: counted under autocast]: under bf16 autocast each Linear's weight is saved once
+    per pass as a bf16 copy; the count splits it out (it does not scale with the batch) and the
+    per-sample bytes fall below fp32's."""
+    base = _job(tmp_path, "gpt", n_layer=2, n_embd=64, n_head=4, block_size=32)
+    fp32 = model_stats(base, device="cpu")
+    bf16 = model_stats(_bf16(base), device="cpu")
+    block = bf16.blocks[1]
+    linear_weights = sum(fi * fo for fi, fo in block.linears)
+    assert block.saved_fixed_bytes == pytest.approx(2 * linear_weights, rel=0.05)
+    assert block.saved_bytes < fp32.blocks[1].saved_bytes
+    assert all(b.saved_fixed_bytes == 0 for b in fp32.blocks)
+
+
+def _bf16(job: JobConfig) -> JobConfig:
+    return replace(job, train=replace(job.train, dtype="bf16"))

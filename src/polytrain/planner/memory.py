@@ -160,14 +160,20 @@ def _stage(
     # Activations: tensor parallel splits the saved tensors between a column-parallel output and
     # a row-parallel input; the rest every rank holds whole ([Note: tensor-parallel activations]
     # in planner/stats.py)
+    # (per sample), plus what a pass saves whatever its batch (autocast's weight copies, this
+    # rank's shard of them)
     saved = sum(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
+    fixed = [b.saved_fixed_bytes * b.bytes_per_tp_rank(tp) / max(b.param_bytes, 1) for b in blocks]
     if layout.recompute:
         # only each block's input survives the forward; one block's saved tensors are rebuilt
         # at a time during backward
         kept = sum(b.output_bytes for b in blocks) * mb_samples
-        activations = kept * in_flight + max(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
+        rebuilt = max(
+            b.saved_per_tp_rank(tp) * mb_samples + f for b, f in zip(blocks, fixed, strict=True)
+        )
+        activations = kept * in_flight + rebuilt
     else:
-        activations = saved * in_flight
+        activations = (saved + sum(fixed)) * in_flight
     # DDP runs with gradient_as_bucket_view=True (parallel/data_parallel.py): the gradients
     # are views into its buckets, so its buckets cost nothing beyond `grads`.
     buffers = 0.0

@@ -69,6 +69,9 @@ class BlockStats:
     # stream; the rest (from a column-parallel output to a row-parallel input) is split tp
     # ways. 0 = unknown: everything is split (the old estimate).
     saved_whole_bytes: float = 0.0
+    # bytes one pass saves whatever its batch (autocast's low-precision weight copies; [Note:
+    # counted under autocast] in planner/stats.py), once per micro-batch in flight
+    saved_fixed_bytes: float = 0.0
 
     def bytes_per_tp_rank(self, tp: int) -> float:
         """Parameter bytes one of ``tp`` tensor-parallel ranks holds of this block."""
