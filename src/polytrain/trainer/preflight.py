@@ -19,7 +19,7 @@ from polytrain.trainer.build import strategy_family
 from polytrain.trainer.outputs import check_output_paths
 from polytrain.trainer.ownership import check_checkpoint_dir
 
-__all__ = ["preflight"]
+__all__ = ["check_devices", "preflight"]
 
 
 def preflight(job: JobConfig) -> BlockModel:
@@ -29,6 +29,7 @@ def preflight(job: JobConfig) -> BlockModel:
     family table (`trainer.build.strategy_family`).
     """
     check_output_paths(job)  # [Note: output paths]
+    check_devices(job)
     family = strategy_family(job)
     train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
     try:
@@ -51,3 +52,21 @@ def preflight(job: JobConfig) -> BlockModel:
     family.checks(job, model, train_data)
     check_checkpoint_dir(job)  # [Note: checkpoint ownership]
     return model
+
+
+def check_devices(job: JobConfig) -> None:
+    """A CUDA job needs CUDA, and a GPU per rank on this node: NCCL refuses two ranks on one
+    device, and ranks take devices by local rank (`comm.init`)."""
+    device = job.train.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device = 'cuda' but torch sees no CUDA device here (torch "
+            f"{torch.__version__}): set train.device = 'cpu' (or 'auto')"
+        )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device in ("cuda", "auto") and gpus and job.launch.nproc > gpus:
+        raise ConfigError(
+            f"launch.nproc = {job.launch.nproc} ranks with train.device = {device!r} on a node "
+            f"with {gpus} GPU(s): each rank needs its own GPU (NCCL); use --nproc {gpus}, or "
+            "train.device = 'cpu' for more processes"
+        )
