@@ -55,30 +55,30 @@ def step_result(out: StepOutput) -> StepOutput:
 class Strategy(ABC):
     """What the loop needs from a parallel strategy, and what the strategy declares it can do.
 
-        Set by every strategy: ``name``; ``modules``, this rank's model parts whose ``state_dict``
-        keys are the unwrapped model's (``blocks.<i>...``); ``optimizer``, which updates exactly
-        their parameters (None where this rank updates nothing); ``tracer``, this rank's spans for
-        ``--trace`` (disabled when not asked for). Checkpoints use ``modules`` and ``optimizer``
+    Set by every strategy: ``name``; ``modules``, this rank's model parts whose ``state_dict``
+    keys are the unwrapped model's (``blocks.<i>...``); ``optimizer``, which updates exactly
+    their parameters (None where this rank updates nothing); ``tracer``, this rank's spans for
+    ``--trace`` (disabled when not asked for). Checkpoints use ``modules`` and ``optimizer``
     unless `checkpoint_parts` says otherwise.
 
-        Declared capabilities (class or instance attributes; the defaults suit an SPMD strategy):
+    Declared capabilities (class or instance attributes; the defaults suit an SPMD strategy):
 
-        - ``checkpointable``: the checkpointer may save and restore this strategy. When False,
-          ``checkpoint_refusal`` is the one-line reason and fix the checkpointer raises.
-        - ``checkpoint_group``: the process group for the checkpointer's collectives (None: the
-          default group). A strategy whose default group carries point-to-point traffic on other
-          threads (parameter servers) gives a world group of its own.
-        - ``world_collectives``: whether every rank may meet in world collectives after start-up.
-          False for strategies that survive dead ranks (parameter servers in async/ssp); the loop
-          then skips its final world barrier.
-        - ``evaluates``: whether `evaluate` returns this rank's validation loss (False: it returns
-          NaN because the rank holds no model replica, e.g. a parameter server; it must still be
-          called on every rank).
-        - `resume_at`: called by the checkpointer after a restore (default: nothing to do).
-        - `before_save`: called by the checkpointer before it reads this rank's state for a save
-          (default: nothing to do; a rank whose optimizer runs on another thread waits for it).
-        - `checkpoint_parts`: the modules and optimizer the checkpointer saves and loads (default:
-          ``modules`` and ``optimizer``).
+    - ``checkpointable``: the checkpointer may save and restore this strategy. When False,
+      ``checkpoint_refusal`` is the one-line reason and fix the checkpointer raises.
+    - ``checkpoint_group``: the process group for the checkpointer's collectives (None: the
+      default group). A strategy whose default group carries point-to-point traffic on other
+      threads (parameter servers) gives a world group of its own.
+    - ``world_collectives``: whether every rank may meet in world collectives after start-up.
+      False for strategies that survive dead ranks (parameter servers in async/ssp); the loop
+      then skips its final world barrier.
+    - ``evaluates``: whether `evaluate` returns this rank's validation loss (False: it returns
+      NaN because the rank holds no model replica, e.g. a parameter server; it must still be
+      called on every rank).
+    - `resume_at`: called by the checkpointer after a restore (default: nothing to do).
+    - `before_save`: called by the checkpointer before it reads this rank's state for a save
+      (default: nothing to do; a rank whose optimizer runs on another thread waits for it).
+    - `checkpoint_parts`: the modules and optimizer the checkpointer saves and loads (default:
+      ``modules`` and ``optimizer``).
     """
 
     name: str
