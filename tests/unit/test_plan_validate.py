@@ -36,6 +36,9 @@ def test_pipeline_specs_carry_the_partition_the_model_priced() -> None:
     assert pipe.layout.overrides()["pipeline.partition"] == priced and sum(priced) == 4
     assert "pipeline.partition" not in flat.layout.overrides()
     assert pipe.predicted_step_s == preds[0].step_s
+    # the peak compared with a worker's resident peak counts what the process holds besides
+    (held,) = trial_specs(preds[1:], process=300e6)
+    assert held.predicted_peak_bytes == preds[1].memory_per_rank + 300e6
 
 
 def test_validate_needs_at_least_one_plan() -> None:

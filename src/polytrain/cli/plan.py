@@ -23,6 +23,7 @@ from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.host import profile_for
+from polytrain.planner.memory import process_bytes
 from polytrain.planner.search import Plan, PlanRequest, PlanResult, duration_text, search
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import ModelStats
@@ -261,7 +262,8 @@ def plan_command(
                     f"--validate {validate} runs plans on this host, but --cluster {cluster!r} is "
                     "not this host's CPUs: plan with --cluster 1xNxcpu to validate here"
                 )
-            validate_plans(job, [p.prediction for p in result.plans], validate)
+            process = process_bytes(stats, request.profile) if request.profile else 0.0
+            validate_plans(job, [p.prediction for p in result.plans], validate, process=process)
         return
     console.print(f"[bold]{result.note}[/bold]")
     if result.extremes:

@@ -39,16 +39,18 @@ def job_fields(job: JobConfig) -> dict[str, Any]:
     }
 
 
-def trial_specs(predictions: Sequence[Prediction]) -> list[TrialSpec]:
+def trial_specs(predictions: Sequence[Prediction], process: float = 0.0) -> list[TrialSpec]:
     """One spec per prediction. A pipeline runs the partition the cost model priced: `predict`
-    sets it on the layout and `Layout.overrides` writes ``pipeline.partition``."""
+    sets it on the layout and `Layout.overrides` writes ``pipeline.partition``. ``process``: what
+    a worker holds besides the cost model's memory per rank ([Note: a worker's own memory] in
+    planner/memory.py), added to the predicted peak that is compared with its resident peak."""
     specs = []
     for pred in predictions:
         specs.append(
             TrialSpec(
                 pred.layout,
                 pred.step_s,
-                predicted_peak_bytes=pred.memory_per_rank,
+                predicted_peak_bytes=pred.memory_per_rank + process,
             )
         )
     return specs
@@ -69,8 +71,10 @@ def validate_plans(
     steps: int = 8,
     console: Console | None = None,
     workdir: Path | None = None,
+    process: float = 0.0,
 ) -> list[Trial]:
-    """Run the first ``k`` predictions for ``steps`` steps each and print a comparison table."""
+    """Run the first ``k`` predictions for ``steps`` steps each and print a comparison table
+    (``process``: see `trial_specs`)."""
     if k < 1:
         raise PlanError(f"--validate {k}: expected the number of plans to run, at least 1")
     console = console or Console()
@@ -82,17 +86,29 @@ def validate_plans(
         what = trial.error or f"{trial.measured_step_s * 1e3:.1f} ms/step"
         console.print(f"  ran {trial.spec.label}: {what} ({trial.wall_s:.0f} s)")
 
-    specs = [replace(s, label=_name(p)) for s, p in zip(trial_specs(chosen), chosen, strict=True)]
+    specs = [
+        replace(s, label=_name(p))
+        for s, p in zip(trial_specs(chosen, process), chosen, strict=True)
+    ]
     trials = run_trials(specs, job_fields(job), root, steps=steps, on_trial=show)
     table = Table(title="predicted against measured (this host)")
-    for col in ("#", "layout", "predicted", "measured", "error", "peak memory (measured)"):
+    for col in (
+        "#",
+        "layout",
+        "predicted",
+        "measured",
+        "error",
+        "peak memory measured (predicted)",
+    ):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for i, t in enumerate(trials, 1):
         if not t.ok:
             table.add_row(str(i), t.spec.label, "-", "failed", t.error, "-")
             continue
         err = 100 * (t.spec.predicted_step_s - t.measured_step_s) / t.measured_step_s
-        peak = f"{t.peak_bytes / 2**20:.0f} MiB" if math.isfinite(t.peak_bytes) else "-"
+        peak = "-"
+        if math.isfinite(t.peak_bytes):
+            peak = f"{t.peak_bytes / 2**20:.0f} MiB ({t.spec.predicted_peak_bytes / 2**20:.0f})"
         table.add_row(
             str(i),
             t.spec.label,
