@@ -214,6 +214,69 @@ def _phases(workers: list[list[Any]], server: dict[str, Any], step: int) -> dict
     return ms
 
 
+def _summary(table: dict[int, dict[str, float]], steps: range) -> dict[str, float]:
+    """Durations per step (medians): where each worker's exposed time goes, and the server."""
+
+    def med(fn: Any) -> float:
+        values = [fn(table[s]) for s in steps]
+        values = [v for v in values if v == v]
+        return statistics.median(values) if values else float("nan")
+
+    out: dict[str, float] = {}
+    for w in (0, 1):
+        p = f"w{w} "
+        out[p + "exposed: step - (fwd+bwd - chunk waits)"] = med(
+            lambda r, p=p: r[p + "exposed (step - compute)"]
+        )
+        out[p + "  grant wait: step start -> grant in"] = med(
+            lambda r, p=p: r[p + "grant in"] - r[p + "step start"]
+        )
+        out[p + "  step start -> first chunk in (forward can start)"] = med(
+            lambda r, p=p: r[p + "first chunk in"] - r[p + "step start"]
+        )
+        out[p + "  chunk waits in forward"] = med(lambda r, p=p: r[p + "chunk waits in forward"])
+        out[p + "  fwd+bwd end -> loss all-reduce start (NaN flag, CLOCK)"] = med(
+            lambda r, p=p: r[p + "loss all-reduce start"] - r[p + "fwd+bwd end"]
+        )
+        out[p + "  loss all-reduce (incl. waiting for the other worker)"] = med(
+            lambda r, p=p: r[p + "loss all-reduce end"] - r[p + "loss all-reduce start"]
+        )
+        out[p + "  loss all-reduce end -> step end (pull posted, push sends)"] = med(
+            lambda r, p=p: r[p + "step end"] - r[p + "loss all-reduce end"]
+        )
+        out[p + "between steps (loop)"] = med(
+            lambda r, p=p: r[p + "step start"] - r[p + "previous step end"]
+        )
+    out["slower worker's fwd+bwd end -> server's last CLOCK in"] = med(
+        lambda r: (
+            max(r["srv CLOCK in from w0"], r["srv CLOCK in from w1"])
+            - max(r["w0 fwd+bwd end"], r["w1 fwd+bwd end"])
+        )
+    )
+    out["server: last CLOCK in -> update start"] = med(
+        lambda r: (
+            r["srv this clock apply_start"]
+            - max(r["srv CLOCK in from w0"], r["srv CLOCK in from w1"])
+        )
+    )
+    out["server: update (sum, clip, AdamW)"] = med(
+        lambda r: r["srv this clock apply_end"] - r["srv this clock apply_start"]
+    )
+    out["server: update end -> next pull's first reply posted"] = med(
+        lambda r: r["srv next clock pull_start"] - r["srv this clock apply_end"]
+    )
+    out["server: pull window (both workers' replies)"] = med(
+        lambda r: r["srv this clock pull_end"] - r["srv this clock pull_start"]
+    )
+    out["server: push window (first chunk in -> last in)"] = med(
+        lambda r: r["srv this clock push_end"] - r["srv this clock push_start"]
+    )
+    out["server: update end -> worker 0's next step start"] = med(
+        lambda r: -r["srv previous clock apply_end"]
+    )
+    return out
+
+
 def main() -> None:
     from polytrain.testing import run_distributed
 
@@ -231,12 +294,14 @@ def main() -> None:
     table = {step: _phases(workers, server, step) for step in steps}
     names = [n for n in table[steps[0]] if any(table[s][n] == table[s][n] for s in steps)]
     print(f"step times (worker 0): {[round(t, 4) for t in results[0]['step_times']]}")
-    print(
-        f"{'phase (ms from w0 step start)':42s}" + "".join(f"{s:>9d}" for s in steps) + "     mean"
-    )
-    for name in sorted(names, key=lambda n: statistics.mean(table[s][n] for s in steps)):
+    head = "".join(f"{s:>8d}" for s in steps)
+    print(f"{'phase (ms from w0 step start)':44s}{head}  median")
+    for name in sorted(names, key=lambda n: statistics.median(table[s][n] for s in steps)):
         row = [table[s][name] for s in steps]
-        print(f"{name:42s}" + "".join(f"{v:9.1f}" for v in row) + f"{statistics.mean(row):9.1f}")
+        print(f"{name:44s}" + "".join(f"{v:8.1f}" for v in row) + f"{statistics.median(row):8.1f}")
+    print("summary (medians over the steps above, ms):")
+    for label, value in _summary(table, steps).items():
+        print(f"  {label:70s}{value:8.1f}")
     rate = server.get("window_bytes_per_s")
     print(f"server bytes / transfer-window time: {rate / 1e6 if rate else float('nan'):.0f} MB/s")
     if args.out:

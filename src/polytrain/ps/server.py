@@ -74,7 +74,7 @@ from polytrain.ps.local import LocalLink
 from polytrain.ps.protocol import Header, Op
 from polytrain.ps.receive import Inbox, Receivers
 
-__all__ = ["ParameterServer", "ServerStats", "TransferWindow"]
+__all__ = ["ParameterServer", "ServerStats", "TransferWindow", "all_finite"]
 
 _POLL_S = 0.2
 _PROBE_AFTER_S = 1.0
@@ -134,10 +134,15 @@ class ServerStats:
         return moved / seconds if seconds > 0 else math.nan
 
 
-def _all_finite(flat: torch.Tensor) -> bool:
-    """Whether every element is finite, in one pass without a mask the size of the shard:
-    a float64 sum of float32 (or narrower) values cannot overflow, so it is finite if and only
-    if every element is."""
+def all_finite(flat: torch.Tensor) -> bool:
+    """Whether every element is finite, without a mask the size of the shard.
+
+    A sum is NaN or infinite if any element is, so a finite sum in the buffer's own dtype
+    answers at once (one fast pass); only a non-finite one, which may also be an overflow of
+    finite values, is checked again with a float64 sum, which cannot overflow on float32 (or
+    narrower) values and so is finite if and only if every element is."""
+    if bool(torch.isfinite(flat.sum())):
+        return True
     if flat.dtype == torch.float64:
         return bool(torch.isfinite(flat).all())
     return bool(torch.isfinite(flat.sum(dtype=torch.float64)))
@@ -405,7 +410,7 @@ class ParameterServer:
         window = self.stats.window(clock)
         window.apply_start = time.perf_counter()
         count = self.aggregator.finish()
-        self.grad_flat.copy_(self.sum_flat).div_(count)
+        torch.div(self.sum_flat, count, out=self.grad_flat)
         self.sum_flat.zero_()
         if self.optim_cfg.grad_clip > 0:
             # Clip by the norm of the whole gradient, summed over every server's shard.
@@ -421,7 +426,7 @@ class ParameterServer:
         self.applied = clock + 1
 
     def _step(self, clock: int) -> None:
-        if not _all_finite(self.grad_flat):
+        if not all_finite(self.grad_flat):
             self._nonfinite(clock)
             return
         for group in self.optimizer.param_groups:
