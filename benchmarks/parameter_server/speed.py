@@ -21,7 +21,9 @@ as fractions of that raw bandwidth:
   per step, from the header of the first pushed chunk to the last chunk in, plus from the first
   reply of the pull posted to the last one sent, summed over the steps after the first. It is
   the server's rate while it moves data; with ``ps.overlap`` a push window also holds the rest
-  of the workers' backward after their first chunk left.
+  of the workers' backward after their first chunk left, so ``pull_window_fraction_of_raw``
+  (the pull windows alone: the server's bytes sent over the time it was sending them) is
+  reported too.
 
 With ``ps.overlap`` (the default) the worker's forward waits for pulled chunks inside its
 pre-hooks; that wait is counted as communication, not compute. ``--compare-overlap`` adds ps
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -160,21 +163,25 @@ def _rank(
         "bandwidth": measured["bandwidth"],
         "numel": measured["numel"],
         "chunk_bytes": measured.get("chunk_bytes"),
-        "window_bytes_per_s": window_rate,
+        "window": window_rate,
     }
 
 
-def server_window_rate(out_dir: str) -> float | None:
-    """The server's bytes over its transfer windows (``window_bytes_per_s`` of
-    ``<out_dir>/ps/server0.json``, [Note: transfer windows]); None if it has no such field."""
+def server_window_rate(out_dir: str) -> dict[str, float] | None:
+    """The server's bytes over its transfer windows, over all of them and over the pull
+    windows alone (``window_bytes_per_s``, ``pull_window_bytes_per_s`` of
+    ``<out_dir>/ps/server0.json``, [Note: transfer windows]); None without them."""
     path = Path(out_dir) / "ps" / "server0.json"
     if not path.exists():
         return None
-    rate = json.loads(path.read_text()).get("window_bytes_per_s")
-    return float(rate) if rate is not None else None
+    stats = json.loads(path.read_text())
+    if "window_bytes_per_s" not in stats:
+        return None
+    keys = ("window_bytes_per_s", "pull_window_bytes_per_s")
+    return {k: float(stats.get(k, math.nan)) for k in keys}
 
 
-def _server_throughput(result: dict[str, Any], window_rate: float | None) -> dict[str, Any]:
+def _server_throughput(result: dict[str, Any], window: dict[str, float] | None) -> dict[str, Any]:
     """Both server throughputs (module docstring) and each as a fraction of the raw p2p
     bandwidth measured in the same run: ``fraction_of_raw`` over the step's communication
     time, ``window_fraction_of_raw`` over the server's own transfer windows."""
@@ -187,8 +194,9 @@ def _server_throughput(result: dict[str, Any], window_rate: float | None) -> dic
         "raw_bytes_per_s": raw,
         "server_bytes_per_s": server_bytes / comm,
         "fraction_of_raw": server_bytes / comm / raw,
-        "window_bytes_per_s": window_rate,
-        "window_fraction_of_raw": window_rate / raw if window_rate is not None else None,
+        "window_bytes_per_s": window["window_bytes_per_s"] if window else None,
+        "window_fraction_of_raw": window["window_bytes_per_s"] / raw if window else None,
+        "pull_window_fraction_of_raw": window["pull_window_bytes_per_s"] / raw if window else None,
     }
 
 
@@ -204,7 +212,7 @@ def _run(
     run: dict[str, Any] = {"step_s": results[0]["step_s"], "load": os.getloadavg()[0]}
     if sync == "ps":
         run["overlap"] = overlap
-        run.update(_server_throughput(results[0], results[-1]["window_bytes_per_s"]))
+        run.update(_server_throughput(results[0], results[-1]["window"]))
     print(f"{model} {sync} chunk_kb={chunk_kb}: {json.dumps(run)}", flush=True)
     return run
 
@@ -228,7 +236,7 @@ def _node(spec_path: str) -> None:
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(result))
     if rank == world - 1 and spec["sync"] == "ps":  # the server's transfer-window rate
-        Path(spec["out"] + ".server").write_text(json.dumps(result["window_bytes_per_s"]))
+        Path(spec["out"] + ".server").write_text(json.dumps(result["window"]))
     dist.destroy_process_group()
 
 
@@ -293,6 +301,7 @@ def _slow_entry(model: str, args: argparse.Namespace) -> dict[str, Any]:
         "ps_over_dp": statistics.mean(r["step_s"] for r in ps) / dp_s,
         "fraction_of_raw": statistics.mean(r["fraction_of_raw"] for r in ps),
         "window_fraction_of_raw": _mean_of(ps, "window_fraction_of_raw"),
+        "pull_window_fraction_of_raw": _mean_of(ps, "pull_window_fraction_of_raw"),
     }
 
 
@@ -345,6 +354,7 @@ def main() -> None:
         # time (the issue's metric) and over the server's own transfer windows.
         entry["fraction_of_raw"] = statistics.mean(r["fraction_of_raw"] for r in ps)
         entry["window_fraction_of_raw"] = _mean_of(ps, "window_fraction_of_raw")
+        entry["pull_window_fraction_of_raw"] = _mean_of(ps, "pull_window_fraction_of_raw")
         if args.colocated:  # ABBA against the dp runs' neighbours: colocated, colocated
             colo = [_run(model, "colocated", args), _run(model, "colocated", args)]
             entry["colocated"] = colo

@@ -546,6 +546,8 @@ def test_transfer_windows_divide_bytes_by_the_time_inside_them() -> None:
     assert w1.seconds() == 3.0 and w2.seconds() == 1.0
     assert stats.window_bytes_per_s() == pytest.approx((400 + 200 + 200) / 4.0)
     assert stats.window_bytes_per_s(first_clock=0) == pytest.approx(801 / 104.0)
+    assert stats.window_bytes_per_s(which="pull") == pytest.approx(400 / 2.0)
+    assert stats.window_bytes_per_s(which="push") == pytest.approx(400 / 2.0)
     assert math.isnan(ServerStats().window_bytes_per_s())
     record = w2.record()  # JSON-ready: the push half's infinite bounds are dropped
     assert "push_start" not in record and record["pull_bytes"] == 200.0

@@ -37,7 +37,8 @@ update made from that clock's pushes started and ended. `ServerStats.window_byte
 the bytes received and sent by the time inside those windows, summed over clocks: the server's
 rate while it moves a step's data, where ``ps_bytes_per_s`` divides by its whole wall time.
 With ``ps.overlap`` a push window opens at the first chunk, posted from inside backward, so it
-also holds the rest of the workers' backward; a pull window holds only the sends.
+also holds the rest of the workers' backward; a pull window holds only the sends, so the pull
+windows alone (``which="pull"``) give the server's sending rate.
 """
 
 from __future__ import annotations
@@ -94,10 +95,17 @@ class TransferWindow:
     apply_start: float = math.nan  # sync: the update made from this clock's pushes
     apply_end: float = math.nan
 
-    def seconds(self) -> float:
-        """The push window plus the pull window (each 0 when this clock had none)."""
+    def seconds(self, which: Literal["push", "pull", "both"] = "both") -> float:
+        """The push window plus the pull window (``which``: only one; each 0 when this clock
+        had none)."""
         push = max(0.0, self.push_end - self.push_start) if self.push_bytes else 0.0
         pull = max(0.0, self.pull_end - self.pull_start) if self.pull_bytes else 0.0
+        return {"push": push, "pull": pull, "both": push + pull}[which]
+
+    def moved(self, which: Literal["push", "pull", "both"] = "both") -> int:
+        """Bytes received (push), sent (pull), or both."""
+        push = self.push_bytes if which != "pull" else 0
+        pull = self.pull_bytes if which != "push" else 0
         return push + pull
 
     def record(self) -> dict[str, float]:
@@ -125,12 +133,15 @@ class ServerStats:
     def window(self, clock: int) -> TransferWindow:
         return self.windows.setdefault(clock, TransferWindow())
 
-    def window_bytes_per_s(self, first_clock: int = 1) -> float:
+    def window_bytes_per_s(
+        self, first_clock: int = 1, which: Literal["push", "pull", "both"] = "both"
+    ) -> float:
         """Bytes received and sent over the time inside the transfer windows of the clocks
-        from ``first_clock`` on ([Note: transfer windows]); NaN if there were none."""
+        from ``first_clock`` on ([Note: transfer windows]); ``which``: the push windows'
+        bytes over their time only, or the pull windows'; NaN if there were none."""
         chosen = [w for c, w in self.windows.items() if c >= first_clock]
-        seconds = sum(w.seconds() for w in chosen)
-        moved = sum(w.push_bytes + w.pull_bytes for w in chosen)
+        seconds = sum(w.seconds(which) for w in chosen)
+        moved = sum(w.moved(which) for w in chosen)
         return moved / seconds if seconds > 0 else math.nan
 
 
@@ -304,6 +315,8 @@ class ParameterServer:
             "skipped": s.skipped,
             "windows": {str(c): w.record() for c, w in sorted(s.windows.items())},
             "window_bytes_per_s": s.window_bytes_per_s(),
+            "push_window_bytes_per_s": s.window_bytes_per_s(which="push"),
+            "pull_window_bytes_per_s": s.window_bytes_per_s(which="pull"),
             **self.metrics(),
         }
         path.write_text(json.dumps(record))
