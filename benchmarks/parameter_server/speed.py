@@ -8,9 +8,22 @@ point-to-point bandwidth, measured in the same processes, does the server's traf
 Runs, interleaved ABBA per model so that a load change hits both peers alike: ps, dp, dp, ps.
 Step time = median of the steps after the first (warm-up). In each ps run, before training,
 rank 0 sends ``--bw-mb`` MiB to the server rank in chunks of the job's (automatic) chunk size
-with the same `comm/ps_wire` calls: the raw bandwidth. Server throughput = the bytes through
-the server per step (2 workers x (push + pull) x model bytes) over the step's communication
-time (ps step time minus the worker's own forward + backward time, timed in the run).
+with the same `comm/ps_wire` calls: the raw bandwidth. Two server throughputs, both reported
+as fractions of that raw bandwidth:
+
+- ``fraction_of_raw`` (the issue's metric): the bytes through the server per step (2 workers x
+  (push + pull) x model bytes) over the step's communication time, ps step time minus the
+  worker's own forward + backward time, timed in the run. Everything in a step that is not the
+  worker's compute counts as transfer time: the wait for the other worker, the server's sum,
+  clipping and optimizer step, the loss all-reduce.
+- ``window_fraction_of_raw``: the bytes the server received and sent over the time inside its
+  own transfer windows ([Note: transfer windows] in polytrain.ps.server, from `ServerStats`):
+  per step, from the header of the first pushed chunk to the last chunk in, plus from the first
+  reply of the pull posted to the last one sent, summed over the steps after the first. It is
+  the server's rate while it moves data; with ``ps.overlap`` a push window also holds the rest
+  of the workers' backward after their first chunk left, so ``pull_window_fraction_of_raw``
+  (the pull windows alone: the server's bytes sent over the time it was sending them) is
+  reported too.
 
 With ``ps.overlap`` (the default) the worker's forward waits for pulled chunks inside its
 pre-hooks; that wait is counted as communication, not compute. ``--compare-overlap`` adds ps
@@ -34,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -141,6 +155,7 @@ def _rank(
         ps_strategy.PSStrategy._forward_backward = timed  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory(prefix="ps-speed-") as out_dir:
         result = train(_job(model, sync, steps, chunk_kb, out_dir, overlap))
+        window_rate = server_window_rate(out_dir) if sync == "ps" and rank == world - 1 else None
     times = [r["step_time_s"] for r in result.history][1:]
     return {
         "step_s": statistics.median(times) if times else float("nan"),
@@ -148,20 +163,40 @@ def _rank(
         "bandwidth": measured["bandwidth"],
         "numel": measured["numel"],
         "chunk_bytes": measured.get("chunk_bytes"),
+        "window": window_rate,
     }
 
 
-def _server_throughput(result: dict[str, Any]) -> dict[str, Any]:
-    """Bytes through the server per step over the step's communication time, and that as a
-    fraction of the raw p2p bandwidth measured in the same run."""
+def server_window_rate(out_dir: str) -> dict[str, float] | None:
+    """The server's bytes over its transfer windows, over all of them and over the pull
+    windows alone (``window_bytes_per_s``, ``pull_window_bytes_per_s`` of
+    ``<out_dir>/ps/server0.json``, [Note: transfer windows]); None without them."""
+    path = Path(out_dir) / "ps" / "server0.json"
+    if not path.exists():
+        return None
+    stats = json.loads(path.read_text())
+    if "window_bytes_per_s" not in stats:
+        return None
+    keys = ("window_bytes_per_s", "pull_window_bytes_per_s")
+    return {k: float(stats.get(k, math.nan)) for k in keys}
+
+
+def _server_throughput(result: dict[str, Any], window: dict[str, float] | None) -> dict[str, Any]:
+    """Both server throughputs (module docstring) and each as a fraction of the raw p2p
+    bandwidth measured in the same run: ``fraction_of_raw`` over the step's communication
+    time, ``window_fraction_of_raw`` over the server's own transfer windows."""
     server_bytes = 2 * 2 * result["numel"] * 4  # 2 workers x (push + pull) x fp32
     comm = max(result["step_s"] - result["compute_s"], 1e-9)
+    raw = result["bandwidth"]
     return {
         "chunk_bytes": result["chunk_bytes"],
         "compute_s": result["compute_s"],
-        "raw_bytes_per_s": result["bandwidth"],
+        "raw_bytes_per_s": raw,
         "server_bytes_per_s": server_bytes / comm,
-        "fraction_of_raw": server_bytes / comm / result["bandwidth"],
+        "fraction_of_raw": server_bytes / comm / raw,
+        "window_bytes_per_s": window["window_bytes_per_s"] if window else None,
+        "window_fraction_of_raw": window["window_bytes_per_s"] / raw if window else None,
+        "pull_window_fraction_of_raw": window["pull_window_bytes_per_s"] / raw if window else None,
     }
 
 
@@ -177,7 +212,7 @@ def _run(
     run: dict[str, Any] = {"step_s": results[0]["step_s"], "load": os.getloadavg()[0]}
     if sync == "ps":
         run["overlap"] = overlap
-        run.update(_server_throughput(results[0]))
+        run.update(_server_throughput(results[0], results[-1]["window"]))
     print(f"{model} {sync} chunk_kb={chunk_kb}: {json.dumps(run)}", flush=True)
     return run
 
@@ -200,6 +235,8 @@ def _node(spec_path: str) -> None:
     result = _rank(rank, world, *args)
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(result))
+    if rank == world - 1 and spec["sync"] == "ps":  # the server's transfer-window rate
+        Path(spec["out"] + ".server").write_text(json.dumps(result["window"]))
     dist.destroy_process_group()
 
 
@@ -237,9 +274,11 @@ def _run_slow(model: str, sync: str, args: argparse.Namespace) -> dict[str, Any]
             if proc.returncode != 0:
                 raise RuntimeError(f"a {sync} rank failed on the emulated cluster: {err[-3000:]}")
         result = json.loads(out.read_text())
+        server_out = Path(str(out) + ".server")
+        window = json.loads(server_out.read_text()) if server_out.exists() else None
     run: dict[str, Any] = {"step_s": result["step_s"], "load": os.getloadavg()[0]}
     if sync == "ps":
-        run.update(_server_throughput(result))
+        run.update(_server_throughput(result, window))
     print(f"{model} {sync} over {args.slow_mbit:g} Mbit/s: {json.dumps(run)}", flush=True)
     return run
 
@@ -261,7 +300,29 @@ def _slow_entry(model: str, args: argparse.Namespace) -> dict[str, Any]:
         "colocated_over_dp": statistics.mean(r["step_s"] for r in colo) / dp_s,
         "ps_over_dp": statistics.mean(r["step_s"] for r in ps) / dp_s,
         "fraction_of_raw": statistics.mean(r["fraction_of_raw"] for r in ps),
+        "window_fraction_of_raw": _mean_of(ps, "window_fraction_of_raw"),
+        "pull_window_fraction_of_raw": _mean_of(ps, "pull_window_fraction_of_raw"),
     }
+
+
+def _throughputs(entry: dict[str, Any]) -> str:
+    """The three server-throughput fractions of raw p2p, labelled (module docstring)."""
+
+    def fmt(key: str) -> str:
+        value = entry.get(key)
+        return "n/a" if value is None else f"{value:.2f}"
+
+    return (
+        f"{fmt('fraction_of_raw')} over the step's communication time (issue 14's metric), "
+        f"{fmt('window_fraction_of_raw')} over the server's transfer windows (push + pull), "
+        f"{fmt('pull_window_fraction_of_raw')} over its pull windows"
+    )
+
+
+def _mean_of(runs: list[dict[str, Any]], key: str) -> float | None:
+    """Mean of ``key`` over ``runs``; None if a run lacks it (a server without windows)."""
+    values = [r.get(key) for r in runs]
+    return statistics.mean(v for v in values if v is not None) if None not in values else None
 
 
 def main() -> None:
@@ -303,7 +364,11 @@ def main() -> None:
         entry["ps_over_dp"] = statistics.mean(r["step_s"] for r in ps) / statistics.mean(
             r["step_s"] for r in dp
         )
+        # Both throughputs, side by side (module docstring): over the step's communication
+        # time (the issue's metric) and over the server's own transfer windows.
         entry["fraction_of_raw"] = statistics.mean(r["fraction_of_raw"] for r in ps)
+        entry["window_fraction_of_raw"] = _mean_of(ps, "window_fraction_of_raw")
+        entry["pull_window_fraction_of_raw"] = _mean_of(ps, "pull_window_fraction_of_raw")
         if args.colocated:  # ABBA against the dp runs' neighbours: colocated, colocated
             colo = [_run(model, "colocated", args), _run(model, "colocated", args)]
             entry["colocated"] = colo
@@ -340,6 +405,7 @@ def main() -> None:
                 }
             )
         )
+        print(f"== {model}: server throughput / raw p2p: {_throughputs(entry)}")
     if args.slow_mbit > 0:
         for model in args.slow_models.split(","):
             entry = _slow_entry(model, args)
@@ -347,8 +413,7 @@ def main() -> None:
             print(
                 f"== {model} over {args.slow_mbit:g} Mbit/s: colocated ps / dp = "
                 f"{entry['colocated_over_dp']:.3f}, dedicated ps / dp = "
-                f"{entry['ps_over_dp']:.3f}, server throughput / raw p2p = "
-                f"{entry['fraction_of_raw']:.2f}"
+                f"{entry['ps_over_dp']:.3f}, server throughput / raw p2p: {_throughputs(entry)}"
             )
     Path(args.out).write_text(json.dumps(report, indent=1))
 

@@ -332,3 +332,75 @@ def test_server_assembles_chunks_arriving_last_first() -> None:
     _, server = run_distributed(_out_of_order_rank, 2, timeout_s=300)
     assert server["chunks"] > 2
     assert server["grad_equal"] and server["updates"] == 1
+
+
+def _pull_with_clock_rank(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
+    """Train a 4-step sync job (1 server), recording on each worker the order of its CLOCKs,
+    its pulls and its loss all-reduces; the server returns its stats file."""
+    from polytrain.ps import strategy as ps_strategy
+    from polytrain.ps import worker as ps_worker
+    from polytrain.trainer.loop import train
+
+    calls: list[tuple[str, int]] = []
+    client, strategy = ps_worker.WorkerClient, ps_strategy.PSStrategy
+    post_clock, post_pull, init = client.post_clock, client.post_pull, strategy.__init__
+
+    def clock(self: Any, c: int) -> None:
+        calls.append(("clock", c))
+        post_clock(self, c)
+
+    def pull(self: Any, c: int) -> Any:
+        calls.append(("pull", c))
+        return post_pull(self, c)
+
+    def build(self: Any, *a: Any, **kw: Any) -> None:
+        init(self, *a, **kw)
+        reduce = self.reduce
+
+        def recorded(stats: torch.Tensor) -> tuple[float, bool]:
+            calls.append(("reduce", self.clock - 1))
+            return reduce(stats)
+
+        self.reduce = recorded
+
+    client.post_clock, client.post_pull, strategy.__init__ = clock, pull, build  # type: ignore[method-assign]
+    job = small_job(
+        parallel={"sync": "ps"},
+        ps={"servers": 1},
+        launch={"nproc": world_size},
+        observe={"out_dir": out_dir},
+    )
+    train(job)
+    stats = _server_stats(out_dir, 1)[0] if rank == world_size - 1 else None
+    return {"calls": calls, "stats": stats}
+
+
+def test_sync_posts_clock_before_the_loss_reduce_and_pulls_before_leaving_the_step(
+    tmp_path: Path,
+) -> None:
+    """[Note: pull with the clock]: each worker's CLOCK of step c leaves before its loss
+    all-reduce and the pull of c + 1 right after it (none after the last step); [Note: transfer
+    windows]: the server saw each clock's push and pull whole, the update between them."""
+    out = run_distributed(_pull_with_clock_rank, 3, str(tmp_path), timeout_s=300)
+    steps = 4
+    for rank in (0, 1):
+        calls = out[rank]["calls"]
+        for c in range(steps):
+            assert calls.index(("clock", c)) < calls.index(("reduce", c)), (rank, calls)
+            if c + 1 < steps:
+                assert calls.index(("reduce", c)) < calls.index(("pull", c + 1)), (rank, calls)
+        # The last step posts no pull: the final evaluation pulls after it, on its own.
+        assert calls.index(("reduce", steps - 1)) < calls.index(("pull", steps)), calls
+    stats = out[2]["stats"]
+    shard_bytes = stats["bytes_in"] // (2 * steps)  # 2 workers push every step
+    windows = stats["windows"]
+    assert sorted(windows) == [str(c) for c in range(steps + 1)]
+    assert windows[str(steps)]["pull_bytes"] == 2 * shard_bytes  # the evaluation's pulls
+    for c in range(steps):
+        w = windows[str(c)]
+        assert w["push_bytes"] == w["pull_bytes"] == 2 * shard_bytes
+        assert w["push_start"] <= w["push_end"] <= w["apply_start"] <= w["apply_end"]
+        assert w["pull_start"] <= w["pull_end"]
+        if c > 0:  # the pull of c carries the update of c - 1
+            assert windows[str(c - 1)]["apply_end"] <= w["pull_start"]
+    assert stats["window_bytes_per_s"] > 0

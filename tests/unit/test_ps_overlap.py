@@ -13,6 +13,7 @@ from torch import nn
 
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.overlap import GradPusher, ParamFetcher, chunk_members, param_chunks
+from polytrain.ps.server import all_finite
 
 
 class _Net(nn.Module):
@@ -135,3 +136,28 @@ def test_fetcher_waits_only_for_a_modules_own_chunks_first_layers_first() -> Non
     for name, param in model.named_parameters():
         _, start, stop, _ = where[name]
         assert torch.equal(param.detach().reshape(-1), flat[start:stop])
+
+
+def test_pusher_finite_sees_a_non_finite_loss_or_gradient_anywhere() -> None:
+    """[Note: pull with the clock]: a worker poisons its push from `GradPusher.finite`, so it
+    must see a NaN/Inf in the loss or in any element of any server's pushed gradient, and must
+    not mistake finite values whose float32 sum overflows for a non-finite gradient."""
+    model = _model()
+    pusher = GradPusher(model, _layout(model, 2))
+    pusher.arm(lambda s, k, payload: None)
+    _backward(model)
+    pusher.flush()
+    loss = torch.tensor(1.5)
+    assert pusher.finite(loss)
+    assert not pusher.finite(torch.tensor(float("nan")))
+    assert not pusher.finite(torch.tensor(float("inf")))
+    for s in range(2):
+        for value in (float("nan"), float("inf"), float("-inf")):
+            saved = pusher.flats[s][-1].clone()
+            pusher.flats[s][-1] = value
+            assert not pusher.finite(loss), (s, value)
+            pusher.flats[s][-1] = saved
+    pusher.flats[0][:4] = 3e38  # finite, but their float32 sum overflows
+    assert pusher.finite(loss)
+    assert not all_finite(torch.tensor([3e38, float("nan"), -3e38]))
+    assert all_finite(torch.tensor([3e38, 3e38, -3e38]))

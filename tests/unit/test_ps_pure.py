@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import random
 import subprocess
@@ -40,6 +41,7 @@ from polytrain.ps.protocol import (
     dtype_from_code,
     job_fingerprint,
 )
+from polytrain.ps.server import ServerStats
 from polytrain.testing import scaled
 
 JOB = job_fingerprint([("w", (4, 3), "torch.float32"), ("b", (3,), "torch.float32")])
@@ -528,3 +530,24 @@ def test_chunk_size_from_a_calibrated_link() -> None:
     assert build_layout(model, 1, 0, link=vm).chunk_elems * 4 == mib
     assert build_layout(model, 1, 0, link=vm[:1]).chunk_elems * 4 == auto_chunk_bytes(largest)
     assert build_layout(model, 1, 64, link=vm).chunk_elems * 4 == 64 * kib
+
+
+def test_transfer_windows_divide_bytes_by_the_time_inside_them() -> None:
+    """[Note: transfer windows]: per clock the push window plus the pull window; clocks before
+    ``first_clock`` and halves that moved nothing are left out."""
+    stats = ServerStats()
+    stats.window(0).push_start, stats.window(0).push_end = 0.0, 100.0  # warm-up: left out
+    stats.window(0).push_bytes = 1
+    w1 = stats.window(1)
+    w1.push_start, w1.push_end, w1.push_bytes = 10.0, 12.0, 400
+    w1.pull_start, w1.pull_end, w1.pull_bytes = 13.0, 14.0, 200
+    w2 = stats.window(2)  # a pull only (a final evaluation's): its push half counts nothing
+    w2.pull_start, w2.pull_end, w2.pull_bytes = 20.0, 21.0, 200
+    assert w1.seconds() == 3.0 and w2.seconds() == 1.0
+    assert stats.window_bytes_per_s() == pytest.approx((400 + 200 + 200) / 4.0)
+    assert stats.window_bytes_per_s(first_clock=0) == pytest.approx(801 / 104.0)
+    assert stats.window_bytes_per_s(which="pull") == pytest.approx(400 / 2.0)
+    assert stats.window_bytes_per_s(which="push") == pytest.approx(400 / 2.0)
+    assert math.isnan(ServerStats().window_bytes_per_s())
+    record = w2.record()  # JSON-ready: the push half's infinite bounds are dropped
+    assert "push_start" not in record and record["pull_bytes"] == 200.0

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -58,7 +59,7 @@ class LocalLink:
         worker: int,
         spans: list[tuple[int, int]],
         dtype: torch.dtype,
-        inbox: queue.Queue[tuple[str, int, Any, Any]],
+        inbox: queue.Queue[tuple[str, int, Any, Any, tuple[float, float]]],
         decode: Callable[[torch.Tensor, int], Header],
     ) -> None:
         self.worker, self.spans, self.inbox, self.decode = worker, spans, inbox, decode
@@ -73,6 +74,7 @@ class LocalLink:
         """A message from the local worker: PUSH ``payload`` is its chunk; PULL and the
         coordinator's LEAVE pass the buffer the shard is to be copied into."""
         self.raise_if_failed()
+        arrived = time.perf_counter()
         checked = self.decode(header.encode(), self.worker)
         body = None
         if checked.op is Op.PUSH:
@@ -82,7 +84,7 @@ class LocalLink:
             body = self.staging
         elif checked.op in (Op.PULL, Op.LEAVE) and payload is not None:
             self.dest = payload
-        self.inbox.put(("msg", self.worker, checked, body))
+        self.inbox.put(("msg", self.worker, checked, body, (arrived, time.perf_counter())))
 
     def reply(self) -> torch.Tensor:
         """The next reply header (encoded). Waits as long as the server thread is alive and

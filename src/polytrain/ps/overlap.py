@@ -18,6 +18,23 @@ Limits: sync mode only (async and ssp clip each worker's gradient before its pus
 the whole gradient) and not hierarchical (the host reduces the whole gradient first); with
 ``train.grad_accum > 1`` only the last micro-batch's backward pushes. Shapes: P_s = elements of
 server s's shard.
+
+[Note: pull with the clock] (issue 14: the step's exposed tail) A worker ends its push as soon
+as backward has ended, before the loss all-reduce: it posts the CLOCK, so the server makes the
+update while the workers reduce their losses instead of after. Right after the all-reduce it
+posts the pull of the next step (every receive first, [Note: replies never wait] in
+polytrain.ps.server) before it waits for its chunk sends and leaves the step; the server defers
+that pull as before and grants it the moment the update is made, so the grant and the first
+chunks travel while the worker is between steps, and the next step no longer starts with a
+PULL -> grant round trip. The CLOCK can precede the all-reduce, which decides whether the step
+is non-finite, because the push is poisoned from what the worker knows itself: a worker whose
+own loss or gradient is non-finite (`GradPusher.finite`) re-sends every chunk filled with NaN
+before its CLOCK, so a step that the all-reduce finds non-finite on any worker reaches every
+server as a NaN sum, which every server drops or stops on ([Note: parameter-server NaN] in
+polytrain.ps.strategy), as the workers decide from the all-reduce. A finite step's bytes are
+unchanged, so sync parity stays exact. No pull is posted after the last step or before a stop
+on a non-finite step; a posted pull that no step takes is taken by the evaluation after it, or
+waited for before the worker leaves.
 """
 
 from __future__ import annotations
@@ -30,6 +47,7 @@ import torch
 from torch import nn
 
 from polytrain.ps.layout import ShardLayout
+from polytrain.ps.server import all_finite
 
 __all__ = ["ChunkKey", "GradPusher", "ParamFetcher", "chunk_members", "param_chunks"]
 
@@ -134,6 +152,10 @@ class GradPusher:
             if name not in self.done:
                 self._ready(name, param.grad)
         self.post = None
+
+    def finite(self, loss: torch.Tensor) -> bool:
+        """Whether ``loss`` and every element of this step's pushed gradient are finite."""
+        return bool(torch.isfinite(loss.detach()).all()) and all(map(all_finite, self.flats))
 
     def repost(self, post: PostChunk, fill: float) -> None:
         """Post every chunk again filled with ``fill`` (a dropped step's NaN push, [Note:

@@ -1,8 +1,10 @@
 """The receiving side of one parameter server: request validation and one receiver per worker.
 
 The receiver threads of [Note: server threads] in `polytrain.ps.server`: one per remote worker,
-handing the server's main thread ``("msg", src, header, payload)`` items through its inbox, or
-one ``("lost" | "error" | "failed", src, why, None)`` when that worker's stream ends.
+handing the server's main thread ``("msg", src, header, payload, when)`` items through its inbox
+(``when``: `time.perf_counter` when the header arrived and when the message was complete, for
+[Note: transfer windows]), or one ``("lost" | "error" | "failed", src, why, None, when)`` when
+that worker's stream ends.
 
 [Note: staging in place] Each receiver thread owns its worker's staging buffer (P + 1 elements)
 and receives every PUSH chunk straight into its slice, borrowing the element after the slice as
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any, TypeAlias
 
@@ -28,9 +31,11 @@ from polytrain.errors import ProtocolError
 from polytrain.ps.layout import ShardLayout
 from polytrain.ps.protocol import HEADER_LEN, Header, Op
 
-__all__ = ["Inbox", "Receivers"]
+__all__ = ["Arrival", "Inbox", "Receivers"]
 
-Inbox: TypeAlias = queue.Queue[tuple[str, int, Any, Any]]
+Arrival: TypeAlias = tuple[float, float]
+"""`time.perf_counter` when a message's header arrived, and when the message was complete."""
+Inbox: TypeAlias = queue.Queue[tuple[str, int, Any, Any, Arrival]]
 
 _WORKER_OPS = frozenset({Op.PULL, Op.PUSH, Op.CLOCK, Op.JOIN, Op.LEAVE, Op.SHUTDOWN})
 
@@ -81,6 +86,7 @@ class Receivers:
             wire = torch.zeros(HEADER_LEN, dtype=torch.int64)
             try:
                 ps_wire.wait_all([ps_wire.post_recv(wire, src, ps_wire.TAG_REQUEST, self.group)])
+                arrived = time.perf_counter()
                 header = self.decode(wire, src)
                 payload = None
                 if header.op is Op.PUSH:
@@ -94,16 +100,16 @@ class Receivers:
                     window[-1] = borrowed
                     payload = staging[:-1]
             except PeerLost as exc:
-                self.inbox.put(("lost", src, str(exc), None))
+                self.inbox.put(("lost", src, str(exc), None, _now()))
                 return
             except ProtocolError as exc:
                 # The stream from ``src`` is out of step: stop receiving, report, apply nothing.
-                self.inbox.put(("error", src, exc, None))
+                self.inbox.put(("error", src, exc, None, _now()))
                 return
             except Exception as exc:  # e.g. the group torn down under a failed colocated rank
-                self.inbox.put(("failed", src, f"{type(exc).__name__}: {exc}", None))
+                self.inbox.put(("failed", src, f"{type(exc).__name__}: {exc}", None, _now()))
                 return
-            self.inbox.put(("msg", src, header, payload))
+            self.inbox.put(("msg", src, header, payload, (arrived, time.perf_counter())))
             if header.op is Op.SHUTDOWN or (header.op is Op.LEAVE and src != self.coordinator):
                 return
 
@@ -141,3 +147,8 @@ class Receivers:
                     f"code {header.dtype}: expected {stop - start}, {self.layout.dtype_code}"
                 )
         return header
+
+
+def _now() -> Arrival:
+    now = time.perf_counter()
+    return now, now

@@ -28,11 +28,23 @@ and divides by their number: the global-batch mean, as in the single-process run
 ssp apply each push divided by ``num_pushers``: for SGD that is lr / num_workers per worker
 gradient, so one round of pushes moves the weights as far as one synchronous step (Downpour
 with a scaled learning rate); Adam normalizes the scale away and takes one full step per push.
+
+[Note: transfer windows] Per clock a server records (`TransferWindow`, in `ServerStats.windows`)
+when the header of the first PUSH chunk of that clock arrived and when its last chunk was in
+(over every worker; times from the receiver threads), when it posted the first reply to a PULL
+of that clock and when every such reply had been sent, the bytes of each, and (sync) when the
+update made from that clock's pushes started and ended. `ServerStats.window_bytes_per_s` divides
+the bytes received and sent by the time inside those windows, summed over clocks: the server's
+rate while it moves a step's data, where ``ps_bytes_per_s`` divides by its whole wall time.
+With ``ps.overlap`` a push window opens at the first chunk, posted from inside backward, so it
+also holds the rest of the workers' backward; a pull window holds only the sends, so the pull
+windows alone (``which="pull"``) give the server's sending rate.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import queue
 import time
 from collections.abc import Callable
@@ -63,10 +75,43 @@ from polytrain.ps.local import LocalLink
 from polytrain.ps.protocol import Header, Op
 from polytrain.ps.receive import Inbox, Receivers
 
-__all__ = ["ParameterServer", "ServerStats"]
+__all__ = ["ParameterServer", "ServerStats", "TransferWindow", "all_finite"]
 
 _POLL_S = 0.2
 _PROBE_AFTER_S = 1.0
+
+
+@dataclass
+class TransferWindow:
+    """One clock's push and pull as a server saw them ([Note: transfer windows]); times are
+    `time.perf_counter` seconds (on Linux one monotonic clock for every process of a host)."""
+
+    push_start: float = math.inf  # the first PUSH chunk's header of this clock arrived
+    push_end: float = -math.inf  # the last PUSH chunk of this clock was in
+    push_bytes: int = 0
+    pull_start: float = math.inf  # the first reply to a PULL of this clock was posted
+    pull_end: float = -math.inf  # every reply to the PULLs of this clock was sent
+    pull_bytes: int = 0
+    apply_start: float = math.nan  # sync: the update made from this clock's pushes
+    apply_end: float = math.nan
+
+    def seconds(self, which: Literal["push", "pull", "both"] = "both") -> float:
+        """The push window plus the pull window (``which``: only one; each 0 when this clock
+        had none)."""
+        push = max(0.0, self.push_end - self.push_start) if self.push_bytes else 0.0
+        pull = max(0.0, self.pull_end - self.pull_start) if self.pull_bytes else 0.0
+        return {"push": push, "pull": pull, "both": push + pull}[which]
+
+    def moved(self, which: Literal["push", "pull", "both"] = "both") -> int:
+        """Bytes received (push), sent (pull), or both."""
+        push = self.push_bytes if which != "pull" else 0
+        pull = self.pull_bytes if which != "push" else 0
+        return push + pull
+
+    def record(self) -> dict[str, float]:
+        """JSON-ready fields (absent times dropped)."""
+        out = {k: float(v) for k, v in vars(self).items()}
+        return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
 @dataclass
@@ -83,12 +128,32 @@ class ServerStats:
     removed: list[tuple[int, int, str]] = field(default_factory=list)  # (worker, clock, why)
     left: list[tuple[int, int]] = field(default_factory=list)  # (worker, clock)
     skipped: list[int] = field(default_factory=list)  # clocks of dropped non-finite updates
+    windows: dict[int, TransferWindow] = field(default_factory=dict)  # by clock
+
+    def window(self, clock: int) -> TransferWindow:
+        return self.windows.setdefault(clock, TransferWindow())
+
+    def window_bytes_per_s(
+        self, first_clock: int = 1, which: Literal["push", "pull", "both"] = "both"
+    ) -> float:
+        """Bytes received and sent over the time inside the transfer windows of the clocks
+        from ``first_clock`` on ([Note: transfer windows]); ``which``: the push windows'
+        bytes over their time only, or the pull windows'; NaN if there were none."""
+        chosen = [w for c, w in self.windows.items() if c >= first_clock]
+        seconds = sum(w.seconds(which) for w in chosen)
+        moved = sum(w.moved(which) for w in chosen)
+        return moved / seconds if seconds > 0 else math.nan
 
 
-def _all_finite(flat: torch.Tensor) -> bool:
-    """Whether every element is finite, in one pass without a mask the size of the shard:
-    a float64 sum of float32 (or narrower) values cannot overflow, so it is finite if and only
-    if every element is."""
+def all_finite(flat: torch.Tensor) -> bool:
+    """Whether every element is finite, without a mask the size of the shard.
+
+    A sum is NaN or infinite if any element is, so a finite sum in the buffer's own dtype
+    answers at once (one fast pass); only a non-finite one, which may also be an overflow of
+    finite values, is checked again with a float64 sum, which cannot overflow on float32 (or
+    narrower) values and so is finite if and only if every element is."""
+    if bool(torch.isfinite(flat.sum())):
+        return True
     if flat.dtype == torch.float64:
         return bool(torch.isfinite(flat).all())
     return bool(torch.isfinite(flat.sum(dtype=torch.float64)))
@@ -248,6 +313,10 @@ class ParameterServer:
             "removed": s.removed,
             "left": s.left,
             "skipped": s.skipped,
+            "windows": {str(c): w.record() for c, w in sorted(s.windows.items())},
+            "window_bytes_per_s": s.window_bytes_per_s(),
+            "push_window_bytes_per_s": s.window_bytes_per_s(which="push"),
+            "pull_window_bytes_per_s": s.window_bytes_per_s(which="pull"),
             **self.metrics(),
         }
         path.write_text(json.dumps(record))
@@ -256,14 +325,14 @@ class ParameterServer:
         while not done():
             ps_wire.heartbeat(f"server{self.index}")  # [Note: hung server] in comm.ps_wire
             try:
-                kind, src, a, b = self._inbox.get(timeout=_POLL_S)
+                kind, src, a, b, when = self._inbox.get(timeout=_POLL_S)
             except queue.Empty:
                 self._check_liveness()
                 self._grant_ready()
                 continue
             if kind == "msg":
                 self.last_heard[src] = time.monotonic()
-                self._handle(a, b)
+                self._handle(a, b, when)
             elif kind == "lost":
                 self._drop(src, f"lost: {a}")
             elif kind == "error":
@@ -287,7 +356,10 @@ class ParameterServer:
             elif silent > self.worker_timeout_s:
                 self._drop(w, f"silent for {silent:.0f} s > ps.worker_timeout_s")
 
-    def _handle(self, header: Header, payload: torch.Tensor | None) -> None:
+    def _handle(
+        self, header: Header, payload: torch.Tensor | None, when: tuple[float, float] = (0, 0)
+    ) -> None:
+        """One message; ``when``: its arrival (`polytrain.ps.receive.Arrival`)."""
         w, op = header.worker, header.op
         if op is Op.SHUTDOWN:
             if w != self.coordinator:
@@ -315,6 +387,10 @@ class ParameterServer:
             self.staging[w] = payload  # already in place ([Note: staging in place] in ps.receive)
             self.chunks_in.setdefault(w, set()).add(header.chunk)
             self.stats.bytes_in += (stop - start) * payload.element_size()
+            window = self.stats.window(clock)
+            window.push_start = min(window.push_start, when[0])
+            window.push_end = max(window.push_end, when[1])
+            window.push_bytes += (stop - start) * payload.element_size()
         elif op is Op.CLOCK:
             self._clock(w, clock)
         elif op is Op.LEAVE:
@@ -344,8 +420,10 @@ class ParameterServer:
     def _apply_sum(self) -> None:
         assert self.aggregator is not None
         clock = self.aggregator.clock
+        window = self.stats.window(clock)
+        window.apply_start = time.perf_counter()
         count = self.aggregator.finish()
-        self.grad_flat.copy_(self.sum_flat).div_(count)
+        torch.div(self.sum_flat, count, out=self.grad_flat)
         self.sum_flat.zero_()
         if self.optim_cfg.grad_clip > 0:
             # Clip by the norm of the whole gradient, summed over every server's shard.
@@ -357,10 +435,11 @@ class ParameterServer:
             coef = clip_coefficient(self.optim_cfg.grad_clip, square.sqrt()[0])
             self.grad_flat.mul_(coef.to(self.grad_flat.dtype))
         self._step(clock)
+        window.apply_end = time.perf_counter()
         self.applied = clock + 1
 
     def _step(self, clock: int) -> None:
-        if not _all_finite(self.grad_flat):
+        if not all_finite(self.grad_flat):
             self._nonfinite(clock)
             return
         for group in self.optimizer.param_groups:
@@ -423,7 +502,10 @@ class ParameterServer:
                 return
             self.deferred = [d for d in self.deferred if d not in ready]
             posted = []
+            shard_bytes = self.flat.numel() * self.flat.element_size()
             for w, clock in ready:
+                window = self.stats.window(clock)
+                window.pull_start = min(window.pull_start, time.perf_counter())
                 ack = Header(Op.ACK, w, floor, self.layout.job_id, shard=self.index)
                 try:
                     if self.link is not None and w == self.link.worker:
@@ -443,6 +525,9 @@ class ParameterServer:
                     self._drop(w, f"lost: {exc}")
                     continue
                 self.granted[w] = clock
+                window = self.stats.window(clock)
+                window.pull_end = max(window.pull_end, time.perf_counter())
+                window.pull_bytes += shard_bytes
                 self.stats.events.append((w, clock, floor))
                 self.stats.grants += 1
 

@@ -44,7 +44,10 @@ async/ssp clip each worker's gradient before it (sync clips the global mean on t
 A non-finite step still pushes, but a gradient filled with NaN, so every server sees it in the
 same update whatever shard held the NaN: with ``train.on_nonfinite = "stop"`` the worker and
 every server raise `NonFiniteLossError` naming the step; with ``"skip"`` the servers drop that
-update (counted as ``ps_skipped_updates``) and the worker's step is reported skipped.
+update (counted as ``ps_skipped_updates``) and the worker's step is reported skipped. With
+``ps.overlap`` (sync) the CLOCK leaves before the all-reduce, so the NaN push comes from the
+worker that saw the NaN itself; the other workers' finite pushes do not hide it (a sum with a
+NaN is NaN on every server): [Note: pull with the clock] in polytrain.ps.overlap.
 
 [Note: recompute on workers] ``parallel.recompute`` recomputes a worker's blocks in backward
 (`parallel.recompute`, which keeps parameter names), so the shard layout is unchanged.
@@ -81,7 +84,7 @@ from polytrain.ps.local import ColocatedServer
 from polytrain.ps.overlap import GradPusher, ParamFetcher
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
-from polytrain.ps.worker import WorkerClient
+from polytrain.ps.worker import PendingPull, PostedPull, WorkerClient
 
 __all__ = ["PSStrategy", "ranks_per_host", "server_ranks"]
 
@@ -245,6 +248,10 @@ class PSStrategy(Strategy):
         self.straggler = rank == self.num_workers - 1 and ps.straggler_delay_s > 0
         self.clock = 0  # iterations this worker has completed
         self.fresh = -1  # the clock whose parameters the model holds
+        # sync overlap: the next clock's pull, posted with this clock's CLOCK ([Note: pull
+        # with the clock] in polytrain.ps.overlap)
+        self.next_pull: PostedPull | None = None
+        self.pending_pull: PendingPull | None = None  # the pull this step's forward takes
         self.started = time.monotonic()
         self.last_metrics: dict[str, float] = {}
 
@@ -263,6 +270,7 @@ class PSStrategy(Strategy):
             self.server.resume_at(step)
         self.clock = step
         self.fresh = -1
+        self.next_pull = None
 
     def checkpoint_parts(self) -> tuple[list[nn.Module], torch.optim.Optimizer | None]:
         """A colocated server's rank saves its shard and optimizer ([Note: colocated
@@ -300,6 +308,8 @@ class PSStrategy(Strategy):
         if self.straggler:
             time.sleep(self.job.ps.straggler_delay_s)
         self.clock += 1  # the push below completes the clock, also a poisoned one
+        if self.pusher is not None:  # [Note: pull with the clock] in polytrain.ps.overlap
+            self._post_clock(step, loss)
         out = finish_step(  # [Note: parameter-server NaN]
             step,
             loss,
@@ -345,6 +355,9 @@ class PSStrategy(Strategy):
             return {}
         assert self.client is not None
         self._serve_colocated()
+        if self.next_pull is not None:  # a pull no step or evaluation used
+            self.next_pull.granted().wait_rest()
+            self.next_pull = None
         posted = self.client.leave(self.clock) if self.is_pusher else None
         state: dict[str, torch.Tensor] = {}
         if posted is not None:
@@ -375,20 +388,26 @@ class PSStrategy(Strategy):
         if lazy:
             assert self.client is not None and self.fetcher is not None
             with self.tracer.span("pull-grant", cat="communication", step=clock):
-                pending = self.client.begin_pull(clock)
+                posted = self._posted_pull(clock) or self.client.post_pull(clock)
+                # The ACKs come with the first chunk ([Note: pull with the clock]).
+                pending = posted.granted(wait_acks=False)
             self.fetcher.start(pending.wait_chunk)
             self.fresh = clock
-            self.last_metrics = {
-                "ps_staleness": float(max(clock - f for f in pending.floors)),
-                "ps_wait_s": time.perf_counter() - t0,
-            }
+            self.pending_pull = pending
+            self.last_metrics = {"ps_wait_s": time.perf_counter() - t0}
             return
         with self.tracer.span("pull", cat="communication", step=clock):
             flats: list[torch.Tensor] = []
             staleness = 0
             if self.is_pusher:
                 assert self.client is not None
-                flats, floors = self.client.pull(clock)
+                early = self._posted_pull(clock)
+                if early is not None:  # posted with the last CLOCK: wait for every chunk
+                    granted = early.granted()
+                    granted.wait_rest()
+                    flats, floors = granted.flats, granted.floors
+                else:
+                    flats, floors = self.client.pull(clock)
                 staleness = max(clock - f for f in floors)
             if self.host_group is not None:
                 whole = torch.cat(flats) if flats else self._empty_whole()
@@ -404,6 +423,23 @@ class PSStrategy(Strategy):
             "ps_staleness": float(staleness),
             "ps_wait_s": time.perf_counter() - t0,
         }
+
+    def _posted_pull(self, clock: int) -> PostedPull | None:
+        """The pull of ``clock`` posted with the last CLOCK, if any (taken)."""
+        posted, self.next_pull = self.next_pull, None
+        assert posted is None or posted.clock == clock, (posted and posted.clock, clock)
+        return posted
+
+    def _post_clock(self, step: int, loss: torch.Tensor) -> None:
+        """End the push of ``step`` before the loss all-reduce: a NaN push if this worker's
+        own loss or gradient is non-finite, then the CLOCK ([Note: pull with the clock] in
+        polytrain.ps.overlap); `_push` posts the next pull and waits for the sends."""
+        assert self.client is not None and self.pusher is not None
+        with self.tracer.span("push-clock", cat="communication", step=step):
+            if not self.pusher.finite(loss):  # [Note: parameter-server NaN]
+                self.client.wait_chunks()
+                self.pusher.repost(functools.partial(self.client.post_chunk, step), math.nan)
+            self.client.post_clock(step)
 
     def _empty_whole(self) -> torch.Tensor:
         total = sum(self.layout.numel(s) for s in range(len(self.servers)))
@@ -430,6 +466,10 @@ class PSStrategy(Strategy):
             if self.fetcher.pending:  # this step pulled (not evaluate before it)
                 self.fetcher.finish()  # parameters forward did not reach
                 self.last_metrics["ps_wait_s"] += self.fetcher.wait_s
+                assert self.pending_pull is not None
+                floors = self.pending_pull.floors
+                self.last_metrics["ps_staleness"] = float(max(step - f for f in floors))
+                self.pending_pull = None
             self.pusher.flush()  # chunks of parameters without a gradient
             self.last_metrics["ps_early_chunks"] = self.pusher.early / max(
                 1, len(self.pusher.order)
@@ -440,12 +480,13 @@ class PSStrategy(Strategy):
         """Push this replica's gradient of ``step``; ``poison``: a NaN one instead (a dropped
         step the servers must see, [Note: parameter-server NaN])."""
         with self.tracer.span("push", cat="communication", step=step):
-            if self.pusher is not None:  # the chunks are posted: complete the push
+            if self.pusher is not None:  # chunks and CLOCK are posted (`_post_clock`)
                 assert self.client is not None
-                if poison:
-                    self.client.wait_chunks()
-                    self.pusher.repost(functools.partial(self.client.post_chunk, step), math.nan)
-                self.client.end_push(step)
+                # The next step's pull, unless this is the last step or a stop is coming.
+                stopping = poison and self.rules.on_nonfinite == "stop"
+                if step + 1 < self.job.train.steps and not stopping:
+                    self.next_pull = self.client.post_pull(step + 1)
+                self.client.wait_chunks()
             else:
                 grads = {
                     n: (p.grad if p.grad is not None else torch.zeros_like(p))

@@ -18,7 +18,7 @@ from polytrain.ps.layout import ShardLayout
 from polytrain.ps.local import LocalLink
 from polytrain.ps.protocol import HEADER_LEN, Header, Op
 
-__all__ = ["PendingPull", "RemovedError", "WorkerClient"]
+__all__ = ["PendingPull", "PostedPull", "RemovedError", "WorkerClient"]
 
 
 class RemovedError(PolytrainError):
@@ -71,6 +71,10 @@ class WorkerClient:
     def _send_all(self, op: Op, clock: int, local_buffer: torch.Tensor | None = None) -> None:
         """``op`` to every server; the one on this rank gets ``local_buffer`` (where its
         reply's shard goes) with it."""
+        ps_wire.wait_all(self._post_all(op, clock, local_buffer))
+
+    def _post_all(self, op: Op, clock: int, local_buffer: torch.Tensor | None = None) -> list[Any]:
+        """`_send_all` without the wait: the posted sends."""
         ops = []
         for s, rank in enumerate(self.servers):
             header = self._header(op, clock, s)
@@ -80,7 +84,7 @@ class WorkerClient:
             else:
                 wire = header.encode()
                 ops.append(ps_wire.post_send(wire, rank, ps_wire.TAG_REQUEST, self.groups[s]))
-        ps_wire.wait_all(ops)
+        return ops
 
     def _local_reply(self, wires: list[torch.Tensor]) -> None:
         """The local server's reply header into its slot of ``wires`` (after the copy)."""
@@ -168,15 +172,19 @@ class WorkerClient:
         """`pull` up to the grants: every server has answered (ACK), its chunks are still on
         the wire; `PendingPull.wait_chunk` waits for one ([Note: prioritised overlap] in
         polytrain.ps.overlap)."""
+        return self.post_pull(clock).granted()
+
+    def post_pull(self, clock: int) -> PostedPull:
+        """Post a pull of ``clock`` and return at once: every receive (ACK, every chunk),
+        then the PULL to every server; `PostedPull.granted` waits for the grants. Posted
+        with the push's CLOCK, the pull waits at the server while the worker is elsewhere
+        ([Note: pull with the clock] in polytrain.ps.overlap)."""
         wires, ack_ops = self._post_acks()
         flats, chunk_wires, chunk_ops = self._post_params()
         local_flat = flats[self.local_shard] if self.local is not None else None
-        self._send_all(Op.PULL, clock, local_flat)
-        what = f"worker {self.worker}'s pull of step {clock + 1}"
-        self._wait_replies(ack_ops, what)
-        self._local_reply(wires)
-        floors = self._check_acks(wires)
-        return PendingPull(self, flats, floors, chunk_wires, chunk_ops, what)
+        sends = self._post_all(Op.PULL, clock, local_flat)
+        chunks = (flats, chunk_wires, chunk_ops)
+        return PostedPull(self, clock, wires, ack_ops, chunks, sends)
 
     def post_chunk(self, clock: int, shard: int, chunk: int, payload: torch.Tensor) -> None:
         """Post chunk ``chunk`` of this worker's push of ``clock`` to server ``shard``; the
@@ -207,6 +215,12 @@ class WorkerClient:
 
     def end_push(self, clock: int) -> None:
         """Complete the push of ``clock``: CLOCK to every server after its chunks, then wait."""
+        self.post_clock(clock)
+        self.wait_chunks()
+
+    def post_clock(self, clock: int) -> None:
+        """Post the CLOCK of ``clock`` to every server after its chunks; `wait_chunks`
+        completes the sends."""
         for s, rank in enumerate(self.servers):
             header = self._header(Op.CLOCK, clock, s)
             if s == self.local_shard:
@@ -215,7 +229,6 @@ class WorkerClient:
                 continue
             op = ps_wire.post_send(header.encode(), rank, ps_wire.TAG_REQUEST, self.groups[s])
             self._push_ops.append(op)
-        self.wait_chunks()
 
     def push(self, clock: int, grads: list[torch.Tensor]) -> None:
         """Send the gradient of clock ``clock`` (one flat buffer per server), then its CLOCK."""
@@ -257,23 +270,59 @@ class WorkerClient:
         return flats
 
 
+class PostedPull:
+    """A pull whose receives and PULL messages are posted; `granted` waits for the ACKs."""
+
+    def __init__(
+        self,
+        client: WorkerClient,
+        clock: int,
+        wires: list[torch.Tensor],
+        ack_ops: list[Any],
+        chunks: tuple[list[torch.Tensor], list[tuple[int, int, torch.Tensor]], list[Any]],
+        sends: list[Any],
+    ) -> None:
+        self.client, self.clock, self.wires, self.ack_ops = client, clock, wires, ack_ops
+        self.chunks, self.sends = chunks, sends
+
+    def granted(self, wait_acks: bool = True) -> PendingPull:
+        """Wait until every server has granted the pull (ACK); its chunks may still be on
+        the wire (`PendingPull`). ``wait_acks=False``: return at once; the ACKs are waited
+        for and checked with the first chunk, before any chunk is used (sync mode only: a
+        dropped worker's SHUTDOWN reply has no chunks to wait with)."""
+        client = self.client
+        what = f"worker {client.worker}'s pull of step {self.clock + 1}"
+        ps_wire.wait_all(self.sends)
+        flats, chunk_wires, chunk_ops = self.chunks
+        pending = PendingPull(
+            client, flats, chunk_wires, chunk_ops, what, (self.wires, self.ack_ops)
+        )
+        if wait_acks:
+            pending.take_acks()
+        return pending
+
+
 class PendingPull:
     """A granted pull whose chunks are still arriving; each is validated before it is used.
 
     ``flats``: each server's (P_s,) shard, filled chunk by chunk; ``floors``: the ACKs'
     clocks. The receives were posted in chunk order per server, as the server sends them.
+    ``acks``: the ACKs' header buffers and receives, waited for by `take_acks` (or with the
+    first chunk) and checked before any chunk is used.
     """
 
     def __init__(
         self,
         client: WorkerClient,
         flats: list[torch.Tensor],
-        floors: list[int],
         wires: list[tuple[int, int, torch.Tensor]],
         ops: list[Any],
         what: str,
+        acks: tuple[list[torch.Tensor], list[Any]],
     ) -> None:
-        self.client, self.flats, self.floors, self.what = client, flats, floors, what
+        self.client, self.flats, self.what = client, flats, what
+        self.acks: tuple[list[torch.Tensor], list[Any]] | None = acks
+        self._floors: list[int] = []
         # _post_params posts (header, payload) per chunk, in the order of ``wires``.
         self.ops = {(s, k): ops[2 * i : 2 * i + 2] for i, (s, k, _) in enumerate(wires)}
         self.wires = {(s, k): wire for s, k, wire in wires}
@@ -284,8 +333,33 @@ class PendingPull:
             else set()
         )
 
+    @property
+    def floors(self) -> list[int]:
+        """The slowest worker's clock each server saw when it granted (waits for the ACKs)."""
+        self.take_acks()
+        return self._floors
+
+    def take_acks(self, first: tuple[int, int] | None = None) -> None:
+        """Wait for every server's ACK and check it; chunk ``first``'s receives are waited
+        for in the same watched wait (one wait, not two, before forward can start), then
+        validated after the ACKs."""
+        if self.acks is None:
+            return
+        wires, ack_ops = self.acks
+        chunk = first is not None and first not in self.arrived
+        ops = ack_ops + (self.ops[first] if first is not None and chunk else [])
+        self.client._wait_replies(ops, self.what)
+        self.client._local_reply(wires)
+        self._floors = self.client._check_acks(wires)
+        self.acks = None
+        if first is not None and chunk:
+            s, k = first
+            self.client.check_chunk(s, k, self.wires[first], self.flats[s].element_size())
+            self.arrived.add(first)
+
     def wait_chunk(self, s: int, k: int) -> torch.Tensor:
         """Wait for chunk ``k`` of server ``s`` (validated); return server ``s``'s flat."""
+        self.take_acks((s, k))
         if (s, k) not in self.arrived:
             rank = self.client.servers[s]
             ops = self.ops[(s, k)]
@@ -298,6 +372,7 @@ class PendingPull:
 
     def wait_rest(self) -> None:
         """Wait for every chunk not yet in: one watched wait per server."""
+        self.take_acks()
         for s, rank in enumerate(self.client.servers):
             keys = [key for key in self.ops if key[0] == s and key not in self.arrived]
             if not keys:
