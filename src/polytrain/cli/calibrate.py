@@ -16,12 +16,29 @@ from polytrain.planner.types import HostProfile
 __all__ = ["calibrate_command", "profile_table"]
 
 
+def _spread(profile: HostProfile, what: str) -> str:
+    """`` (spread 4%)``: the interquartile range of the figure's timing rounds over its median
+    ([Note: timing rounds] in planner/calibrate.py); empty where it was not recorded."""
+    value = profile.spread.get(what)
+    return "" if value is None else f" (spread {100 * value:.0f}%)"
+
+
 def profile_table(profile: HostProfile, path: Path) -> Table:
     table = Table(title=f"host profile {path}", show_header=False)
     table.add_row("device", f"{profile.device} ({profile.threads} thread(s) per process)")
+    largest = {dtype: max(sizes, default=0) for dtype, sizes in profile.matmul_by_size.items()}
     for dtype, flops in profile.matmul_flops.items():
-        table.add_row(f"matmul {dtype}", f"{flops / 1e9:.1f} GFLOP/s")
-    table.add_row("memory bandwidth", f"{profile.mem_bw / 1e9:.2f} GB/s")
+        where = _spread(profile, f"matmul {dtype} {largest.get(dtype, 0)}")
+        table.add_row(f"matmul {dtype}", f"{flops / 1e9:.1f} GFLOP/s{where}")
+    for dtype, sizes in profile.matmul_by_size.items():
+        for n, flops in sorted(sizes.items()):
+            if n != largest[dtype]:
+                where = _spread(profile, f"matmul {dtype} {n}")
+                table.add_row(f"matmul {dtype} {n}", f"{flops / 1e9:.1f} GFLOP/s{where}")
+    table.add_row(
+        "memory bandwidth",
+        f"{profile.mem_bw / 1e9:.2f} GB/s{_spread(profile, 'memory bandwidth')}",
+    )
     table.add_row("process start-up", f"{profile.startup_s:.2f} s")
     table.add_row("worker baseline memory", f"{profile.baseline_bytes / 2**20:.0f} MiB")
     table.add_row(
@@ -35,6 +52,13 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     for stage, secs in sorted(profile.fsdp_unit_s.items()):
         what = f"zero {stage}" if stage else "replicate"
         table.add_row(f"FSDP2 hooks, {what}", f"{secs * 1e6:.0f} us per wrapped module")
+    if profile.loop_step_s > 0 or profile.loop_microbatch_s > 0:
+        table.add_row(
+            "training loop's own Python",
+            f"{profile.loop_step_s * 1e6:.0f} us per step + "
+            f"{profile.loop_microbatch_s * 1e6:.0f} us per micro-batch"
+            f"{_spread(profile, 'training loop')}",
+        )
     for part, (per_tensor, per_byte) in profile.step_costs.items():
         rate = f"{1 / per_byte / 1e9:.2f} GB/s" if per_byte > 0 else "no per-byte term"
         table.add_row(f"end of step: {part}", f"{per_tensor * 1e6:.1f} us per tensor + {rate}")

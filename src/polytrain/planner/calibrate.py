@@ -13,13 +13,16 @@ timed by `polytrain.comm.probe`, one launch per world size.
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -31,12 +34,26 @@ import polytrain.pipeline
 import polytrain.ps  # noqa: F401  (with the two above: what a worker imports, for its baseline)
 from polytrain._torch_private import replicate
 from polytrain.comm.collectives import barrier
+from polytrain.comm.init import init_distributed
 from polytrain.comm.probe import COLLECTIVES, time_collective
-from polytrain.config.job import OptimConfig
-from polytrain.core.optim import build_optimizer
+from polytrain.config.job import (
+    JobConfig,
+    LaunchConfig,
+    ModelConfig,
+    ObserveConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+from polytrain.core.optim import build_optimizer, lr_at
 from polytrain.core.step import clip_gradients_, nonfinite_flag
+from polytrain.core.strategy import Strategy
+from polytrain.data.datasets import build_datasets
+from polytrain.data.sampler import Batches
 from polytrain.errors import PlanError
+from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
+from polytrain.parallel.family import build_spmd
 from polytrain.planner.host import host_identity, saved_profile
 from polytrain.planner.profile_io import (
     cache_dir,
@@ -104,34 +121,89 @@ class CalibrationPlan:
         return CalibrationPlan.accelerator() if torch.cuda.is_available() else CalibrationPlan()
 
 
+Key = TypeVar("Key")
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _timed(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
-    """Median seconds of ``fn`` over calls filling ``budget_s`` (3 to 50 calls)."""
+    """Seconds of one call of ``fn`` within ``budget_s`` (`_timed_rounds` of ``fn`` alone)."""
+    return _timed_rounds({0: fn}, device, budget_s)[0][0]
+
+
+ROUNDS = 5  # [Note: timing rounds]
+
+
+def _timed_rounds(
+    fns: dict[Key, Callable[[], object]],
+    device: torch.device,
+    budget_s: float,
+    rounds: int = ROUNDS,
+) -> dict[Key, tuple[float, float]]:
+    """[Note: timing rounds] (seconds, spread) of one call of each of ``fns``, measured in
+    ``rounds`` interleaved rounds: every round times each function in turn (2 to 50 calls,
+    about ``budget_s / rounds`` seconds of them: ``budget_s`` is per function) and keeps their median; the answer is the median of
+    the round medians, and the spread their interquartile range over that median.
+
+    On a host that others use, a burst of load lasts a fraction of a second to seconds: one
+    run of calls (what this was before) lands inside or outside it whole, and the matmul rate
+    moved 65 -> 86 GFLOP/s between two calibrations a minute apart. Rounds spread each
+    measurement over the whole calibration of its group, interleaving puts every size (every
+    part) in every stretch of load alike, and the median of rounds ignores the rounds a burst
+    hit; the spread says how much load the figure survived. The budget is the same as one run's,
+    so calibration takes no longer."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times: list[float] = []
-    while len(times) < 3 or (sum(times) < budget_s and len(times) < 50):
-        t0 = time.perf_counter()
+    for fn in fns.values():  # warm up (allocations, first-call dispatch)
         fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    sync()
+    per_round: dict[Key, list[float]] = {key: [] for key in fns}
+    share = budget_s / max(rounds, 1)
+    for _ in range(max(rounds, 1)):
+        for key, fn in fns.items():
+            times: list[float] = []
+            while len(times) < 2 or (sum(times) < share and len(times) < 50):
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times.append(time.perf_counter() - t0)
+            per_round[key].append(statistics.median(times))
+    return {key: _median_and_spread(values) for key, values in per_round.items()}
+
+
+def _median_and_spread(values: list[float]) -> tuple[float, float]:
+    """(median, interquartile range / median) of ``values`` (spread 0 for fewer than 2)."""
+    mid = statistics.median(values)
+    if len(values) < 2 or mid <= 0:
+        return mid, 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return mid, (q3 - q1) / mid
+
+
+def _matmuls(
+    sizes: tuple[int, ...], dtypes: tuple[str, ...], device: torch.device, budget_s: float
+) -> dict[tuple[str, int], tuple[float, float]]:
+    """(FLOP/s, spread) of an n x n @ n x n matmul per (dtype, n), every size and dtype
+    interleaved in the same rounds ([Note: timing rounds])."""
+    fns: dict[tuple[str, int], Callable[[], object]] = {}
+    for dtype in dtypes:
+        for n in sizes:
+            a = torch.randn(n, n, device=device).to(_DTYPES[dtype])
+            b = torch.randn(n, n, device=device).to(_DTYPES[dtype])
+            fns[(dtype, n)] = partial(torch.matmul, a, b)
+    timed = _timed_rounds(fns, device, budget_s)
+    return {(dtype, n): (2.0 * n**3 / secs, spread) for (dtype, n), (secs, spread) in timed.items()}
 
 
 def _matmul(n: int, dtype: str, device: torch.device, budget_s: float) -> float:
-    a = torch.randn(n, n, device=device).to(_DTYPES[dtype])
-    b = torch.randn(n, n, device=device).to(_DTYPES[dtype])
-    return 2.0 * n**3 / _timed(lambda: a @ b, device, budget_s)
+    return _matmuls((n,), (dtype,), device, budget_s)[(dtype, n)][0]
 
 
-def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> float:
+def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, float]:
+    """(bytes per second read and written by a copy, spread) ([Note: timing rounds])."""
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2.0 * nbytes / _timed(lambda: dst.copy_(src), device, budget_s)  # read + write
+    secs, spread = _timed_rounds({0: partial(dst.copy_, src)}, device, budget_s)[0]
+    return 2.0 * nbytes / secs, spread  # read + write
 
 
 STEP_PARTS = ("check", "clip", "adamw", "sgd")
@@ -233,6 +305,74 @@ def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float
     return out
 
 
+# [Note: loop overhead] The job whose step costs next to nothing: gpt's sibling mlp with one hidden
+# layer of one unit on one-token windows (its forward and backward are ~50 operator calls on
+# tensors of a few values), on the default data set and optimizer, one rank, no strategy wrapper.
+_LOOP_ACCUM = (1, 4)  # micro-steps per step: the per-step and per-micro-batch terms' two points
+
+
+def _loop_job(accum: int) -> JobConfig:
+    return JobConfig(
+        model=ModelConfig(name="mlp", n_layer=1, n_embd=1, block_size=1),
+        train=TrainConfig(grad_accum=accum, sample_tokens=0, eval_every=0),
+        parallel=ParallelConfig(dp=1),
+        observe=ObserveConfig(progress=False),
+        launch=LaunchConfig(nproc=1),
+    )
+
+
+def _rank_loop_overhead(
+    rank: int, world: int, budget_s: float, op_s: float, step_costs: dict[str, tuple[float, float]]
+) -> tuple[float, float, float]:
+    """[Note: loop overhead] (seconds per step, seconds per micro-batch, spread) of what a
+    training step spends beyond what the cost model prices, on a one-rank group: the trainer's
+    ``set_lr`` and the strategy's real ``train_step`` of a model that costs next to nothing
+    (`_loop_job`), at 1 and 4 micro-steps per step, less what the cost model prices for that
+    same step (its operator calls x ``op_s``, the calibrated end of step over its tensors).
+    What is left is the step's own Python: fetching and collating the batch, ``zero_grad``,
+    ``model.train()``, the autograd engine's start per backward, the loss's stack, reduce and
+    ``.item()``, the tracer's spans, the strategy's wrapper. Two points give the per-step
+    constant and the per-micro-batch slope (each at least 0)."""
+    ctx = init_distributed()
+    device = ctx.device
+    torch.manual_seed(0)
+    residual: dict[int, float] = {}
+    spread = 0.0
+    for accum in _LOOP_ACCUM:
+        job = _loop_job(accum)
+        train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
+        batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
+        model = build_model(job.model, spec, job.train.seed)
+        strategy = build_spmd(job, ctx, model, batches)  # dp1: the plain model
+
+        def step(
+            strategy: Strategy = strategy,
+            job: JobConfig = job,
+            steps: Iterator[int] = itertools.count(),
+        ) -> None:
+            n = next(steps)
+            strategy.set_lr(lr_at(n, job.optim, job.train.steps))
+            strategy.train_step(n)
+
+        secs, spread_a = _timed_rounds({0: step}, device, budget_s)[0]
+        spread = max(spread, spread_a)
+        x, y = batches.train(0, microbatch=0, num_microbatches=accum)
+        counter = OpCounter()
+        with counter:
+            model.loss(model(x), y).backward()
+        params = [prm for prm in model.parameters() if prm.requires_grad]
+        nbytes = float(sum(prm.numel() * prm.element_size() for prm in params))
+        end = sum(
+            a * len(params) + b * nbytes
+            for part, (a, b) in step_costs.items()
+            if part in (job.optim.name, "check", "clip")
+        )
+        residual[accum] = secs - accum * counter.ops * op_s - end
+    lo, hi = _LOOP_ACCUM
+    per_micro = max((residual[hi] - residual[lo]) / (hi - lo), 0.0)
+    return max(residual[lo] - lo * per_micro, 0.0), per_micro, spread
+
+
 def _rank_collectives(
     rank: int,
     world: int,
@@ -329,13 +469,14 @@ def calibrate(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        by_size: dict[str, dict[int, float]] = {}
-        for dtype in plan.dtypes:
-            by_size[dtype] = {}
-            for n in plan.matmul_sizes:
-                by_size[dtype][n] = _matmul(n, dtype, device, plan.budget_s)
-                tell(f"matmul {dtype} {n}")
-        mem_bw = _mem_bw(plan.copy_bytes, device, plan.budget_s)
+        by_size: dict[str, dict[int, float]] = {dtype: {} for dtype in plan.dtypes}
+        spread: dict[str, float] = {}  # [Note: timing rounds]
+        matmuls = _matmuls(plan.matmul_sizes, plan.dtypes, device, plan.budget_s)
+        for (dtype, n), (rate, rate_spread) in matmuls.items():
+            by_size[dtype][n] = rate
+            spread[f"matmul {dtype} {n}"] = rate_spread
+            tell(f"matmul {dtype} {n}")
+        mem_bw, spread["memory bandwidth"] = _mem_bw(plan.copy_bytes, device, plan.budget_s)
         tell("memory bandwidth")
         step_costs = _step_costs(plan.step_shapes, device, plan.budget_s)
         op_s = _op_seconds(device, plan.budget_s)
@@ -344,6 +485,13 @@ def calibrate(
         torch.set_num_threads(old_threads)
     (fsdp_unit_s,) = run_distributed(_rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
     tell("FSDP2 overhead per unit")
+    if device.type == "cpu":  # [Note: loop overhead]; an accelerator host: not measured yet
+        ((loop_step_s, loop_micro_s, spread["training loop"]),) = run_distributed(
+            _rank_loop_overhead, 1, plan.budget_s, op_s, step_costs, timeout_s=300.0
+        )
+    else:
+        loop_step_s = loop_micro_s = 0.0
+    tell("training loop overhead")
 
     t0 = time.perf_counter()
     # the larger: a joined group's buffers (harness ranks) or a fresh worker's imports
@@ -389,12 +537,15 @@ def calibrate(
         step_costs=step_costs,
         op_s=op_s,
         fsdp_unit_s=fsdp_unit_s,
+        loop_step_s=loop_step_s,
+        loop_microbatch_s=loop_micro_s,
+        spread=spread,
     )
 
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 4 + len(plan.world_sizes)
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 5 + len(plan.world_sizes)
 
 
 def cached_profile(

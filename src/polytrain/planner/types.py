@@ -181,6 +181,14 @@ class HostProfile:
     # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
     # forward + backward ([Note: FSDP2 unit overhead] in planner/calibrate.py); {} = unknown
     fsdp_unit_s: dict[int, float] = field(default_factory=dict)
+    # [Note: loop overhead] in planner/calibrate.py: seconds a training step spends in its own
+    # Python beyond what the rest of the profile prices, once per step and once per micro-batch
+    # (one process alone, a CPU host); 0 = not calibrated
+    loop_step_s: float = 0.0
+    loop_microbatch_s: float = 0.0
+    # [Note: timing rounds] in planner/calibrate.py: measured figure ("matmul fp32 1024",
+    # "memory bandwidth", "training loop") -> interquartile range / median of its rounds
+    spread: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
