@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polytrain.planner.calibrate import _median_and_spread, _timed_rounds
+from polytrain.planner.calibrate import Rounds, _median_and_spread, _timed_rounds
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.stats_pure import gpt_stats
@@ -98,3 +98,18 @@ def test_timing_rounds_interleave_every_function_in_every_round() -> None:
     assert all(secs >= 0 and spread >= 0 for secs, spread in out.values())
     # budget 0: the minimum of two calls per function per round
     assert "".join(calls) == "abc" + "aabbcc" * 3
+
+
+def test_rounds_can_be_spread_over_other_work() -> None:
+    """`calibrate` runs the matmul rounds between its other measurements: each `round` is one
+    more round (after one warm-up call each), `result` runs the rest, and no more than asked."""
+    calls: list[str] = []
+    rounds = Rounds({k: (lambda k=k: calls.append(k)) for k in "ab"}, torch.device("cpu"), 0.0, 4)
+    rounds.round()
+    calls.append("|")
+    rounds.round()
+    calls.append("|")
+    out = rounds.result()
+    rounds.round()  # all done: nothing more
+    assert "".join(calls) == "ab" + "aabb|" + "aabb|" + "aabb" * 2
+    assert set(out) == {"a", "b"} and rounds.result() == out

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
@@ -127,11 +127,75 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _timed(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
-    """Seconds of one call of ``fn`` within ``budget_s`` (`_timed_rounds` of ``fn`` alone)."""
+    """Seconds of one call of ``fn`` within ``budget_s`` (`Rounds` of ``fn`` alone)."""
     return _timed_rounds({0: fn}, device, budget_s)[0][0]
 
 
 ROUNDS = 5  # [Note: timing rounds]
+
+
+class Rounds(Generic[Key]):
+    """[Note: timing rounds] (seconds, spread) of one call of each of ``fns``, measured in
+    ``rounds`` rounds: every round times each function in turn (2 to 50 / ``rounds`` calls,
+    about ``budget_s / rounds`` seconds of them: ``budget_s`` is per function) and keeps their
+    median; a figure is the median of its round medians, and its spread their interquartile
+    range over that median. `round` runs the next round (the caller spreads them over its
+    work), `result` runs the rounds left and answers.
+
+    On a host that others use, load comes in bursts of a fraction of a second to several
+    seconds: one run of calls (what this was before) lands inside or outside a burst whole,
+    and the matmul rate moved 65 -> 86 GFLOP/s between two calibrations a minute apart.
+    Interleaving puts every size (every dtype) in the same stretches of load, so their ratios
+    hold; `calibrate` spreads the matmul rounds over ~20 s of its other measurements, so a
+    burst of a few seconds hits one or two rounds, which the median drops; the spread says how
+    much load a figure met. The budget is one run's, so calibration takes no longer."""
+
+    def __init__(
+        self,
+        fns: dict[Key, Callable[[], object]],
+        device: torch.device,
+        budget_s: float,
+        rounds: int = ROUNDS,
+        threads: int | None = None,
+    ) -> None:
+        self.fns, self.device, self.threads = fns, device, threads
+        self.rounds = max(rounds, 1)
+        self.share, self.cap = budget_s / self.rounds, max(2, 50 // self.rounds)
+        self.per_round: dict[Key, list[float]] = {key: [] for key in fns}
+        self.warm = False
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def round(self) -> None:
+        """One more round of every function (none once all are done)."""
+        if len(next(iter(self.per_round.values()), [])) >= self.rounds:
+            return
+        old = torch.get_num_threads()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        try:
+            if not self.warm:  # allocations, first-call dispatch
+                for fn in self.fns.values():
+                    fn()
+                self._sync()
+                self.warm = True
+            for key, fn in self.fns.items():
+                times: list[float] = []
+                while len(times) < 2 or (sum(times) < self.share and len(times) < self.cap):
+                    t0 = time.perf_counter()
+                    fn()
+                    self._sync()
+                    times.append(time.perf_counter() - t0)
+                self.per_round[key].append(statistics.median(times))
+        finally:
+            torch.set_num_threads(old)
+
+    def result(self) -> dict[Key, tuple[float, float]]:
+        for _ in range(self.rounds):
+            self.round()
+        return {key: _median_and_spread(values) for key, values in self.per_round.items()}
 
 
 def _timed_rounds(
@@ -140,34 +204,8 @@ def _timed_rounds(
     budget_s: float,
     rounds: int = ROUNDS,
 ) -> dict[Key, tuple[float, float]]:
-    """[Note: timing rounds] (seconds, spread) of one call of each of ``fns``, measured in
-    ``rounds`` interleaved rounds: every round times each function in turn (2 to 50 calls,
-    about ``budget_s / rounds`` seconds of them: ``budget_s`` is per function) and keeps their median; the answer is the median of
-    the round medians, and the spread their interquartile range over that median.
-
-    On a host that others use, a burst of load lasts a fraction of a second to seconds: one
-    run of calls (what this was before) lands inside or outside it whole, and the matmul rate
-    moved 65 -> 86 GFLOP/s between two calibrations a minute apart. Rounds spread each
-    measurement over the whole calibration of its group, interleaving puts every size (every
-    part) in every stretch of load alike, and the median of rounds ignores the rounds a burst
-    hit; the spread says how much load the figure survived. The budget is the same as one run's,
-    so calibration takes no longer."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for fn in fns.values():  # warm up (allocations, first-call dispatch)
-        fn()
-    sync()
-    per_round: dict[Key, list[float]] = {key: [] for key in fns}
-    share = budget_s / max(rounds, 1)
-    for _ in range(max(rounds, 1)):
-        for key, fn in fns.items():
-            times: list[float] = []
-            while len(times) < 2 or (sum(times) < share and len(times) < 50):
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                times.append(time.perf_counter() - t0)
-            per_round[key].append(statistics.median(times))
-    return {key: _median_and_spread(values) for key, values in per_round.items()}
+    """(seconds, spread) of each of ``fns``: `Rounds` run back to back."""
+    return Rounds(fns, device, budget_s, rounds).result()
 
 
 def _median_and_spread(values: list[float]) -> tuple[float, float]:
@@ -179,23 +217,34 @@ def _median_and_spread(values: list[float]) -> tuple[float, float]:
     return mid, (q3 - q1) / mid
 
 
-def _matmuls(
-    sizes: tuple[int, ...], dtypes: tuple[str, ...], device: torch.device, budget_s: float
-) -> dict[tuple[str, int], tuple[float, float]]:
-    """(FLOP/s, spread) of an n x n @ n x n matmul per (dtype, n), every size and dtype
-    interleaved in the same rounds ([Note: timing rounds])."""
+def _matmul_rounds(
+    sizes: tuple[int, ...],
+    dtypes: tuple[str, ...],
+    device: torch.device,
+    budget_s: float,
+    threads: int | None = None,
+) -> Rounds[tuple[str, int]]:
+    """Rounds of an n x n @ n x n matmul per (dtype, n), every size and dtype interleaved in
+    each round ([Note: timing rounds]); `matmul_rates` turns their result into FLOP/s."""
     fns: dict[tuple[str, int], Callable[[], object]] = {}
     for dtype in dtypes:
         for n in sizes:
             a = torch.randn(n, n, device=device).to(_DTYPES[dtype])
             b = torch.randn(n, n, device=device).to(_DTYPES[dtype])
             fns[(dtype, n)] = partial(torch.matmul, a, b)
-    timed = _timed_rounds(fns, device, budget_s)
-    return {(dtype, n): (2.0 * n**3 / secs, spread) for (dtype, n), (secs, spread) in timed.items()}
+    return Rounds(fns, device, budget_s, threads=threads)
+
+
+def matmul_rates(rounds: Rounds[tuple[str, int]]) -> dict[tuple[str, int], tuple[float, float]]:
+    """(FLOP/s, spread) per (dtype, n) of `_matmul_rounds`, running the rounds left."""
+    return {
+        (dtype, n): (2.0 * n**3 / secs, spread)
+        for (dtype, n), (secs, spread) in rounds.result().items()
+    }
 
 
 def _matmul(n: int, dtype: str, device: torch.device, budget_s: float) -> float:
-    return _matmuls((n,), (dtype,), device, budget_s)[(dtype, n)][0]
+    return matmul_rates(_matmul_rounds((n,), (dtype,), device, budget_s))[(dtype, n)][0]
 
 
 def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, float]:
@@ -469,22 +518,22 @@ def calibrate(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        by_size: dict[str, dict[int, float]] = {dtype: {} for dtype in plan.dtypes}
         spread: dict[str, float] = {}  # [Note: timing rounds]
-        matmuls = _matmuls(plan.matmul_sizes, plan.dtypes, device, plan.budget_s)
-        for (dtype, n), (rate, rate_spread) in matmuls.items():
-            by_size[dtype][n] = rate
-            spread[f"matmul {dtype} {n}"] = rate_spread
-            tell(f"matmul {dtype} {n}")
+        # the matmul rounds are spread over the measurements below (see `Rounds`)
+        matmuls = _matmul_rounds(plan.matmul_sizes, plan.dtypes, device, plan.budget_s, threads)
+        matmuls.round()
         mem_bw, spread["memory bandwidth"] = _mem_bw(plan.copy_bytes, device, plan.budget_s)
         tell("memory bandwidth")
+        matmuls.round()
         step_costs = _step_costs(plan.step_shapes, device, plan.budget_s)
         op_s = _op_seconds(device, plan.budget_s)
         tell("end of step: check, clip, optimizers; operator overhead")
     finally:
         torch.set_num_threads(old_threads)
+    matmuls.round()
     (fsdp_unit_s,) = run_distributed(_rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
     tell("FSDP2 overhead per unit")
+    matmuls.round()
     if device.type == "cpu":  # [Note: loop overhead]; an accelerator host: not measured yet
         ((loop_step_s, loop_micro_s, spread["training loop"]),) = run_distributed(
             _rank_loop_overhead, 1, plan.budget_s, op_s, step_costs, timeout_s=300.0
@@ -500,6 +549,11 @@ def calibrate(
     )
     startup_s = time.perf_counter() - t0
     tell("process start-up")
+    by_size: dict[str, dict[int, float]] = {dtype: {} for dtype in plan.dtypes}
+    for (dtype, n), (rate, rate_spread) in matmul_rates(matmuls).items():
+        by_size[dtype][n] = rate
+        spread[f"matmul {dtype} {n}"] = rate_spread
+        tell(f"matmul {dtype} {n}")
 
     collectives: dict[str, dict[int, Curve]] = {op: {} for op in COLLECTIVES}
     concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
