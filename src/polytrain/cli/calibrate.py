@@ -15,12 +15,17 @@ from polytrain.planner.types import HostProfile
 
 __all__ = ["calibrate_command", "profile_table"]
 
+BUSY_SPREAD = 0.2  # a figure whose rounds spread more than this met load (worth a re-run)
+
 
 def _spread(profile: HostProfile, what: str) -> str:
     """`` (spread 4%)``: the interquartile range of the figure's timing rounds over its median
     ([Note: timing rounds] in planner/calibrate.py); empty where it was not recorded."""
     value = profile.spread.get(what)
-    return "" if value is None else f" (spread {100 * value:.0f}%)"
+    if value is None:
+        return ""
+    busy = ": a busy host? --force measures again" if value > BUSY_SPREAD else ""
+    return f" (spread {100 * value:.0f}%{busy})"
 
 
 def profile_table(profile: HostProfile, path: Path) -> Table:
@@ -46,7 +51,10 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
         f"{profile.runtime_bytes / 2**20:.0f} MiB",
     )
     for n, flops in sorted(profile.matmul_concurrent.items()):
-        table.add_row(f"matmul fp32, {n} process(es) at once", f"{flops / 1e9:.1f} GFLOP/s each")
+        where = _spread(profile, f"matmul fp32, {n} at once")
+        table.add_row(
+            f"matmul fp32, {n} process(es) at once", f"{flops / 1e9:.1f} GFLOP/s each{where}"
+        )
     if profile.op_s > 0:
         table.add_row("operator call (dispatch)", f"{profile.op_s * 1e6:.1f} us")
     for stage, secs in sorted(profile.fsdp_unit_s.items()):

@@ -168,9 +168,13 @@ class Rounds(Generic[Key]):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
+    @property
+    def done(self) -> bool:
+        return len(next(iter(self.per_round.values()), [])) >= self.rounds
+
     def round(self) -> None:
         """One more round of every function (none once all are done)."""
-        if len(next(iter(self.per_round.values()), [])) >= self.rounds:
+        if self.done:
             return
         old = torch.get_num_threads()
         if self.threads is not None:
@@ -430,10 +434,23 @@ def _rank_collectives(
     budget_s: float,
     matmul_n: int,
 ) -> dict[str, list[tuple[float, float]]]:
-    out: dict[str, list[tuple[float, float]]] = {
-        op: [(float(n), time_collective(op, n, budget_s=budget_s)) for n in sizes] for op in ops
-    }
-    out["matmul"] = [(float(matmul_n), _concurrent_matmul(matmul_n, max(budget_s, 0.2)))]
+    """Each op's (bytes, seconds) curve, and under "matmul" (n, fp32 FLOP/s of this process
+    while every rank multiplies at once: cores are shared, on a 2-core host four workers get
+    about half a core each) and "matmul_spread" (n, its spread). The matmul's rounds run
+    between the operations ([Note: timing rounds]), every rank's after a barrier."""
+    cpu = torch.device("cpu")
+    matmul = _matmul_rounds((matmul_n,), ("fp32",), cpu, max(budget_s, 0.2))
+    out: dict[str, list[tuple[float, float]]] = {}
+    for op in ops:
+        out[op] = [(float(n), time_collective(op, n, budget_s=budget_s)) for n in sizes]
+        barrier()
+        matmul.round()
+    while not matmul.done:
+        barrier()
+        matmul.round()
+    rate, spread = matmul_rates(matmul)[("fp32", matmul_n)]
+    out["matmul"] = [(float(matmul_n), rate)]
+    out["matmul_spread"] = [(float(matmul_n), spread)]
     return out
 
 
@@ -496,13 +513,6 @@ def _rank_baseline(rank: int, world: int) -> float:
     """Peak resident bytes of a worker that imported the strategy packages and joined the group (the
     trainer's own measure, `observe.metrics.peak_memory_mb`: see its [Note: inherited maxrss])."""
     return peak_memory_mb(torch.device("cpu")) * 2**20
-
-
-def _concurrent_matmul(n: int, budget_s: float) -> float:
-    """fp32 FLOP/s of one process while every rank of the group multiplies at once (cores are
-    shared: on a 2-core host four workers get about half a core each)."""
-    barrier()
-    return _matmul(n, "fp32", torch.device("cpu"), budget_s)
 
 
 def calibrate(
@@ -570,6 +580,7 @@ def calibrate(
             collective_timeout_s=600.0,
         )
         concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
+        spread[f"matmul fp32, {world} at once"] = max(r.pop("matmul_spread")[0][1] for r in results)
         for op, points in results[0].items():
             collectives[op][world] = Curve(tuple(points))
         tell(f"collectives, world {world}")
