@@ -76,7 +76,8 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
             table.add_row(
                 f"{op} world {world}",
                 f"latency {small[1] * 1e6:.0f} us at {small[0] / 1024:.0f} KiB, "
-                f"{curve.bandwidth / 1e9:.2f} GB/s at {max(curve.points)[0] / 2**20:.1f} MiB",
+                f"{curve.bandwidth / 1e9:.2f} GB/s at {max(curve.points)[0] / 2**20:.1f} MiB"
+                f"{_spread(profile, f'{op} world {world}')}",
             )
     return table
 

@@ -132,6 +132,7 @@ def _timed(fn: Callable[[], object], device: torch.device, budget_s: float) -> f
 
 
 ROUNDS = 5  # [Note: timing rounds]
+COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each
 
 
 class Rounds(Generic[Key]):
@@ -434,20 +435,31 @@ def _rank_collectives(
     budget_s: float,
     matmul_n: int,
 ) -> dict[str, list[tuple[float, float]]]:
-    """Each op's (bytes, seconds) curve, and under "matmul" (n, fp32 FLOP/s of this process
-    while every rank multiplies at once: cores are shared, on a 2-core host four workers get
-    about half a core each) and "matmul_spread" (n, its spread). The matmul's rounds run
-    between the operations ([Note: timing rounds]), every rank's after a barrier."""
+    """Each op's (bytes, seconds) curve, under "<op> spread" its (bytes, spread) points, and
+    under "matmul" (n, fp32 FLOP/s of this process while every rank multiplies at once: cores
+    are shared, on a 2-core host four workers get about half a core each) and "matmul_spread"
+    (n, its spread). [Note: timing rounds]: every (op, size) is timed once in each of
+    `COLLECTIVE_ROUNDS` sweeps over all of them (one call each, after a warm-up call in the
+    first sweep: 4 calls where the single run of before made 3 to 6), and its seconds are the
+    median of the sweeps; the matmul's
+    rounds run between the sweeps, every rank's after a barrier."""
     cpu = torch.device("cpu")
     matmul = _matmul_rounds((matmul_n,), ("fp32",), cpu, max(budget_s, 0.2))
-    out: dict[str, list[tuple[float, float]]] = {}
-    for op in ops:
-        out[op] = [(float(n), time_collective(op, n, budget_s=budget_s)) for n in sizes]
+    sweeps: dict[tuple[str, int], list[float]] = {(op, n): [] for op in ops for n in sizes}
+    for sweep in range(COLLECTIVE_ROUNDS):
+        for op, n in sweeps:
+            secs = time_collective(op, n, iters=1, budget_s=budget_s, warmup=sweep == 0)
+            sweeps[(op, n)].append(secs)
         barrier()
         matmul.round()
     while not matmul.done:
         barrier()
         matmul.round()
+    out: dict[str, list[tuple[float, float]]] = {}
+    for (op, n), values in sweeps.items():
+        secs, spread_n = _median_and_spread(values)
+        out.setdefault(op, []).append((float(n), secs))
+        out.setdefault(f"{op} spread", []).append((float(n), spread_n))
     rate, spread = matmul_rates(matmul)[("fp32", matmul_n)]
     out["matmul"] = [(float(matmul_n), rate)]
     out["matmul_spread"] = [(float(matmul_n), spread)]
@@ -581,8 +593,11 @@ def calibrate(
         )
         concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
         spread[f"matmul fp32, {world} at once"] = max(r.pop("matmul_spread")[0][1] for r in results)
-        for op, points in results[0].items():
-            collectives[op][world] = Curve(tuple(points))
+        for op in ops:
+            collectives[op][world] = Curve(tuple(results[0][op]))
+            # the curve's spread: the median over its sizes ([Note: timing rounds])
+            spreads = [s for _, s in results[0][f"{op} spread"]]
+            spread[f"{op} world {world}"] = statistics.median(spreads)
         tell(f"collectives, world {world}")
 
     identity = host_identity(threads)
