@@ -137,7 +137,7 @@ COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call ea
 
 class Rounds(Generic[Key]):
     """[Note: timing rounds] (seconds, spread) of one call of each of ``fns``, measured in
-    ``rounds`` rounds: every round times each function in turn (2 to 50 / ``rounds`` calls,
+    ``rounds`` rounds: every round times each function in turn (2 to ``max_calls / rounds`` calls,
     about ``budget_s / rounds`` seconds of them: ``budget_s`` is per function) and keeps their
     median; a figure is the median of its round medians, and its spread their interquartile
     range over that median. `round` runs the next round (the caller spreads them over its
@@ -158,10 +158,11 @@ class Rounds(Generic[Key]):
         budget_s: float,
         rounds: int = ROUNDS,
         threads: int | None = None,
+        max_calls: int = 50,
     ) -> None:
         self.fns, self.device, self.threads = fns, device, threads
         self.rounds = max(rounds, 1)
-        self.share, self.cap = budget_s / self.rounds, max(2, 50 // self.rounds)
+        self.share, self.cap = budget_s / self.rounds, max(2, max_calls // self.rounds)
         self.per_round: dict[Key, list[float]] = {key: [] for key in fns}
         self.warm = False
 
@@ -362,7 +363,7 @@ def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float
 # [Note: loop overhead] The job whose step costs next to nothing: gpt's sibling mlp with one hidden
 # layer of one unit on one-token windows (its forward and backward are ~50 operator calls on
 # tensors of a few values), on the default data set and optimizer, one rank, no strategy wrapper.
-_LOOP_ACCUM = (1, 4)  # micro-steps per step: the per-step and per-micro-batch terms' two points
+_LOOP_ACCUM = (1, 8)  # micro-steps per step: the per-step and per-micro-batch terms' two points
 
 
 def _loop_job(accum: int) -> JobConfig:
@@ -381,17 +382,19 @@ def _rank_loop_overhead(
     """[Note: loop overhead] (seconds per step, seconds per micro-batch, spread) of what a
     training step spends beyond what the cost model prices, on a one-rank group: the trainer's
     ``set_lr`` and the strategy's real ``train_step`` of a model that costs next to nothing
-    (`_loop_job`), at 1 and 4 micro-steps per step, less what the cost model prices for that
+    (`_loop_job`), at 1 and 8 micro-steps per step, less what the cost model prices for that
     same step (its operator calls x ``op_s``, the calibrated end of step over its tensors).
     What is left is the step's own Python: fetching and collating the batch, ``zero_grad``,
     ``model.train()``, the autograd engine's start per backward, the loss's stack, reduce and
-    ``.item()``, the tracer's spans, the strategy's wrapper. Two points give the per-step
-    constant and the per-micro-batch slope (each at least 0)."""
+    ``.item()``, the tracer's spans, the strategy's wrapper. The two step counts run in the
+    same rounds ([Note: timing rounds]), and each round's pair of residuals gives a per-step
+    constant and a per-micro-batch slope: the answer is their medians over the rounds (each
+    at least 0), so load that slows one round slows both of its points alike."""
     ctx = init_distributed()
     device = ctx.device
     torch.manual_seed(0)
-    residual: dict[int, float] = {}
-    spread = 0.0
+    steps: dict[int, Callable[[], object]] = {}
+    priced: dict[int, float] = {}
     for accum in _LOOP_ACCUM:
         job = _loop_job(accum)
         train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
@@ -402,14 +405,13 @@ def _rank_loop_overhead(
         def step(
             strategy: Strategy = strategy,
             job: JobConfig = job,
-            steps: Iterator[int] = itertools.count(),
+            count: Iterator[int] = itertools.count(),
         ) -> None:
-            n = next(steps)
+            n = next(count)
             strategy.set_lr(lr_at(n, job.optim, job.train.steps))
             strategy.train_step(n)
 
-        secs, spread_a = _timed_rounds({0: step}, device, budget_s)[0]
-        spread = max(spread, spread_a)
+        steps[accum] = step
         x, y = batches.train(0, microbatch=0, num_microbatches=accum)
         counter = OpCounter()
         with counter:
@@ -421,10 +423,20 @@ def _rank_loop_overhead(
             for part, (a, b) in step_costs.items()
             if part in (job.optim.name, "check", "clip")
         )
-        residual[accum] = secs - accum * counter.ops * op_s - end
+        priced[accum] = accum * counter.ops * op_s + end
+    rounds = Rounds(steps, device, budget_s, max_calls=250)  # steps of ~1 ms: fill the budget
+    spread = max(s for _, s in rounds.result().values())
     lo, hi = _LOOP_ACCUM
-    per_micro = max((residual[hi] - residual[lo]) / (hi - lo), 0.0)
-    return max(residual[lo] - lo * per_micro, 0.0), per_micro, spread
+    per_step, per_micro = [], []
+    for t_lo, t_hi in zip(rounds.per_round[lo], rounds.per_round[hi], strict=True):
+        slope = ((t_hi - priced[hi]) - (t_lo - priced[lo])) / (hi - lo)
+        per_micro.append(slope)
+        per_step.append(t_lo - priced[lo] - lo * slope)
+    return (
+        max(statistics.median(per_step), 0.0),
+        max(statistics.median(per_micro), 0.0),
+        spread,
+    )
 
 
 def _rank_collectives(
