@@ -10,7 +10,7 @@ from polytrain.planner.calibrate import Rounds, _median_and_spread, _timed_round
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.stats_pure import gpt_stats
-from polytrain.planner.types import HostProfile, Layout
+from polytrain.planner.types import Curve, HostProfile, Layout
 
 STATS = gpt_stats(n_layer=4, n_embd=64, n_head=4, block_size=16, vocab_size=64)
 PER_STEP, PER_MICRO = 3e-4, 2e-4
@@ -113,3 +113,16 @@ def test_rounds_can_be_spread_over_other_work() -> None:
     rounds.round()  # all done: nothing more
     assert "".join(calls) == "ab" + "aabb|" + "aabb|" + "aabb" * 2
     assert set(out) == {"a", "b"} and rounds.result() == out
+
+
+def test_a_curve_that_falls_with_size_is_not_extrapolated_downhill() -> None:
+    """A noisy calibration (4 KiB slower than 16 KiB: a wake-up after the matmul round) must
+    not make an 8-byte all-reduce slower still: below the range a monotone curve allows the
+    faster of the two nearest points, above it the slower; a rising curve keeps alpha-beta."""
+    noisy = Curve(((4096.0, 4e-3), (16384.0, 3e-4), (65536.0, 5e-4), (262144.0, 4e-4)))
+    assert noisy.seconds(8.0) == pytest.approx(3e-4)
+    assert noisy.seconds(2**20) == pytest.approx(5e-4)
+    assert noisy.seconds(16384.0) == pytest.approx(3e-4)  # inside the range: as measured
+    rising = Curve(((4096.0, 1e-4), (16384.0, 2e-4)))
+    assert rising.seconds(8.0) == pytest.approx(1e-4 - 1e-4 * 4088 / 12288)
+    assert rising.seconds(32768.0) == pytest.approx(2e-4 + 1e-4 * 16384 / 12288)
