@@ -461,8 +461,7 @@ def _rank_collectives(
     for sweep in range(COLLECTIVE_ROUNDS):
         for i, (op, n) in enumerate(sweeps):
             # a warm-up call for every op in the first sweep, and for the first op of each
-            # later one: right after the matmul round its first call paid ~4 ms of wake-up on
-            # this host, 10x a 4 KiB all-reduce
+            # later one (it follows the matmul round)
             warmup = sweep == 0 or i == 0
             secs = time_collective(op, n, iters=1, budget_s=budget_s, warmup=warmup)
             sweeps[(op, n)].append(secs)
