@@ -15,13 +15,35 @@ from polytrain.planner.types import HostProfile
 
 __all__ = ["calibrate_command", "profile_table"]
 
+BUSY_SPREAD = 0.2  # a figure whose rounds spread more than this met load (worth a re-run)
+
+
+def _spread(profile: HostProfile, what: str) -> str:
+    """`` (spread 4%)``: the interquartile range of the figure's timing rounds over its median
+    ([Note: timing rounds] in planner/calibrate.py); empty where it was not recorded."""
+    value = profile.spread.get(what)
+    if value is None:
+        return ""
+    busy = ": a busy host? --force measures again" if value > BUSY_SPREAD else ""
+    return f" (spread {100 * value:.0f}%{busy})"
+
 
 def profile_table(profile: HostProfile, path: Path) -> Table:
     table = Table(title=f"host profile {path}", show_header=False)
     table.add_row("device", f"{profile.device} ({profile.threads} thread(s) per process)")
+    largest = {dtype: max(sizes, default=0) for dtype, sizes in profile.matmul_by_size.items()}
     for dtype, flops in profile.matmul_flops.items():
-        table.add_row(f"matmul {dtype}", f"{flops / 1e9:.1f} GFLOP/s")
-    table.add_row("memory bandwidth", f"{profile.mem_bw / 1e9:.2f} GB/s")
+        where = _spread(profile, f"matmul {dtype} {largest.get(dtype, 0)}")
+        table.add_row(f"matmul {dtype}", f"{flops / 1e9:.1f} GFLOP/s{where}")
+    for dtype, sizes in profile.matmul_by_size.items():
+        for n, flops in sorted(sizes.items()):
+            if n != largest[dtype]:
+                where = _spread(profile, f"matmul {dtype} {n}")
+                table.add_row(f"matmul {dtype} {n}", f"{flops / 1e9:.1f} GFLOP/s{where}")
+    table.add_row(
+        "memory bandwidth",
+        f"{profile.mem_bw / 1e9:.2f} GB/s{_spread(profile, 'memory bandwidth')}",
+    )
     table.add_row("process start-up", f"{profile.startup_s:.2f} s")
     table.add_row("worker baseline memory", f"{profile.baseline_bytes / 2**20:.0f} MiB")
     table.add_row(
@@ -29,12 +51,22 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
         f"{profile.runtime_bytes / 2**20:.0f} MiB",
     )
     for n, flops in sorted(profile.matmul_concurrent.items()):
-        table.add_row(f"matmul fp32, {n} process(es) at once", f"{flops / 1e9:.1f} GFLOP/s each")
+        where = _spread(profile, f"matmul fp32, {n} at once")
+        table.add_row(
+            f"matmul fp32, {n} process(es) at once", f"{flops / 1e9:.1f} GFLOP/s each{where}"
+        )
     if profile.op_s > 0:
         table.add_row("operator call (dispatch)", f"{profile.op_s * 1e6:.1f} us")
     for stage, secs in sorted(profile.fsdp_unit_s.items()):
         what = f"zero {stage}" if stage else "replicate"
         table.add_row(f"FSDP2 hooks, {what}", f"{secs * 1e6:.0f} us per wrapped module")
+    if profile.loop_step_s > 0 or profile.loop_microbatch_s > 0:
+        table.add_row(
+            "training loop's own Python",
+            f"{profile.loop_step_s * 1e6:.0f} us per step + "
+            f"{profile.loop_microbatch_s * 1e6:.0f} us per micro-batch"
+            f"{_spread(profile, 'training loop')}",
+        )
     for part, (per_tensor, per_byte) in profile.step_costs.items():
         rate = f"{1 / per_byte / 1e9:.2f} GB/s" if per_byte > 0 else "no per-byte term"
         table.add_row(f"end of step: {part}", f"{per_tensor * 1e6:.1f} us per tensor + {rate}")
@@ -44,7 +76,8 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
             table.add_row(
                 f"{op} world {world}",
                 f"latency {small[1] * 1e6:.0f} us at {small[0] / 1024:.0f} KiB, "
-                f"{curve.bandwidth / 1e9:.2f} GB/s at {max(curve.points)[0] / 2**20:.1f} MiB",
+                f"{curve.bandwidth / 1e9:.2f} GB/s at {max(curve.points)[0] / 2**20:.1f} MiB"
+                f"{_spread(profile, f'{op} world {world}')}",
             )
     return table
 

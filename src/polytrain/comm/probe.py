@@ -37,12 +37,12 @@ def _op(name: str, nbytes: int, device: torch.device) -> Callable[[], object]:
         buf = torch.ones(numel, device=device)
         return lambda: dist.all_reduce(buf)
     if name == "all_gather":  # each rank contributes 1/world of the message
-        out = torch.empty(numel, device=device)
+        out = torch.zeros(numel, device=device)  # touched here: the timed call pays no faults
         part = torch.ones(numel // world, device=device)
         return lambda: _ALL_GATHER(out, part)
     if name == "reduce_scatter":
         full = torch.ones(numel, device=device)
-        part = torch.empty(numel // world, device=device)
+        part = torch.zeros(numel // world, device=device)
         return lambda: _REDUCE_SCATTER(part, full)
     if name == "p2p":
         buf = torch.ones(numel, device=device)
@@ -59,14 +59,18 @@ def _op(name: str, nbytes: int, device: torch.device) -> Callable[[], object]:
     raise ValueError(f"unknown collective {name!r}: expected one of {', '.join(COLLECTIVES)}")
 
 
-def time_collective(name: str, nbytes: int, *, iters: int = 5, budget_s: float = 1.0) -> float:
+def time_collective(
+    name: str, nbytes: int, *, iters: int = 5, budget_s: float = 1.0, warmup: bool = True
+) -> float:
     """Median seconds of one ``name`` over a message of ``nbytes`` (at least ``iters`` calls or
-    until ``budget_s`` is spent, whichever is fewer after the first two), the max over ranks."""
+    until ``budget_s`` is spent, whichever is fewer after the first two), the max over ranks.
+    ``warmup=False`` skips the untimed first call (a caller timing the same op again)."""
     device = collective_device()
     fn = _op(name, nbytes, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()  # warm-up: connection set-up and allocation
-    sync()
+    if warmup:
+        fn()  # warm-up: connection set-up and allocation
+        sync()
     times: list[float] = []
     spent = 0.0
     # Every rank must run the same number of calls, so the count is agreed after each call.

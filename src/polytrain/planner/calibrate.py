@@ -13,13 +13,16 @@ timed by `polytrain.comm.probe`, one launch per world size.
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
@@ -31,12 +34,26 @@ import polytrain.pipeline
 import polytrain.ps  # noqa: F401  (with the two above: what a worker imports, for its baseline)
 from polytrain._torch_private import replicate
 from polytrain.comm.collectives import barrier
+from polytrain.comm.init import init_distributed
 from polytrain.comm.probe import COLLECTIVES, time_collective
-from polytrain.config.job import OptimConfig
-from polytrain.core.optim import build_optimizer
+from polytrain.config.job import (
+    JobConfig,
+    LaunchConfig,
+    ModelConfig,
+    ObserveConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+from polytrain.core.optim import build_optimizer, lr_at
 from polytrain.core.step import clip_gradients_, nonfinite_flag
+from polytrain.core.strategy import Strategy
+from polytrain.data.datasets import build_datasets
+from polytrain.data.sampler import Batches
 from polytrain.errors import PlanError
+from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
+from polytrain.parallel.family import build_spmd
 from polytrain.planner.host import host_identity, saved_profile
 from polytrain.planner.profile_io import (
     cache_dir,
@@ -104,34 +121,144 @@ class CalibrationPlan:
         return CalibrationPlan.accelerator() if torch.cuda.is_available() else CalibrationPlan()
 
 
+Key = TypeVar("Key")
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _timed(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
-    """Median seconds of ``fn`` over calls filling ``budget_s`` (3 to 50 calls)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times: list[float] = []
-    while len(times) < 3 or (sum(times) < budget_s and len(times) < 50):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    """Seconds of one call of ``fn`` within ``budget_s`` (`Rounds` of ``fn`` alone)."""
+    return _timed_rounds({0: fn}, device, budget_s)[0][0]
+
+
+ROUNDS = 5  # [Note: timing rounds]
+COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each
+
+
+class Rounds(Generic[Key]):
+    """[Note: timing rounds] (seconds, spread) of one call of each of ``fns``, measured in
+    ``rounds`` rounds: every round times each function in turn (2 to ``max_calls / rounds`` calls,
+    about ``budget_s / rounds`` seconds of them: ``budget_s`` is per function) and keeps their
+    median; a figure is the median of its round medians, and its spread their interquartile
+    range over that median. `round` runs the next round (the caller spreads them over its
+    work), `result` runs the rounds left and answers.
+
+    On a host that others use, load comes in bursts of a fraction of a second to several
+    seconds: one run of calls (what this was before) lands inside or outside a burst whole,
+    and the matmul rate moved 65 -> 86 GFLOP/s between two calibrations a minute apart.
+    Interleaving puts every size (every dtype) in the same stretches of load, so their ratios
+    hold; `calibrate` spreads the matmul rounds over ~20 s of its other measurements, so a
+    burst of a few seconds hits one or two rounds, which the median drops; the spread says how
+    much load a figure met. The budget is one run's, so calibration takes no longer."""
+
+    def __init__(
+        self,
+        fns: dict[Key, Callable[[], object]],
+        device: torch.device,
+        budget_s: float,
+        rounds: int = ROUNDS,
+        threads: int | None = None,
+        max_calls: int = 50,
+    ) -> None:
+        self.fns, self.device, self.threads = fns, device, threads
+        self.rounds = max(rounds, 1)
+        self.share, self.cap = budget_s / self.rounds, max(2, max_calls // self.rounds)
+        self.per_round: dict[Key, list[float]] = {key: [] for key in fns}
+        self.warm = False
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    @property
+    def done(self) -> bool:
+        return len(next(iter(self.per_round.values()), [])) >= self.rounds
+
+    def round(self) -> None:
+        """One more round of every function (none once all are done)."""
+        if self.done:
+            return
+        old = torch.get_num_threads()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        try:
+            if not self.warm:  # allocations, first-call dispatch
+                for fn in self.fns.values():
+                    fn()
+                self._sync()
+                self.warm = True
+            for key, fn in self.fns.items():
+                times: list[float] = []
+                while len(times) < 2 or (sum(times) < self.share and len(times) < self.cap):
+                    t0 = time.perf_counter()
+                    fn()
+                    self._sync()
+                    times.append(time.perf_counter() - t0)
+                self.per_round[key].append(statistics.median(times))
+        finally:
+            torch.set_num_threads(old)
+
+    def result(self) -> dict[Key, tuple[float, float]]:
+        for _ in range(self.rounds):
+            self.round()
+        return {key: _median_and_spread(values) for key, values in self.per_round.items()}
+
+
+def _timed_rounds(
+    fns: dict[Key, Callable[[], object]],
+    device: torch.device,
+    budget_s: float,
+    rounds: int = ROUNDS,
+) -> dict[Key, tuple[float, float]]:
+    """(seconds, spread) of each of ``fns``: `Rounds` run back to back."""
+    return Rounds(fns, device, budget_s, rounds).result()
+
+
+def _median_and_spread(values: list[float]) -> tuple[float, float]:
+    """(median, interquartile range / median) of ``values`` (spread 0 for fewer than 2)."""
+    mid = statistics.median(values)
+    if len(values) < 2 or mid <= 0:
+        return mid, 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return mid, (q3 - q1) / mid
+
+
+def _matmul_rounds(
+    sizes: tuple[int, ...],
+    dtypes: tuple[str, ...],
+    device: torch.device,
+    budget_s: float,
+    threads: int | None = None,
+) -> Rounds[tuple[str, int]]:
+    """Rounds of an n x n @ n x n matmul per (dtype, n), every size and dtype interleaved in
+    each round ([Note: timing rounds]); `matmul_rates` turns their result into FLOP/s."""
+    fns: dict[tuple[str, int], Callable[[], object]] = {}
+    for dtype in dtypes:
+        for n in sizes:
+            a = torch.randn(n, n, device=device).to(_DTYPES[dtype])
+            b = torch.randn(n, n, device=device).to(_DTYPES[dtype])
+            fns[(dtype, n)] = partial(torch.matmul, a, b)
+    return Rounds(fns, device, budget_s, threads=threads)
+
+
+def matmul_rates(rounds: Rounds[tuple[str, int]]) -> dict[tuple[str, int], tuple[float, float]]:
+    """(FLOP/s, spread) per (dtype, n) of `_matmul_rounds`, running the rounds left."""
+    return {
+        (dtype, n): (2.0 * n**3 / secs, spread)
+        for (dtype, n), (secs, spread) in rounds.result().items()
+    }
 
 
 def _matmul(n: int, dtype: str, device: torch.device, budget_s: float) -> float:
-    a = torch.randn(n, n, device=device).to(_DTYPES[dtype])
-    b = torch.randn(n, n, device=device).to(_DTYPES[dtype])
-    return 2.0 * n**3 / _timed(lambda: a @ b, device, budget_s)
+    return matmul_rates(_matmul_rounds((n,), (dtype,), device, budget_s))[(dtype, n)][0]
 
 
-def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> float:
+def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, float]:
+    """(bytes per second read and written by a copy, spread) ([Note: timing rounds])."""
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2.0 * nbytes / _timed(lambda: dst.copy_(src), device, budget_s)  # read + write
+    secs, spread = _timed_rounds({0: partial(dst.copy_, src)}, device, budget_s)[0]
+    return 2.0 * nbytes / secs, spread  # read + write
 
 
 STEP_PARTS = ("check", "clip", "adamw", "sgd")
@@ -233,6 +360,85 @@ def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float
     return out
 
 
+# [Note: loop overhead] The job whose step costs next to nothing: gpt's sibling mlp with one hidden
+# layer of one unit on one-token windows (its forward and backward are ~50 operator calls on
+# tensors of a few values), on the default data set and optimizer, one rank, no strategy wrapper.
+_LOOP_ACCUM = (1, 8)  # micro-steps per step: the per-step and per-micro-batch terms' two points
+
+
+def _loop_job(accum: int) -> JobConfig:
+    return JobConfig(
+        model=ModelConfig(name="mlp", n_layer=1, n_embd=1, block_size=1),
+        train=TrainConfig(grad_accum=accum, sample_tokens=0, eval_every=0),
+        parallel=ParallelConfig(dp=1),
+        observe=ObserveConfig(progress=False),
+        launch=LaunchConfig(nproc=1),
+    )
+
+
+def _rank_loop_overhead(
+    rank: int, world: int, budget_s: float, op_s: float, step_costs: dict[str, tuple[float, float]]
+) -> tuple[float, float, float]:
+    """[Note: loop overhead] (seconds per step, seconds per micro-batch, spread) of what a
+    training step spends beyond what the cost model prices, on a one-rank group: the trainer's
+    ``set_lr`` and the strategy's real ``train_step`` of a model that costs next to nothing
+    (`_loop_job`), at 1 and 8 micro-steps per step, less what the cost model prices for that
+    same step (its operator calls x ``op_s``, the calibrated end of step over its tensors).
+    What is left is the step's own Python: fetching and collating the batch, ``zero_grad``,
+    ``model.train()``, the autograd engine's start per backward, the loss's stack, reduce and
+    ``.item()``, the tracer's spans, the strategy's wrapper. The two step counts run in the
+    same rounds ([Note: timing rounds]), and each round's pair of residuals gives a per-step
+    constant and a per-micro-batch slope: the answer is their medians over the rounds (each
+    at least 0), so load that slows one round slows both of its points alike."""
+    ctx = init_distributed()
+    device = ctx.device
+    torch.manual_seed(0)
+    steps: dict[int, Callable[[], object]] = {}
+    priced: dict[int, float] = {}
+    for accum in _LOOP_ACCUM:
+        job = _loop_job(accum)
+        train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
+        batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
+        model = build_model(job.model, spec, job.train.seed)
+        strategy = build_spmd(job, ctx, model, batches)  # dp1: the plain model
+
+        def step(
+            strategy: Strategy = strategy,
+            job: JobConfig = job,
+            count: Iterator[int] = itertools.count(),
+        ) -> None:
+            n = next(count)
+            strategy.set_lr(lr_at(n, job.optim, job.train.steps))
+            strategy.train_step(n)
+
+        steps[accum] = step
+        x, y = batches.train(0, microbatch=0, num_microbatches=accum)
+        counter = OpCounter()
+        with counter:
+            model.loss(model(x), y).backward()
+        params = [prm for prm in model.parameters() if prm.requires_grad]
+        nbytes = float(sum(prm.numel() * prm.element_size() for prm in params))
+        end = sum(
+            a * len(params) + b * nbytes
+            for part, (a, b) in step_costs.items()
+            if part in (job.optim.name, "check", "clip")
+        )
+        priced[accum] = accum * counter.ops * op_s + end
+    rounds = Rounds(steps, device, budget_s, max_calls=250)  # steps of ~1 ms: fill the budget
+    spread = max(s for _, s in rounds.result().values())
+    lo, hi = _LOOP_ACCUM
+    per_step, per_micro = [], []
+    for t_lo, t_hi in zip(rounds.per_round[lo], rounds.per_round[hi], strict=True):
+        slope = ((t_hi - priced[hi]) - (t_lo - priced[lo])) / (hi - lo)
+        per_micro.append(slope)
+        per_step.append(t_lo - priced[lo] - lo * slope)
+    return (
+        max(statistics.median(per_step), 0.0),
+        max(statistics.median(per_micro), 0.0),
+        spread,
+    )
+
+
 def _rank_collectives(
     rank: int,
     world: int,
@@ -241,10 +447,37 @@ def _rank_collectives(
     budget_s: float,
     matmul_n: int,
 ) -> dict[str, list[tuple[float, float]]]:
-    out: dict[str, list[tuple[float, float]]] = {
-        op: [(float(n), time_collective(op, n, budget_s=budget_s)) for n in sizes] for op in ops
-    }
-    out["matmul"] = [(float(matmul_n), _concurrent_matmul(matmul_n, max(budget_s, 0.2)))]
+    """Each op's (bytes, seconds) curve, under "<op> spread" its (bytes, spread) points, and
+    under "matmul" (n, fp32 FLOP/s of this process while every rank multiplies at once: cores
+    are shared, on a 2-core host four workers get about half a core each) and "matmul_spread"
+    (n, its spread). [Note: timing rounds]: every (op, size) is timed once in each of
+    `COLLECTIVE_ROUNDS` sweeps over all of them (one call each, after a warm-up call in the
+    first sweep: 4 calls where the single run of before made 3 to 6), and its seconds are the
+    median of the sweeps; the matmul's
+    rounds run between the sweeps, every rank's after a barrier."""
+    cpu = torch.device("cpu")
+    matmul = _matmul_rounds((matmul_n,), ("fp32",), cpu, max(budget_s, 0.2))
+    sweeps: dict[tuple[str, int], list[float]] = {(op, n): [] for op in ops for n in sizes}
+    for sweep in range(COLLECTIVE_ROUNDS):
+        for i, (op, n) in enumerate(sweeps):
+            # a warm-up call for every op in the first sweep, and for the first op of each
+            # later one (it follows the matmul round)
+            warmup = sweep == 0 or i == 0
+            secs = time_collective(op, n, iters=1, budget_s=budget_s, warmup=warmup)
+            sweeps[(op, n)].append(secs)
+        barrier()
+        matmul.round()
+    while not matmul.done:
+        barrier()
+        matmul.round()
+    out: dict[str, list[tuple[float, float]]] = {}
+    for (op, n), values in sweeps.items():
+        secs, spread_n = _median_and_spread(values)
+        out.setdefault(op, []).append((float(n), secs))
+        out.setdefault(f"{op} spread", []).append((float(n), spread_n))
+    rate, spread = matmul_rates(matmul)[("fp32", matmul_n)]
+    out["matmul"] = [(float(matmul_n), rate)]
+    out["matmul_spread"] = [(float(matmul_n), spread)]
     return out
 
 
@@ -309,13 +542,6 @@ def _rank_baseline(rank: int, world: int) -> float:
     return peak_memory_mb(torch.device("cpu")) * 2**20
 
 
-def _concurrent_matmul(n: int, budget_s: float) -> float:
-    """fp32 FLOP/s of one process while every rank of the group multiplies at once (cores are
-    shared: on a 2-core host four workers get about half a core each)."""
-    barrier()
-    return _matmul(n, "fp32", torch.device("cpu"), budget_s)
-
-
 def calibrate(
     plan: CalibrationPlan | None = None,
     *,
@@ -329,21 +555,29 @@ def calibrate(
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        by_size: dict[str, dict[int, float]] = {}
-        for dtype in plan.dtypes:
-            by_size[dtype] = {}
-            for n in plan.matmul_sizes:
-                by_size[dtype][n] = _matmul(n, dtype, device, plan.budget_s)
-                tell(f"matmul {dtype} {n}")
-        mem_bw = _mem_bw(plan.copy_bytes, device, plan.budget_s)
+        spread: dict[str, float] = {}  # [Note: timing rounds]
+        # the matmul rounds are spread over the measurements below (see `Rounds`)
+        matmuls = _matmul_rounds(plan.matmul_sizes, plan.dtypes, device, plan.budget_s, threads)
+        matmuls.round()
+        mem_bw, spread["memory bandwidth"] = _mem_bw(plan.copy_bytes, device, plan.budget_s)
         tell("memory bandwidth")
+        matmuls.round()
         step_costs = _step_costs(plan.step_shapes, device, plan.budget_s)
         op_s = _op_seconds(device, plan.budget_s)
         tell("end of step: check, clip, optimizers; operator overhead")
     finally:
         torch.set_num_threads(old_threads)
+    matmuls.round()
     (fsdp_unit_s,) = run_distributed(_rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
     tell("FSDP2 overhead per unit")
+    matmuls.round()
+    if device.type == "cpu":  # [Note: loop overhead]; an accelerator host: not measured yet
+        ((loop_step_s, loop_micro_s, spread["training loop"]),) = run_distributed(
+            _rank_loop_overhead, 1, plan.budget_s, op_s, step_costs, timeout_s=300.0
+        )
+    else:
+        loop_step_s = loop_micro_s = 0.0
+    tell("training loop overhead")
 
     t0 = time.perf_counter()
     # the larger: a joined group's buffers (harness ranks) or a fresh worker's imports
@@ -352,6 +586,11 @@ def calibrate(
     )
     startup_s = time.perf_counter() - t0
     tell("process start-up")
+    by_size: dict[str, dict[int, float]] = {dtype: {} for dtype in plan.dtypes}
+    for (dtype, n), (rate, rate_spread) in matmul_rates(matmuls).items():
+        by_size[dtype][n] = rate
+        spread[f"matmul {dtype} {n}"] = rate_spread
+        tell(f"matmul {dtype} {n}")
 
     collectives: dict[str, dict[int, Curve]] = {op: {} for op in COLLECTIVES}
     concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
@@ -368,8 +607,12 @@ def calibrate(
             collective_timeout_s=600.0,
         )
         concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
-        for op, points in results[0].items():
-            collectives[op][world] = Curve(tuple(points))
+        spread[f"matmul fp32, {world} at once"] = max(r.pop("matmul_spread")[0][1] for r in results)
+        for op in ops:
+            collectives[op][world] = Curve(tuple(results[0][op]))
+            # the curve's spread: the median over its sizes ([Note: timing rounds])
+            spreads = [s for _, s in results[0][f"{op} spread"]]
+            spread[f"{op} world {world}"] = statistics.median(spreads)
         tell(f"collectives, world {world}")
 
     identity = host_identity(threads)
@@ -389,12 +632,15 @@ def calibrate(
         step_costs=step_costs,
         op_s=op_s,
         fsdp_unit_s=fsdp_unit_s,
+        loop_step_s=loop_step_s,
+        loop_microbatch_s=loop_micro_s,
+        spread=spread,
     )
 
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 4 + len(plan.world_sizes)
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 5 + len(plan.world_sizes)
 
 
 def cached_profile(

@@ -127,7 +127,9 @@ class Curve:
     """Measured (bytes, seconds) points of one operation; `seconds` interpolates between them.
 
     Outside the measured range it extrapolates with the alpha-beta fit of the two nearest points
-    (latency + bytes / bandwidth), which is what a link looks like at both ends.
+    (latency + bytes / bandwidth), which is what a link looks like at both ends; where those
+    two points fall with size (noise: a bandwidth cannot be negative) it keeps what a monotone
+    curve allows instead: below the range the faster of the two, above it the slower.
     """
 
     points: tuple[tuple[float, float], ...]  # sorted by bytes
@@ -144,6 +146,9 @@ class Curve:
             if nbytes <= b[0]:
                 break
         slope = (hi[1] - lo[1]) / (hi[0] - lo[0]) if hi[0] != lo[0] else 0.0
+        if slope < 0 and not pts[0][0] <= nbytes <= pts[-1][0]:
+            # smaller messages take no longer, larger ones no less: the monotone reading
+            return min(lo[1], hi[1]) if nbytes < pts[0][0] else max(lo[1], hi[1])
         return max(lo[1] + slope * (nbytes - lo[0]), 0.0)
 
     @property
@@ -184,6 +189,14 @@ class HostProfile:
     # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
     # forward + backward ([Note: FSDP2 unit overhead] in planner/calibrate.py); {} = unknown
     fsdp_unit_s: dict[int, float] = field(default_factory=dict)
+    # [Note: loop overhead] in planner/calibrate.py: seconds a training step spends in its own
+    # Python beyond what the rest of the profile prices, once per step and once per micro-batch
+    # (one process alone, a CPU host); 0 = not calibrated
+    loop_step_s: float = 0.0
+    loop_microbatch_s: float = 0.0
+    # [Note: timing rounds] in planner/calibrate.py: measured figure ("matmul fp32 1024",
+    # "memory bandwidth", "training loop") -> interquartile range / median of its rounds
+    spread: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

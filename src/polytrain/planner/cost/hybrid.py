@@ -112,6 +112,16 @@ def _step_reduce_s(layout: Layout, stats: ModelStats, env: Env) -> float:
     return loss + norm
 
 
+def _loop(env: Env) -> tuple[float, float]:
+    """(seconds per step, seconds per micro-batch) of the training step's own Python, as
+    calibrated ([Note: loop overhead] in planner/calibrate.py), slowed like all CPU work by
+    shared cores; (0, 0) without a profile that measured it."""
+    prof = env.profile
+    if prof is None:
+        return 0.0, 0.0
+    return prof.loop_step_s * env.cpu_slowdown, prof.loop_microbatch_s * env.cpu_slowdown
+
+
 def _spmd(
     layout: Layout, stats: ModelStats, env: Env, mb_samples: float
 ) -> tuple[float, dict[str, float]]:
@@ -149,7 +159,9 @@ def _spmd(
     # FSDP2's replicate for dp x tp (parallel/family.py: DDP cannot take DTensor parameters)
     fsdp_stage = layout.zero if layout.zero else (0 if dp > 1 and layout.tp > 1 else -1)
     fsdp = env.fsdp_overhead_s(fsdp_stage, n + 1) * layout.grad_accum if fsdp_stage >= 0 else 0.0
-    step += opt + fsdp
+    per_step, per_micro = _loop(env)
+    loop = per_step + per_micro * layout.grad_accum
+    step += opt + fsdp + loop
     return step, {
         "compute": compute - tp_s,
         "tp_comm": tp_s,
@@ -158,6 +170,7 @@ def _spmd(
         "optimizer": opt,
         "late_multiply": sf_s,
         "fsdp_hooks": fsdp,
+        "loop": loop,
     }
 
 
@@ -171,14 +184,18 @@ def _pipeline(
     n = len(stats.blocks)
     fwd_s, bwd_s, send_f, send_b, tp_total = [], [], [], [], 0.0
     start = 0
+    # [Note: loop overhead]: every stage calls its module and runs a backward per micro-batch
+    # (the first fetches its inputs, the last its targets), so a micro-batch's share of the
+    # loop's Python goes half into each F and B of every stage, through the simulation
+    per_step, per_micro = _loop(env)
     pp_stride = layout.dp * layout.tp  # pp is the outermost mesh axis
     for blocks in stages:
         f, b, tp_s = _block_times(
             env, blocks, mb_samples, layout.tp, layout.recompute, first=-start, last=n - 1 - start
         )
         start += len(blocks)
-        fwd_s.append(sum(f))
-        bwd_s.append(sum(b))
+        fwd_s.append(sum(f) + per_micro / 2)
+        bwd_s.append(sum(b) + per_micro / 2)
         tp_total = max(tp_total, tp_s)
         out = blocks[-1].output_bytes * mb_samples / layout.tp
         send_f.append(env.p2p_s(out, pp_stride))
@@ -200,14 +217,16 @@ def _pipeline(
     if layout.schedule == "pipedream":
         dp_s = max(0.0, dp_s - timing.per_step)
     opt = max(_optimizer(layout, stats, env, blocks) for blocks in stages)
-    step = timing.per_step * runs + dp_s + opt
+    step = timing.per_step * runs + dp_s + opt + per_step
     tp_s = tp_total * layout.microbatches * runs
+    loop = per_step + per_micro * layout.microbatches * runs
     return step, {
-        "compute": max(timing.busy) * runs - tp_s,
+        "compute": max(timing.busy) * runs - tp_s - (loop - per_step),
         "tp_comm": tp_s,
         "dp_comm": dp_s,
         "bubble": timing.bubble * runs,
         "optimizer": opt,
+        "loop": loop,
     }
 
 
@@ -232,6 +251,9 @@ def _ps(
     tensors = sum(b.tensors for b in stats.blocks)
     parts = ("check", "clip") if stats.grad_clip else ("check",)
     compute += env.step_cost_s(parts, tensors, float(stats.param_bytes))
+    per_step, per_micro = _loop(env)  # a worker's own loop ([Note: loop overhead])
+    loop = per_step + per_micro
+    compute += loop
     step, comm = ps_step(
         env,
         layout.ps_mode,
@@ -246,11 +268,12 @@ def _ps(
         optimizer=stats.optimizer,
     )
     return step, {
-        "compute": compute,
+        "compute": compute - loop,
         "tp_comm": 0.0,
         "dp_comm": comm,
         "bubble": 0.0,
         "optimizer": 0.0,
+        "loop": loop,
     }
 
 
@@ -263,15 +286,18 @@ def _decentralized(
         env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
     )
     opt = _optimizer(layout, stats, env, stats.blocks)
+    per_step, per_micro = _loop(env)  # [Note: loop overhead]
+    loop = per_step + per_micro
     model_bytes = float(stats.param_bytes)  # the flat fp32 model (gossip.compress = "none")
     if layout.sync == "gossip":
         comm = gossip_exchange_s(env, layout.topology, layout.dp, model_bytes)
     else:
         comm = localsgd_average_s(env, layout.dp, model_bytes, layout.period)
-    return compute + opt + comm, {
+    return compute + opt + comm + loop, {
         "compute": compute,
         "tp_comm": 0.0,
         "dp_comm": comm,
         "bubble": 0.0,
         "optimizer": opt,
+        "loop": loop,
     }
