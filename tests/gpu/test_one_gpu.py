@@ -43,6 +43,7 @@ def _losses(tmp_path: Path, device: str, *extra: str) -> list[float]:
     return [json.loads(line)["loss"] for line in lines if line and "loss" in json.loads(line)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [(), ("--set", "parallel.recompute=true")])
 def test_one_gpu_run_follows_the_cpu_run(tmp_path: Path, extra: tuple[str, ...]) -> None:
     """The default job on one GPU (one rank) takes the one-rank CPU run's steps (fp32; kernels differ, so a
