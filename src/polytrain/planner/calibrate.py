@@ -249,10 +249,6 @@ def matmul_rates(rounds: Rounds[tuple[str, int]]) -> dict[tuple[str, int], tuple
     }
 
 
-def _matmul(n: int, dtype: str, device: torch.device, budget_s: float) -> float:
-    return matmul_rates(_matmul_rounds((n,), (dtype,), device, budget_s))[(dtype, n)][0]
-
-
 def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, float]:
     """(bytes per second read and written by a copy, spread) ([Note: timing rounds])."""
     src = torch.ones(nbytes // 4, device=device)
@@ -489,27 +485,13 @@ _WORKER_IMPORTS = (
 )
 
 
-def _fresh_worker_baseline() -> float:
-    """Peak resident bytes of a fresh interpreter that imported what a training worker imports
-    (`polytrain.trainer.worker` and the strategy packages). Workers are fresh processes
-    (``python -m polytrain.trainer.worker``, spawned by the launcher), so their baseline holds
-    every page of torch and polytrain; a harness rank forked from a warm parent reports less
-    (the parent's pages it never touches are not its own)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _WORKER_IMPORTS], capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode != 0:
-        raise PlanError(
-            f"measuring a worker's baseline memory failed: {proc.stderr.strip()[-300:]}"
-        )
-    return float(proc.stdout.strip().splitlines()[-1]) * 2**20
-
-
-# [Note: a worker's own memory] in planner/memory.py: after the imports, one optimizer (whose
-# first construction imports torch._dynamo) and two steps of a miniature of the default model
-# (gpt: embedding, layer norm, attention, GELU, cross-entropy), printing the peak before and after
+# [Note: a worker's own memory] in planner/memory.py: after the imports (their peak printed by
+# _WORKER_IMPORTS), one optimizer (whose first construction imports torch._dynamo) and two steps
+# of a miniature of the default model (gpt: embedding, layer norm, attention, GELU,
+# cross-entropy), then the peak again and the seconds spent after the imports
 _WORKER_STEP = (
-    _WORKER_IMPORTS + "; from polytrain.config.job import ModelConfig, OptimConfig"
+    _WORKER_IMPORTS + "; import time; t0 = time.perf_counter()"
+    "; from polytrain.config.job import ModelConfig, OptimConfig"
     "; from polytrain.core.optim import build_optimizer"
     "; from polytrain.data.datasets import DataSpec"
     "; from polytrain.models.registry import build_model"
@@ -520,20 +502,28 @@ _WORKER_STEP = (
     "; x = torch.zeros(2, 8, dtype=torch.long)"
     "\nfor _ in range(2): model.loss(model(x), x).backward(); opt.step(); opt.zero_grad()"
     "\nprint(peak_memory_mb(torch.device('cpu')))"
+    "\nprint(time.perf_counter() - t0)"
 )
 
 
-def _fresh_worker_runtime() -> float:
-    """Resident bytes a fresh worker adds past its imports by building an optimizer and running
-    a step of a negligible model ([Note: a worker's own memory] in planner/memory.py): what
-    every worker holds on top of `_fresh_worker_baseline` whatever its model."""
+def _fresh_worker_memory() -> tuple[float, float, float]:
+    """(baseline bytes, runtime bytes, seconds past the imports) of one fresh interpreter.
+
+    Baseline: the peak resident bytes once it imported what a training worker imports
+    (`polytrain.trainer.worker` and the strategy packages). Workers are fresh processes
+    (``python -m polytrain.trainer.worker``, spawned by the launcher), so their baseline holds
+    every page of torch and polytrain; a harness rank forked from a warm parent reports less
+    (the parent's pages it never touches are not its own). Runtime: what it then adds by
+    building an optimizer and running a step of a negligible model ([Note: a worker's own
+    memory] in planner/memory.py), which every worker holds whatever its model. The seconds
+    after the imports let the caller keep that work out of a start-up time."""
     proc = subprocess.run(
         [sys.executable, "-c", _WORKER_STEP], capture_output=True, text=True, timeout=300
     )
     if proc.returncode != 0:
-        raise PlanError(f"measuring a worker's runtime memory failed: {proc.stderr.strip()[-300:]}")
-    before, after = (float(v) for v in proc.stdout.strip().splitlines()[-2:])
-    return max(after - before, 0.0) * 2**20
+        raise PlanError(f"measuring a worker's memory failed: {proc.stderr.strip()[-300:]}")
+    before, after, seconds = (float(v) for v in proc.stdout.strip().splitlines()[-3:])
+    return before * 2**20, max(after - before, 0.0) * 2**20, seconds
 
 
 def _rank_baseline(rank: int, world: int) -> float:
@@ -580,11 +570,11 @@ def calibrate(
     tell("training loop overhead")
 
     t0 = time.perf_counter()
+    group = max(run_distributed(_rank_baseline, 2, timeout_s=300.0))
+    fresh, runtime_bytes, after_imports_s = _fresh_worker_memory()
+    startup_s = time.perf_counter() - t0 - after_imports_s  # starting and importing only
     # the larger: a joined group's buffers (harness ranks) or a fresh worker's imports
-    baseline = max(
-        max(run_distributed(_rank_baseline, 2, timeout_s=300.0)), _fresh_worker_baseline()
-    )
-    startup_s = time.perf_counter() - t0
+    baseline = max(group, fresh)
     tell("process start-up")
     by_size: dict[str, dict[int, float]] = {dtype: {} for dtype in plan.dtypes}
     for (dtype, n), (rate, rate_spread) in matmul_rates(matmuls).items():
@@ -626,7 +616,7 @@ def calibrate(
         collectives=collectives,
         startup_s=startup_s,
         baseline_bytes=baseline,
-        runtime_bytes=_fresh_worker_runtime(),
+        runtime_bytes=runtime_bytes,
         threads=threads,
         matmul_concurrent=concurrent,
         step_costs=step_costs,
