@@ -229,7 +229,7 @@ def _tp_styles(model: BlockModel, model_name: str, plan_rows: list[str]) -> dict
 
 
 def tp_shards(
-    model: BlockModel, model_name: str, plan_rows: list[str]
+    model: BlockModel, styles: dict[str, str] | None
 ) -> list[tuple[tuple[float, int], ...]]:
     """Per block, the (bytes, divisor) pairs of [Note: tensor-parallel shards]: what the
     runtime's tensor-parallel plan (`parallel.tensor_parallel.resolve_tp_plan`, resolved at
@@ -238,10 +238,9 @@ def tp_shards(
     and leave the bias whole (torch's ``RowwiseParallel``), ``qkv`` by the width of each chunk,
     ``vocab`` by the vocabulary; modules no row matches stay whole (divisor 1). A plan row that
     applies only when tp divides a dimension (the vocabulary rows) is the same rule. A model
-    without a plan gets ``()`` per block (everything split: the old estimate)."""
-    try:
-        styles = resolve_tp_plan(model_name, model, 1, plan_rows)
-    except (ConfigError, MeshError):
+    without a plan (``styles`` None, from `_tp_styles`) gets ``()`` per block (everything
+    split: the old estimate)."""
+    if styles is None:
         return [() for _ in model.blocks]
     infos = module_infos(model)
     out = []
@@ -453,6 +452,9 @@ def model_stats(
     # (`saved_bytes`) and a fixed part (`saved_fixed_bytes`). Counted at one batch of 2, gpt
     # medium in bf16 showed 65 MiB per sample against 47 at a batch of 8.
     autocasts = device != "meta" and job.train.dtype != "fp32"
+    styles = _tp_styles(model, job.model.name, list(job.parallel.tp_plan))
+    shards = tp_shards(model, styles)
+    data_bytes = held_data_bytes(train_set, val_set)
 
     def count(batch: int) -> ModelStats:
         x, y = train_set.get(torch.arange(batch))
@@ -467,9 +469,9 @@ def model_stats(
                 optimizer_state=optimizer_state_per_param(job),
                 optimizer=job.optim.name,
                 grad_clip=job.optim.grad_clip > 0,
-                shards=tp_shards(model, job.model.name, list(job.parallel.tp_plan)),
-                data_bytes=held_data_bytes(train_set, val_set),
-                tp_styles=_tp_styles(model, job.model.name, list(job.parallel.tp_plan)),
+                shards=shards,
+                data_bytes=data_bytes,
+                tp_styles=styles,
             )
 
     stats = count(_PROBE_BATCH)
