@@ -34,7 +34,7 @@ from polytrain.config.io import job_from_dict, merge
 from polytrain.config.job import JobConfig
 from polytrain.planner import cost
 from polytrain.planner.calibrate import CalibrationPlan, cached_profile
-from polytrain.planner.catalog import device_names
+from polytrain.planner.catalog import device_key_of
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import Layout
@@ -93,10 +93,10 @@ def _job(fields: dict[str, Any]) -> JobConfig:
 
 
 def catalog_key(gpu_name: str) -> str:
-    keys = [k for k in device_names() if k != "cpu" and k.lower() in gpu_name.lower()]
-    if not keys:
+    key = device_key_of(gpu_name)
+    if key is None:
         raise SystemExit(f"GPU {gpu_name!r} is not in the planner's catalog (devices.toml)")
-    return max(keys, key=len)
+    return key
 
 
 def main() -> int:

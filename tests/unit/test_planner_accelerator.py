@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from polytrain.planner.catalog import device_key_of
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env
 from polytrain.planner.host import describes
@@ -68,3 +69,10 @@ def test_a_profile_describes_its_own_device_only() -> None:
     assert not describes(GPU, "H200") and not describes(GPU, "cpu")
     cpu = HostProfile(fingerprint="t", device="cpu", matmul_flops={}, mem_bw=0.0)
     assert describes(cpu, "cpu") and not describes(cpu, "H100")
+
+
+def test_the_catalog_key_of_a_gpu_name() -> None:
+    """What `--strategy auto`, `profile_for` and the GPU benchmark read off torch's name."""
+    assert device_key_of("NVIDIA H100 80GB HBM3") == "H100"
+    assert device_key_of("NVIDIA H200") == "H200"
+    assert device_key_of("NVIDIA GeForce RTX 4090") is None

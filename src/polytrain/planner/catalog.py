@@ -16,7 +16,16 @@ import tomllib
 
 from polytrain.errors import PlanError
 
-__all__ = ["Device", "Link", "device", "device_names", "link", "link_names", "price"]
+__all__ = [
+    "Device",
+    "Link",
+    "device",
+    "device_key_of",
+    "device_names",
+    "link",
+    "link_names",
+    "price",
+]
 
 _GIB = 1 << 30
 
@@ -131,6 +140,13 @@ def price(key: str) -> float | None:
 
 def device_names() -> list[str]:
     return list(_devices())
+
+
+def device_key_of(gpu_name: str) -> str | None:
+    """The catalog key of the GPU torch names ``gpu_name`` ("H100" for "NVIDIA H100 80GB
+    HBM3"): the longest key within the name, or None when the catalog has none."""
+    keys = [k for k in device_names() if k != "cpu" and k.lower() in gpu_name.lower()]
+    return max(keys, key=len) if keys else None
 
 
 def link_names() -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from polytrain.planner.catalog import device_key_of
 from polytrain.planner.profile_io import cache_dir, fingerprint, load_profile, profile_path
 from polytrain.planner.types import HostProfile
 
@@ -49,10 +50,10 @@ def saved_profile(threads: int = 1, directory: Path | None = None) -> HostProfil
 
 def describes(profile: HostProfile, device_key: str) -> bool:
     """Whether ``profile`` was measured on the catalog device ``device_key``: "cpu" for a host
-    without a GPU, else the key within the GPU's name ("H100" in "NVIDIA H100 80GB HBM3")."""
+    without a GPU, else the catalog's key for the GPU's name (`catalog.device_key_of`)."""
     if device_key == "cpu":
         return profile.device == "cpu"
-    return device_key.lower() in profile.device.lower()
+    return device_key_of(profile.device) == device_key
 
 
 def profile_for(device_key: str, threads: int = 1) -> HostProfile | None:

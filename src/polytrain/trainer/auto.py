@@ -19,7 +19,7 @@ from polytrain.config.base import to_dict
 from polytrain.config.io import job_from_dict, merge
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
-from polytrain.planner.catalog import device_names
+from polytrain.planner.catalog import device_key_of
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.host import profile_for
 from polytrain.planner.search import PlanRequest, search
@@ -41,13 +41,13 @@ def host_cluster_spec(job: JobConfig) -> str:
     """This host as a catalog cluster spec with ``launch.nproc`` devices."""
     if job.train.device == "cuda" or (job.train.device == "auto" and torch.cuda.is_available()):
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-        keys = [k for k in device_names() if k.lower() in name.lower() and k != "cpu"]
-        if not keys:
+        key = device_key_of(name)
+        if key is None:
             raise PlanError(
                 f"strategy = 'auto': GPU {name!r} is not in the planner's catalog: plan it with "
                 "`polytrain plan --cluster FILE.toml` and set the layout by hand"
             )
-        return f"1x{job.launch.nproc}x{max(keys, key=len)}"
+        return f"1x{job.launch.nproc}x{key}"
     return f"1x{job.launch.nproc}xcpu"
 
 
