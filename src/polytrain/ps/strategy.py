@@ -401,13 +401,11 @@ class PSStrategy(Strategy):
             staleness = 0
             if self.is_pusher:
                 assert self.client is not None
-                early = self._posted_pull(clock)
-                if early is not None:  # posted with the last CLOCK: wait for every chunk
-                    granted = early.granted()
-                    granted.wait_rest()
-                    flats, floors = granted.flats, granted.floors
-                else:
-                    flats, floors = self.client.pull(clock)
+                # the pull posted with the last CLOCK, if any, else a new one; every chunk
+                posted = self._posted_pull(clock) or self.client.post_pull(clock)
+                granted = posted.granted()
+                granted.wait_rest()
+                flats, floors = granted.flats, granted.floors
                 staleness = max(clock - f for f in floors)
             if self.host_group is not None:
                 whole = torch.cat(flats) if flats else self._empty_whole()
