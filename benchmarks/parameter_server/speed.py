@@ -17,7 +17,7 @@ as fractions of that raw bandwidth:
   worker's compute counts as transfer time: the wait for the other worker, the server's sum,
   clipping and optimizer step, the loss all-reduce.
 - ``window_fraction_of_raw``: the bytes the server received and sent over the time inside its
-  own transfer windows ([Note: transfer windows] in polytrain.ps.server, from `ServerStats`):
+  own transfer windows ([Note: transfer windows] in polytrain.ps.stats, from `ServerStats`):
   per step, from the header of the first pushed chunk to the last chunk in, plus from the first
   reply of the pull posted to the last one sent, summed over the steps after the first. It is
   the server's rate while it moves data; with ``ps.overlap`` a push window also holds the rest

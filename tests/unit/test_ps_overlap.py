@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from polytrain.core.step import all_finite
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.overlap import GradPusher, ParamFetcher, chunk_members, param_chunks
-from polytrain.ps.server import all_finite
 
 
 class _Net(nn.Module):

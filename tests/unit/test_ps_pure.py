@@ -41,7 +41,7 @@ from polytrain.ps.protocol import (
     dtype_from_code,
     job_fingerprint,
 )
-from polytrain.ps.server import ServerStats
+from polytrain.ps.stats import ServerStats
 from polytrain.testing import scaled
 
 JOB = job_fingerprint([("w", (4, 3), "torch.float32"), ("b", (3,), "torch.float32")])

@@ -38,6 +38,7 @@ __all__ = [
     "GradNorm",
     "Reduce",
     "StepRules",
+    "all_finite",
     "apply_update",
     "autocast",
     "clip_coefficient",
@@ -234,3 +235,17 @@ def finish_step(
     with span:
         apply_update(params, rules, optimizer=optimizer, grad_norm=grad_norm, update=update)
     return StepOutput(loss=value)
+
+
+def all_finite(flat: torch.Tensor) -> bool:
+    """Whether every element is finite, without a mask the size of the shard.
+
+    A sum is NaN or infinite if any element is, so a finite sum in the buffer's own dtype
+    answers at once (one fast pass); only a non-finite one, which may also be an overflow of
+    finite values, is checked again with a float64 sum, which cannot overflow on float32 (or
+    narrower) values and so is finite if and only if every element is."""
+    if bool(torch.isfinite(flat.sum())):
+        return True
+    if flat.dtype == torch.float64:
+        return bool(torch.isfinite(flat).all())
+    return bool(torch.isfinite(flat.sum(dtype=torch.float64)))

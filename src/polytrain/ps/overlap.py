@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from polytrain.core.step import all_finite
 from polytrain.ps.layout import ShardLayout
-from polytrain.ps.server import all_finite
 
 __all__ = ["ChunkKey", "GradPusher", "ParamFetcher", "chunk_members", "param_chunks"]
 
