@@ -1,4 +1,4 @@
-"""[Note: loop overhead] and [Note: timing rounds] in planner/calibrate.py: the training step's
+"""[Note: loop overhead] and [Note: timing rounds] in planner/timing.py: the training step's
 own Python priced per step and per micro-batch, and calibration's interleaved timing rounds."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polytrain.planner.calibrate import Rounds, _median_and_spread, _timed_rounds
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.stats_pure import gpt_stats
+from polytrain.planner.timing import Rounds, median_and_spread, timed_rounds
 from polytrain.planner.types import Curve, HostProfile, Layout
 
 STATS = gpt_stats(n_layer=4, n_embd=64, n_head=4, block_size=16, vocab_size=64)
@@ -83,9 +83,9 @@ def test_a_profile_without_the_loop_terms_prices_none() -> None:
 
 
 def test_median_and_spread_is_the_interquartile_range_over_the_median() -> None:
-    assert _median_and_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, pytest.approx(2.0 / 3.0))
-    assert _median_and_spread([2.0]) == (2.0, 0.0)
-    assert _median_and_spread([5.0, 5.0, 5.0]) == (5.0, 0.0)
+    assert median_and_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, pytest.approx(2.0 / 3.0))
+    assert median_and_spread([2.0]) == (2.0, 0.0)
+    assert median_and_spread([5.0, 5.0, 5.0]) == (5.0, 0.0)
 
 
 def test_timing_rounds_interleave_every_function_in_every_round() -> None:
@@ -93,7 +93,7 @@ def test_timing_rounds_interleave_every_function_in_every_round() -> None:
     falls on all of them alike; the warm-up calls each once first."""
     calls: list[str] = []
     fns = {k: (lambda k=k: calls.append(k)) for k in ("a", "b", "c")}
-    out = _timed_rounds(fns, torch.device("cpu"), budget_s=0.0, rounds=3)
+    out = timed_rounds(fns, torch.device("cpu"), budget_s=0.0, rounds=3)
     assert set(out) == {"a", "b", "c"}
     assert all(secs >= 0 and spread >= 0 for secs, spread in out.values())
     # budget 0: the minimum of two calls per function per round

@@ -20,7 +20,7 @@ BUSY_SPREAD = 0.2  # a figure whose rounds spread more than this met load (worth
 
 def _spread(profile: HostProfile, what: str) -> str:
     """`` (spread 4%)``: the interquartile range of the figure's timing rounds over its median
-    ([Note: timing rounds] in planner/calibrate.py); empty where it was not recorded."""
+    ([Note: timing rounds] in planner/timing.py); empty where it was not recorded."""
     value = profile.spread.get(what)
     if value is None:
         return ""

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Generic, TypeVar
 
 import torch
 from torch import nn
@@ -63,6 +62,7 @@ from polytrain.planner.profile_io import (
     save_profile,
 )
 from polytrain.planner.stats import OpCounter
+from polytrain.planner.timing import Rounds, median_and_spread, timed, timed_rounds
 from polytrain.planner.types import Curve, HostProfile
 from polytrain.testing.harness import run_distributed
 
@@ -121,106 +121,8 @@ class CalibrationPlan:
         return CalibrationPlan.accelerator() if torch.cuda.is_available() else CalibrationPlan()
 
 
-Key = TypeVar("Key")
-
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _timed(fn: Callable[[], object], device: torch.device, budget_s: float) -> float:
-    """Seconds of one call of ``fn`` within ``budget_s`` (`Rounds` of ``fn`` alone)."""
-    return _timed_rounds({0: fn}, device, budget_s)[0][0]
-
-
-ROUNDS = 5  # [Note: timing rounds]
 COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each
-
-
-class Rounds(Generic[Key]):
-    """[Note: timing rounds] (seconds, spread) of one call of each of ``fns``, measured in
-    ``rounds`` rounds: every round times each function in turn (2 to ``max_calls / rounds`` calls,
-    about ``budget_s / rounds`` seconds of them: ``budget_s`` is per function) and keeps their
-    median; a figure is the median of its round medians, and its spread their interquartile
-    range over that median. `round` runs the next round (the caller spreads them over its
-    work), `result` runs the rounds left and answers.
-
-    On a host that others use, load comes in bursts of a fraction of a second to several
-    seconds: one run of calls (what this was before) lands inside or outside a burst whole,
-    and the matmul rate moved 65 -> 86 GFLOP/s between two calibrations a minute apart.
-    Interleaving puts every size (every dtype) in the same stretches of load, so their ratios
-    hold; `calibrate` spreads the matmul rounds over ~20 s of its other measurements, so a
-    burst of a few seconds hits one or two rounds, which the median drops; the spread says how
-    much load a figure met. The budget is one run's, so calibration takes no longer."""
-
-    def __init__(
-        self,
-        fns: dict[Key, Callable[[], object]],
-        device: torch.device,
-        budget_s: float,
-        rounds: int = ROUNDS,
-        threads: int | None = None,
-        max_calls: int = 50,
-    ) -> None:
-        self.fns, self.device, self.threads = fns, device, threads
-        self.rounds = max(rounds, 1)
-        self.share, self.cap = budget_s / self.rounds, max(2, max_calls // self.rounds)
-        self.per_round: dict[Key, list[float]] = {key: [] for key in fns}
-        self.warm = False
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    @property
-    def done(self) -> bool:
-        return len(next(iter(self.per_round.values()), [])) >= self.rounds
-
-    def round(self) -> None:
-        """One more round of every function (none once all are done)."""
-        if self.done:
-            return
-        old = torch.get_num_threads()
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
-        try:
-            if not self.warm:  # allocations, first-call dispatch
-                for fn in self.fns.values():
-                    fn()
-                self._sync()
-                self.warm = True
-            for key, fn in self.fns.items():
-                times: list[float] = []
-                while len(times) < 2 or (sum(times) < self.share and len(times) < self.cap):
-                    t0 = time.perf_counter()
-                    fn()
-                    self._sync()
-                    times.append(time.perf_counter() - t0)
-                self.per_round[key].append(statistics.median(times))
-        finally:
-            torch.set_num_threads(old)
-
-    def result(self) -> dict[Key, tuple[float, float]]:
-        for _ in range(self.rounds):
-            self.round()
-        return {key: _median_and_spread(values) for key, values in self.per_round.items()}
-
-
-def _timed_rounds(
-    fns: dict[Key, Callable[[], object]],
-    device: torch.device,
-    budget_s: float,
-    rounds: int = ROUNDS,
-) -> dict[Key, tuple[float, float]]:
-    """(seconds, spread) of each of ``fns``: `Rounds` run back to back."""
-    return Rounds(fns, device, budget_s, rounds).result()
-
-
-def _median_and_spread(values: list[float]) -> tuple[float, float]:
-    """(median, interquartile range / median) of ``values`` (spread 0 for fewer than 2)."""
-    mid = statistics.median(values)
-    if len(values) < 2 or mid <= 0:
-        return mid, 0.0
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return mid, (q3 - q1) / mid
 
 
 def _matmul_rounds(
@@ -253,7 +155,7 @@ def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, 
     """(bytes per second read and written by a copy, spread) ([Note: timing rounds])."""
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    secs, spread = _timed_rounds({0: partial(dst.copy_, src)}, device, budget_s)[0]
+    secs, spread = timed_rounds({0: partial(dst.copy_, src)}, device, budget_s)[0]
     return 2.0 * nbytes / secs, spread  # read + write
 
 
@@ -290,14 +192,14 @@ def _step_costs(
         for prm in params:
             prm.grad = torch.randn_like(prm) * 1e-3
         nbytes = float(count * numel * 4)
-        timed: dict[str, Callable[[], object]] = {
+        parts: dict[str, Callable[[], object]] = {
             "check": partial(nonfinite_flag, params, device),
             "clip": partial(clip_gradients_, params, 1.0),
         }
         for name in ("adamw", "sgd"):
-            timed[name] = build_optimizer(params, OptimConfig(name=name)).step
-        for part, fn in timed.items():
-            points[part].append((float(count), nbytes, _timed(fn, device, budget_s)))
+            parts[name] = build_optimizer(params, OptimConfig(name=name)).step
+        for part, fn in parts.items():
+            points[part].append((float(count), nbytes, timed(fn, device, budget_s)))
     return {part: _fit_per_tensor_and_byte(pts) for part, pts in points.items()}
 
 
@@ -316,7 +218,7 @@ def _op_seconds(device: torch.device, budget_s: float) -> float:
     counter = OpCounter()
     with counter:
         chain()
-    return _timed(chain, device, budget_s) / max(counter.ops, 1)
+    return timed(chain, device, budget_s) / max(counter.ops, 1)
 
 
 def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float]:
@@ -335,7 +237,7 @@ def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float
         return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16)) for _ in range(units)])
 
     def seconds(model: nn.Module) -> float:
-        return _timed(lambda: model(x).sum().backward(), device, budget_s)
+        return timed(lambda: model(x).sum().backward(), device, budget_s)
 
     def wrap(model: nn.Sequential, stage: int) -> None:
         for module in [*model, model]:  # every unit, then the root (as apply_zero does)
@@ -468,7 +370,7 @@ def _rank_collectives(
         matmul.round()
     out: dict[str, list[tuple[float, float]]] = {}
     for (op, n), values in sweeps.items():
-        secs, spread_n = _median_and_spread(values)
+        secs, spread_n = median_and_spread(values)
         out.setdefault(op, []).append((float(n), secs))
         out.setdefault(f"{op} spread", []).append((float(n), spread_n))
     rate, spread = matmul_rates(matmul)[("fp32", matmul_n)]

@@ -194,7 +194,7 @@ class HostProfile:
     # (one process alone, a CPU host); 0 = not calibrated
     loop_step_s: float = 0.0
     loop_microbatch_s: float = 0.0
-    # [Note: timing rounds] in planner/calibrate.py: measured figure ("matmul fp32 1024",
+    # [Note: timing rounds] in planner/timing.py: measured figure ("matmul fp32 1024",
     # "memory bandwidth", "training loop") -> interquartile range / median of its rounds
     spread: dict[str, float] = field(default_factory=dict)
 
