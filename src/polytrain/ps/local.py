@@ -36,12 +36,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from polytrain.ps.consistency import ClockTable
 from polytrain.ps.protocol import Header, Op
+from polytrain.ps.receive import Inbox
 
 __all__ = ["ColocatedServer", "LocalLink"]
 
@@ -59,7 +60,7 @@ class LocalLink:
         worker: int,
         spans: list[tuple[int, int]],
         dtype: torch.dtype,
-        inbox: queue.Queue[tuple[str, int, Any, Any, tuple[float, float]]],
+        inbox: Inbox,
         decode: Callable[[torch.Tensor, int], Header],
     ) -> None:
         self.worker, self.spans, self.inbox, self.decode = worker, spans, inbox, decode
