@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from polytrain.config.io import job_from_dict, merge
-from polytrain.config.job import JobConfig
+from polytrain.config.io import job_from_fields
 from polytrain.planner import cost
 from polytrain.planner.calibrate import CalibrationPlan, cached_profile
 from polytrain.planner.catalog import device_key_of
@@ -83,13 +82,6 @@ def cases() -> list[Case]:
             {"model.name": "mlp", "model.size": "medium", "train.global_batch_size": 256},
         ),
     ]
-
-
-def _job(fields: dict[str, Any]) -> JobConfig:
-    data: dict[str, Any] = {}
-    for key, value in fields.items():
-        merge(data, key.split("."), value)
-    return job_from_dict(data)
 
 
 def catalog_key(gpu_name: str) -> str:
@@ -147,7 +139,7 @@ def main() -> int:
     for name in names:
         case = known[name]
         fields = {**case.fields, "train.device": device}
-        job = _job(fields)
+        job = job_from_fields(fields)
         stats = model_stats(job, device=device)  # FLOPs, and the bytes CUDA's kernels save
         env = cost.Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
         pred = cost.predict(case.layout, stats, env, job.train.global_batch_size)

@@ -25,7 +25,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from polytrain.config.io import job_from_dict, merge
+from polytrain.config.io import job_from_fields
 from polytrain.config.job import JobConfig
 from polytrain.planner.calibrate import CalibrationPlan, cached_profile
 from polytrain.planner.stats import model_stats
@@ -102,13 +102,6 @@ def _trial_name(trial: dict[str, Any]) -> str:
     if isinstance(fields.get("partition"), list):
         fields["partition"] = tuple(fields["partition"])
     return Layout(**fields).describe()
-
-
-def _job(base: dict[str, Any]) -> JobConfig:
-    data: dict[str, Any] = {}
-    for key, value in base.items():
-        merge(data, key.split("."), value)
-    return job_from_dict(data)
 
 
 def _name(layout: Layout) -> str:
@@ -383,7 +376,7 @@ def main() -> None:
     previous: dict[str, Any] = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
     results: dict[str, Any] = {"profile": str(path), "models": {}, "summary": []}
     for model in models:
-        job = _job(MODELS[model])
+        job = job_from_fields(MODELS[model])
         t0 = time.perf_counter()
         counted = model_stats(job, device="cpu")  # real saved bytes (fused attention)
         timed = model_stats(job, device="cpu", measure=True, batch=8)

@@ -13,11 +13,19 @@ from polytrain.config.base import from_dict, to_dict
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
 
-__all__ = ["job_from_dict", "load_job", "merge", "parse_override", "save_job"]
+__all__ = ["job_from_dict", "job_from_fields", "load_job", "merge", "parse_override", "save_job"]
 
 
 def job_from_dict(data: dict[str, Any]) -> JobConfig:
     return from_dict(JobConfig, data)
+
+
+def job_from_fields(fields: dict[str, Any]) -> JobConfig:
+    """The job of dotted keys (``{"model.name": "mlp", "train.steps": 5}``), defaults elsewhere."""
+    data: dict[str, Any] = {}
+    for key, value in fields.items():
+        merge(data, key.split("."), value)
+    return job_from_dict(data)
 
 
 def load_job(path: str | os.PathLike[str]) -> dict[str, Any]:
