@@ -19,6 +19,7 @@ from polytrain.config import JobConfig
 from polytrain.testing import assert_state_close, run_job
 from polytrain.trainer.manifest import committed, step_dir, verify
 from tests.conftest import small_job
+from tests.helpers import hf_models
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +80,24 @@ def test_sync_ps_resume_matches_uninterrupted_and_resumes_under_dp(tmp_path: Pat
     assert_state_close(under_dp["state"], full["state"], atol=1e-5)
 
 
+def _colocated_job(ckpt: Path, resume: bool, world: int, **sections: dict[str, Any]) -> JobConfig:
+    """Sync ps with servers on ranks 0 and 1, a checkpoint every step, ``sections`` on top."""
+    base: dict[str, Any] = {
+        "parallel": {"sync": "ps"},
+        # The last rank pushes late, so the servers' ranks reach a save before their threads
+        # can apply the step's update: the save must wait for it. (A checkpoint every step:
+        # only the first save meets the world in a collective.)
+        "ps": {"servers": 2, "colocate": True, "chunk_kb": 8, "straggler_delay_s": 0.1},
+        "optim": OPTIM,
+        "train": {"steps": STEPS, "global_batch_size": 12},
+        "checkpoint": {"dir": str(ckpt), "every": 1, "keep": STEPS, "resume": resume},
+        "launch": {"nproc": world},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return small_job(**base)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_colocated_resume_matches_uninterrupted(tmp_path: Path, world: int) -> None:
     """[Note: colocated checkpoints]: servers on ranks 0 and 1 (world 3: rank 2 only works)
@@ -87,17 +106,7 @@ def test_colocated_resume_matches_uninterrupted(tmp_path: Path, world: int) -> N
     server sums the pushes of a clock in their order of arrival)."""
 
     def job(ckpt: Path, resume: bool) -> JobConfig:
-        return small_job(
-            parallel={"sync": "ps"},
-            # The last rank pushes late, so the servers' ranks reach a save before their
-            # threads can apply the step's update: the save must wait for it. (A checkpoint
-            # every step: only the first save meets the world in a collective.)
-            ps={"servers": 2, "colocate": True, "chunk_kb": 8, "straggler_delay_s": 0.1},
-            optim=OPTIM,
-            train={"steps": STEPS, "global_batch_size": 12},
-            checkpoint={"dir": str(ckpt), "every": 1, "keep": STEPS, "resume": resume},
-            launch={"nproc": world},
-        )
+        return _colocated_job(ckpt, resume, world)
 
     full = run(job(tmp_path / "a", False))
     assert full["strategy"].endswith("-colocated")
@@ -116,6 +125,33 @@ def test_colocated_resume_matches_uninterrupted(tmp_path: Path, world: int) -> N
     resumed = run(job(tmp_path / "b", True))
     assert resumed["start"] == STOP
     assert [r["step"] for r in resumed["history"]] == list(range(STOP + 1, STEPS + 1))
+    assert_state_close(resumed["state"], full["state"], atol=1e-6)
+    losses = [r["loss"] for r in resumed["history"]]
+    assert losses == pytest.approx([r["loss"] for r in full["history"]][STOP:], abs=1e-6)
+
+
+def test_colocated_resume_of_a_transformers_gpt2(tmp_path: Path) -> None:
+    """The same on a user's model: transformers' GPT-2 (tiny config), whose lm_head is tied to
+    its token embedding, so one tensor has two names in the replica a colocated rank saves
+    from; resumed after step 3 of 6 it ends where the uninterrupted run does."""
+    data = hf_models.write_data("gpt2", tmp_path / "data.safetensors")
+
+    def job(ckpt: Path, resume: bool) -> JobConfig:
+        return _colocated_job(
+            ckpt,
+            resume,
+            2,
+            model={"name": "tests.helpers.hf_models:make_gpt2"},
+            data={"source": str(data)},
+            train={"global_batch_size": 8},
+        )
+
+    full = run(job(tmp_path / "a", False))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for step in range(STOP + 1, STEPS + 1):
+        shutil.rmtree(step_dir(tmp_path / "b", step))
+    resumed = run(job(tmp_path / "b", True))
+    assert resumed["start"] == STOP
     assert_state_close(resumed["state"], full["state"], atol=1e-6)
     losses = [r["loss"] for r in resumed["history"]]
     assert losses == pytest.approx([r["loss"] for r in full["history"]][STOP:], abs=1e-6)
