@@ -252,6 +252,28 @@ def test_calibrated_end_of_step_costs_per_tensor_and_byte() -> None:
     assert bare.optimizer_s(params, 2, 4, tensors=tensors) == pytest.approx(params * 4 * 7 / 1e10)
 
 
+def test_a_parameter_server_prices_the_fused_optimizer() -> None:
+    """[Note: fused server optimizer]: a server's update is priced with the calibrated fused
+    optimizer; a profile measured before fused figures existed prices the default one."""
+    costs = {"adamw": (50e-6, 2e-9), "adamw_fused": (5e-6, 5e-10), "check": (3e-6, 3e-11)}
+    env = Env(parse_cluster("1x3xcpu"), profile=_cpu_profile(step_costs=costs))
+    params, tensors = 1e6, 60.0
+    fused = env.optimizer_s(params, 2, 4, tensors=tensors, fused=True)
+    assert fused == pytest.approx(
+        sum(costs[p][0] * tensors + costs[p][1] * params * 4 for p in ("adamw_fused", "check"))
+        * env.cpu_slowdown
+    )
+    older = {k: v for k, v in costs.items() if k != "adamw_fused"}
+    old_env = Env(parse_cluster("1x3xcpu"), profile=_cpu_profile(step_costs=older))
+    assert old_env.optimizer_s(params, 2, 4, tensors=tensors, fused=True) == pytest.approx(
+        env.optimizer_s(params, 2, 4, tensors=tensors)
+    )
+    g = params * 4
+    step, _ = ps_step(env, "sync", 2, 1, 0.5, g, params, 2, 4, tensors=tensors)
+    old_step, _ = ps_step(old_env, "sync", 2, 1, 0.5, g, params, 2, 4, tensors=tensors)
+    assert old_step - step == pytest.approx(env.optimizer_s(params, 2, 4, tensors=tensors) - fused)
+
+
 def test_predict_adds_the_end_of_step_per_rank() -> None:
     """dp1: the step grows by exactly the calibrated end of step over the model's tensors;
     ZeRO-2 pays the per-byte part on its 1/dp shard only."""

@@ -13,18 +13,30 @@ __all__ = ["build_optimizer", "lr_at"]
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: OptimConfig
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, *, fused: bool = False
 ) -> torch.optim.Optimizer:
+    """``cfg``'s optimizer over ``params`` (those that require a gradient).
+
+    ``fused`` asks for torch's fused kernel: the whole update of every tensor in one pass, the
+    same formula with a different order of float operations (results differ in the last bits).
+    Only for plain tensors on the CPU or a GPU ([Note: fused server optimizer] in
+    `polytrain.ps.server`); the default is torch's own choice (per-tensor loop on the CPU).
+    """
     params = [p for p in params if p.requires_grad]
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            fused=fused or None,
         )
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         weight_decay=cfg.weight_decay,
+        fused=fused or None,
     )
 
 

@@ -159,7 +159,7 @@ def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, 
     return 2.0 * nbytes / secs, spread  # read + write
 
 
-STEP_PARTS = ("check", "clip", "adamw", "sgd")
+STEP_PARTS = ("check", "clip", "adamw", "sgd", "adamw_fused", "sgd_fused")
 
 
 def _fit_per_tensor_and_byte(points: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -185,7 +185,7 @@ def _step_costs(
 ) -> dict[str, tuple[float, float]]:
     """[Note: per-step costs] Each part of `core.step.finish_step`'s end of step, timed alone on
     synthetic fp32 parameters with gradients (the library's own functions and optimizers,
-    default settings), fitted per tensor and per byte over ``shapes``."""
+    default settings, and fused as a parameter server runs them), fitted per tensor and per byte over ``shapes``."""
     points: dict[str, list[tuple[float, float, float]]] = {part: [] for part in STEP_PARTS}
     for count, numel in shapes:
         params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
@@ -198,6 +198,9 @@ def _step_costs(
         }
         for name in ("adamw", "sgd"):
             parts[name] = build_optimizer(params, OptimConfig(name=name)).step
+            # A parameter server's optimizer ([Note: fused server optimizer] in ps/server.py).
+            fused = build_optimizer(params, OptimConfig(name=name), fused=True)
+            parts[f"{name}_fused"] = fused.step
         for part, fn in parts.items():
             points[part].append((float(count), nbytes, timed(fn, device, budget_s)))
     return {part: _fit_per_tensor_and_byte(pts) for part, pts in points.items()}

@@ -29,6 +29,16 @@ ssp apply each push divided by ``num_pushers``: for SGD that is lr / num_workers
 gradient, so one round of pushes moves the weights as far as one synchronous step (Downpour
 with a scaled learning rate); Adam normalizes the scale away and takes one full step per push.
 
+[Note: fused server optimizer] A sync server's update sits on every step's critical path: the
+workers wait for it between their last push and their first pull. torch's default AdamW on the
+CPU loops over the shard's tensors in Python, about ten kernels each; the fused kernel makes
+one pass over every tensor. On the default job's shard (69 tensors, 0.83M elements, 2-core VM,
+one thread) the step took 3.3 ms looped, 2.3 ms with foreach, 0.64 ms fused. The fused kernel
+is the same AdamW (or SGD) with a different order of float operations, so a server's
+parameters match the single-process run's to rounding, like any change of summation order (the
+parity tests compare at 1e-5). The parameters stay views of the flat buffer, so the
+optimizer's state and checkpoints are per parameter as before.
+
 Per clock a server also records its transfer windows (`polytrain.ps.stats`, [Note: transfer
 windows]).
 """
@@ -117,7 +127,7 @@ class ParameterServer:
             param = nn.Parameter(view)
             param.grad = grads[name]
             self.params[name] = param
-        self.optimizer = build_optimizer(self.params.values(), optim)
+        self.optimizer = build_optimizer(self.params.values(), optim, fused=True)
         self.rule = apply_rule(mode, staleness)
         self.table = ClockTable(workers)
         self.aggregator = SyncAggregator(workers) if self.rule is ApplyRule.SUM_THEN_APPLY else None

@@ -231,13 +231,17 @@ class Env:
         tensors: float = 0.0,
         optimizer: str = "adamw",
         clip: bool = False,
+        fused: bool = False,
     ) -> float:
         """One rank's end of step over ``params`` parameters in ``tensors`` tensors: the
         non-finite check, the clip (``clip``) and the optimizer update, as calibrated
-        ([Note: per-step costs]). Uncalibrated: the memory-bound update alone (read p, g and
-        the states, write p and the states)."""
+        ([Note: per-step costs]); ``fused``: torch's fused optimizer, as a parameter server
+        runs it (a profile without it prices the default one). Uncalibrated: the memory-bound
+        update alone (read p, g and the states, write p and the states)."""
         if self.profile is None or optimizer not in self.profile.step_costs:
             return params * dtype_bytes * (3 + 2 * state_per_param) / self.mem_bw
+        if fused and f"{optimizer}_fused" in self.profile.step_costs:
+            optimizer = f"{optimizer}_fused"
         parts = (optimizer, "check", "clip") if clip else (optimizer, "check")
         return self.step_cost_s(parts, tensors, params * dtype_bytes)
 

@@ -53,6 +53,7 @@ def ps_step(
         dtype_bytes,
         tensors=tensors / servers,
         optimizer=optimizer,
+        fused=True,  # [Note: fused server optimizer] in ps/server.py
     )
     if mode == "sync":
         step = compute_s + env.straggler_s + exchange + update
