@@ -479,7 +479,8 @@ def test_simulated_ssp_run_respects_bound(bound: int) -> None:
 
 
 def test_automatic_chunk_size_is_bounded_by_the_shard() -> None:
-    """ps.chunk_kb = 0 (the default): an eighth of the largest shard, within [1, 4] MiB."""
+    """ps.chunk_kb = 0 (the default): the whole shard up to 4 MiB, then 4 MiB chunks ([Note:
+    automatic chunk size]: on loopback one chunk beat four on the default job's shard)."""
     from torch import nn
 
     from polytrain.config.job import PSConfig
@@ -487,20 +488,23 @@ def test_automatic_chunk_size_is_bounded_by_the_shard() -> None:
 
     assert PSConfig().chunk_kb == 0
     assert auto_chunk_bytes(100) == AUTO_CHUNK_MIN  # a small shard: one chunk of it
-    assert auto_chunk_bytes(16 << 20) == 2 << 20
-    assert auto_chunk_bytes(1 << 30) == AUTO_CHUNK_MAX
+    assert auto_chunk_bytes(3 << 20) == 3 << 20
+    assert auto_chunk_bytes(16 << 20) == AUTO_CHUNK_MAX == 4 << 20
+    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512))  # 4 MiB + biases
+    small = build_layout(model, 2, PSConfig().chunk_kb)  # two shards of about 2 MiB
+    assert all(len(small.spans(s)) == 1 for s in range(2))
     model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 1024))  # 16 MiB + biases
     layout = build_layout(model, 1, PSConfig().chunk_kb)
-    assert layout.chunk_elems * 4 == layout.plan.server_bytes[0] // 8 > AUTO_CHUNK_MIN
-    assert len(layout.spans(0)) == -(-layout.numel(0) // layout.chunk_elems)
+    assert layout.chunk_elems * 4 == AUTO_CHUNK_MAX
+    assert len(layout.spans(0)) == -(-layout.numel(0) // layout.chunk_elems) == 5
     fixed = build_layout(model, 1, 64)
     assert fixed.chunk_elems * 4 == 64 * 1024 and fixed.job_id != layout.job_id
 
 
 def test_chunk_size_from_a_calibrated_link() -> None:
     """[Note: chunk size from the link]: the smallest message reaching 90% of the best measured
-    rate, at most a quarter of the largest shard, at least LINK_CHUNK_MIN; the fixed rule
-    without a usable curve, and never when ps.chunk_kb is set."""
+    rate, at most the largest shard, at least LINK_CHUNK_MIN; the fixed rule without a usable
+    curve, and never when ps.chunk_kb is set."""
     from torch import nn
 
     from polytrain.ps.layout import LINK_CHUNK_MIN, auto_chunk_bytes, build_layout, link_chunk_bytes
@@ -518,8 +522,9 @@ def test_chunk_size_from_a_calibrated_link() -> None:
         ]
     ]
     assert link_chunk_bytes(vm, 44 * mib) == mib
-    assert link_chunk_bytes(vm, 3 * mib) == 3 * mib // 4  # keeps four chunks to pipeline
-    assert link_chunk_bytes(vm, 100 * kib) == LINK_CHUNK_MIN
+    assert link_chunk_bytes(vm, 3 * mib) == mib
+    assert link_chunk_bytes(vm, 700 * kib) == 700 * kib  # the whole shard, one chunk
+    assert link_chunk_bytes(vm, 10 * kib) == LINK_CHUNK_MIN
     # An alpha-beta link (50 us, 1 GB/s): 90% of the peak needs b >= 9 * alpha * B = 450 kB.
     ab = [(float(b), 50e-6 + b / 1e9) for b in (4 * kib * 4**i for i in range(8))]
     assert link_chunk_bytes(ab, 1 << 30) == mib

@@ -7,23 +7,26 @@ in model order into one flat buffer, and pushes and pulls move that buffer in ch
 P = elements of one shard.
 
 [Note: automatic chunk size] A chunk costs a fixed per-message price (a header, a gloo
-isend/irecv pair, the receiver thread's Python) plus its bytes at the link's rate, and the
-first chunk's transfer cannot overlap anything. Measured on the 2-core development VM
-(loopback gloo, load ~40, `benchmarks/parameter_server/main.py --sweep`): raw chunked p2p moved
-0.41 GB/s in 64 KiB chunks, 0.98 in 256 KiB, 1.78 in 1 MiB, 1.34 in 4 MiB and 1.06 in 16 MiB.
-So chunks shorter than 1 MiB waste most of the link on per-message cost, and chunks much longer
-than a few MiB lose the pipelining (and, with gloo's single pair per peer, gain nothing). The
-rule: an eighth of the largest shard, clamped to [1 MiB, 4 MiB]; a shard smaller than 1 MiB is
-one chunk.
+isend/irecv pair, the receiver thread's Python, a forward pre-hook's wait) plus its bytes at the
+link's rate; more chunks let a push leave during backward and a pull feed forward sooner
+([Note: prioritised overlap] in `polytrain.ps.overlap`), fewer pay the fixed price less often.
+Measured (2-core VM, quiet, `benchmarks/parameter_server/speed.py --sweep`, 2 workers + 1
+server, sync, overlap on): the default job's 3.3 MB shard stepped in 105 ms as one chunk against
+115-125 ms in 1 MiB or 0.8 MB chunks; the 11M GPT's 43 MB shard in 1.045 s in 10.7 MB chunks,
+1.08 s in 4 MiB, 1.11 s in 1 MiB, 1.28 s in 256 KiB. On loopback the fixed price outweighs the
+overlap at every size we measured, so the chunk is as large as the link still rewards: the
+fixed rule takes the whole shard up to 4 MiB (where raw chunked gloo p2p stopped getting faster
+on the VM: 0.41 GB/s in 64 KiB chunks, 0.98 in 256 KiB, 1.78 in 1 MiB, 1.34 in 4 MiB, 1.06 in
+16 MiB, at load ~40), and 4 MiB chunks of a larger shard. (Until 2026-11-25 the rule kept at
+least four to eight chunks per shard for the overlap's sake: 10% slower on the default job.)
 
 [Note: chunk size from the link] When `polytrain calibrate` has saved this host's profile, its
-p2p curve (one-way seconds of one message, per size) replaces the fixed clamp
-(`link_chunk_bytes`): the chunk is the smallest measured message size whose rate reaches 90%
-of the best measured rate, i.e. the size past which a larger message no longer amortises the
-per-message cost (on the VM above that is 1 MiB; past it gloo's rate falls again), kept to at
-most a quarter of the largest shard (so a push still has chunks to pipeline and to post from
-backward) and at least `LINK_CHUNK_MIN`. Rank 0 reads the profile and broadcasts its points, so
-every rank computes the same chunk size (it is part of the job fingerprint).
+p2p curve (one-way seconds of one message, per size) replaces the fixed 4 MiB
+(`link_chunk_bytes`): the chunk is the smallest measured message size whose rate reaches 90% of
+the best measured rate, i.e. the size past which a larger message no longer amortises the
+per-message cost, at most the largest shard and at least `LINK_CHUNK_MIN`. Rank 0 reads the
+profile and broadcasts its points, so every rank computes the same chunk size (it is part of
+the job fingerprint).
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ LINK_CHUNK_EFFICIENCY = 0.9
 
 
 def auto_chunk_bytes(shard_bytes: int) -> int:
-    """Chunk size for shards of at most ``shard_bytes`` ([Note: automatic chunk size])."""
-    return min(max(shard_bytes // 8, AUTO_CHUNK_MIN), AUTO_CHUNK_MAX)
+    """Chunk size for shards of at most ``shard_bytes`` ([Note: automatic chunk size]): the
+    whole shard up to `AUTO_CHUNK_MAX` (at least `AUTO_CHUNK_MIN`)."""
+    return min(max(shard_bytes, AUTO_CHUNK_MIN), AUTO_CHUNK_MAX)
 
 
 def link_chunk_bytes(points: Sequence[tuple[float, float]], shard_bytes: int) -> int | None:
@@ -72,7 +76,7 @@ def link_chunk_bytes(points: Sequence[tuple[float, float]], shard_bytes: int) ->
         return None
     best = max(rate for _, rate in rates)
     chosen = next(b for b, rate in rates if rate >= LINK_CHUNK_EFFICIENCY * best)
-    return int(max(min(chosen, shard_bytes // 4), LINK_CHUNK_MIN))
+    return int(max(min(chosen, shard_bytes), LINK_CHUNK_MIN))
 
 
 @dataclass(frozen=True)
