@@ -13,9 +13,12 @@ as fractions of that raw bandwidth:
 
 - ``fraction_of_raw`` (the issue's metric): the bytes through the server per step (2 workers x
   (push + pull) x model bytes) over the step's communication time, ps step time minus the
-  worker's own forward + backward time, timed in the run. Everything in a step that is not the
-  worker's compute counts as transfer time: the wait for the other worker, the server's sum,
-  clipping and optimizer step, the loss all-reduce.
+  slower worker's own forward + backward time in that step (median over steps), timed in the
+  run. A synchronous step cannot end before its slower worker has computed; everything else
+  counts as transfer time: the server's sum, clipping and optimizer step, the loss all-reduce,
+  the waits for chunks. ``fraction_of_raw_w0`` is the same over worker 0's compute alone (the
+  figure reported until 2026-11-25), which also counts the two workers' compute imbalance on
+  the shared cores (10-20% of a step's compute on the 2-core VM) as transfer time.
 - ``window_fraction_of_raw``: the bytes the server received and sent over the time inside its
   own transfer windows ([Note: transfer windows] in polytrain.ps.stats, from `ServerStats`):
   per step, from the header of the first pushed chunk to the last chunk in, plus from the first
@@ -160,6 +163,7 @@ def _rank(
     return {
         "step_s": statistics.median(times) if times else float("nan"),
         "compute_s": statistics.median(compute[1:]) if len(compute) > 1 else None,
+        "compute_steps": compute[1:],
         "bandwidth": measured["bandwidth"],
         "numel": measured["numel"],
         "chunk_bytes": measured.get("chunk_bytes"),
@@ -181,19 +185,32 @@ def server_window_rate(out_dir: str) -> dict[str, float] | None:
     return {k: float(stats.get(k, math.nan)) for k in keys}
 
 
-def _server_throughput(result: dict[str, Any], window: dict[str, float] | None) -> dict[str, Any]:
+def slower_compute_s(workers: list[list[float]]) -> float:
+    """Median over steps of the slower worker's compute in each step (``workers``: each
+    worker's per-step compute seconds, the same steps in the same order)."""
+    return statistics.median(max(step) for step in zip(*workers, strict=False))
+
+
+def _server_throughput(
+    result: dict[str, Any], window: dict[str, float] | None, workers: list[list[float]]
+) -> dict[str, Any]:
     """Both server throughputs (module docstring) and each as a fraction of the raw p2p
     bandwidth measured in the same run: ``fraction_of_raw`` over the step's communication
-    time, ``window_fraction_of_raw`` over the server's own transfer windows."""
+    time, ``window_fraction_of_raw`` over the server's own transfer windows. ``workers``:
+    every worker's per-step compute seconds."""
     server_bytes = 2 * 2 * result["numel"] * 4  # 2 workers x (push + pull) x fp32
-    comm = max(result["step_s"] - result["compute_s"], 1e-9)
+    compute = slower_compute_s(workers)
+    comm = max(result["step_s"] - compute, 1e-9)
+    comm_w0 = max(result["step_s"] - result["compute_s"], 1e-9)
     raw = result["bandwidth"]
     return {
         "chunk_bytes": result["chunk_bytes"],
-        "compute_s": result["compute_s"],
+        "compute_s": compute,
+        "compute_s_w0": result["compute_s"],
         "raw_bytes_per_s": raw,
         "server_bytes_per_s": server_bytes / comm,
         "fraction_of_raw": server_bytes / comm / raw,
+        "fraction_of_raw_w0": server_bytes / comm_w0 / raw,
         "window_bytes_per_s": window["window_bytes_per_s"] if window else None,
         "window_fraction_of_raw": window["window_bytes_per_s"] / raw if window else None,
         "pull_window_fraction_of_raw": window["pull_window_bytes_per_s"] / raw if window else None,
@@ -212,7 +229,8 @@ def _run(
     run: dict[str, Any] = {"step_s": results[0]["step_s"], "load": os.getloadavg()[0]}
     if sync == "ps":
         run["overlap"] = overlap
-        run.update(_server_throughput(results[0], results[-1]["window"]))
+        workers = [r["compute_steps"] for r in results[:-1]]
+        run.update(_server_throughput(results[0], results[-1]["window"], workers))
     print(f"{model} {sync} chunk_kb={chunk_kb}: {json.dumps(run)}", flush=True)
     return run
 
@@ -235,6 +253,8 @@ def _node(spec_path: str) -> None:
     result = _rank(rank, world, *args)
     if rank == 0:
         Path(spec["out"]).write_text(json.dumps(result))
+    if spec["sync"] == "ps" and rank < world - 1:  # every worker's per-step compute
+        Path(f"{spec['out']}.w{rank}").write_text(json.dumps(result["compute_steps"]))
     if rank == world - 1 and spec["sync"] == "ps":  # the server's transfer-window rate
         Path(spec["out"] + ".server").write_text(json.dumps(result["window"]))
     dist.destroy_process_group()
@@ -278,7 +298,8 @@ def _run_slow(model: str, sync: str, args: argparse.Namespace) -> dict[str, Any]
         window = json.loads(server_out.read_text()) if server_out.exists() else None
     run: dict[str, Any] = {"step_s": result["step_s"], "load": os.getloadavg()[0]}
     if sync == "ps":
-        run.update(_server_throughput(result, window))
+        workers = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("result.json.w*"))]
+        run.update(_server_throughput(result, window, workers))
     print(f"{model} {sync} over {args.slow_mbit:g} Mbit/s: {json.dumps(run)}", flush=True)
     return run
 
@@ -300,6 +321,7 @@ def _slow_entry(model: str, args: argparse.Namespace) -> dict[str, Any]:
         "colocated_over_dp": statistics.mean(r["step_s"] for r in colo) / dp_s,
         "ps_over_dp": statistics.mean(r["step_s"] for r in ps) / dp_s,
         "fraction_of_raw": statistics.mean(r["fraction_of_raw"] for r in ps),
+        "fraction_of_raw_w0": _mean_of(ps, "fraction_of_raw_w0"),
         "window_fraction_of_raw": _mean_of(ps, "window_fraction_of_raw"),
         "pull_window_fraction_of_raw": _mean_of(ps, "pull_window_fraction_of_raw"),
     }
@@ -313,7 +335,8 @@ def _throughputs(entry: dict[str, Any]) -> str:
         return "n/a" if value is None else f"{value:.2f}"
 
     return (
-        f"{fmt('fraction_of_raw')} over the step's communication time (issue 14's metric), "
+        f"{fmt('fraction_of_raw')} over the step's communication time (issue 14's metric; "
+        f"{fmt('fraction_of_raw_w0')} over worker 0's compute alone), "
         f"{fmt('window_fraction_of_raw')} over the server's transfer windows (push + pull), "
         f"{fmt('pull_window_fraction_of_raw')} over its pull windows"
     )
@@ -367,6 +390,7 @@ def main() -> None:
         # Both throughputs, side by side (module docstring): over the step's communication
         # time (the issue's metric) and over the server's own transfer windows.
         entry["fraction_of_raw"] = statistics.mean(r["fraction_of_raw"] for r in ps)
+        entry["fraction_of_raw_w0"] = _mean_of(ps, "fraction_of_raw_w0")
         entry["window_fraction_of_raw"] = _mean_of(ps, "window_fraction_of_raw")
         entry["pull_window_fraction_of_raw"] = _mean_of(ps, "pull_window_fraction_of_raw")
         if args.colocated:  # ABBA against the dp runs' neighbours: colocated, colocated
