@@ -42,7 +42,10 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
         curve = by_world[2]
         assert len(curve.points) == 3 and all(s > 0 for _, s in curve.points)
         assert curve.bandwidth > 0  # (no ordering by size: a descheduled rank can invert it)
-    assert set(profile.step_costs) == {"check", "clip", "adamw", "sgd"}
+    parts = {"check", "clip", "adamw", "sgd"}  # and on DTensors ([Note: DTensor end of step])
+    assert set(profile.step_costs) == parts | {f"dtensor {part}" for part in parts}
+    assert profile.step_costs["dtensor adamw"][0] > 0  # DTensor's dispatch per tensor
+    assert profile.tp_module_s >= 0  # [Note: DTensor module overhead]
     assert all(a >= 0 and b >= 0 for a, b in profile.step_costs.values())
     assert any(a > 0 or b > 0 for a, b in profile.step_costs.values())
     assert profile.op_s > 0
