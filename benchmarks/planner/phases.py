@@ -1,6 +1,6 @@
 """Where an SPMD step's time goes, phase by phase, for the planner's DTensor terms.
 
-The real `SPMDStrategy` of the default job (gpt tiny) under each named layout, built by
+The real `SPMDStrategy` of the default job (gpt tiny, or ``--model mlp``) under each named layout, built by
 `parallel.family.build_spmd` on gloo ranks (`testing.run_distributed`, one thread each), runs
 3 warm-up steps and then ``--steps`` steps timed phase by phase as `core.step.finish_step` runs
 them: forward, backward, the non-finite check, the loss and flag reduction, the clip (by
@@ -46,9 +46,11 @@ LAYOUTS: dict[str, dict[str, int]] = {
 PHASES = ("forward", "backward", "check", "reduce", "clip", "optimizer", "step")
 
 
-def _rank(rank: int, world: int, name: str, steps: int, profile: bool) -> dict[str, Any]:
+def _rank(
+    rank: int, world: int, model: str, name: str, steps: int, profile: bool
+) -> dict[str, Any]:
     ctx = init_distributed()
-    job = job_from_fields({**LAYOUTS[name], "launch.nproc": world})
+    job = job_from_fields({**LAYOUTS[name], "model.name": model, "launch.nproc": world})
     torch.manual_seed(0)
     train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
     batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
@@ -103,6 +105,7 @@ def _rank(rank: int, world: int, name: str, steps: int, profile: bool) -> dict[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {', '.join(LAYOUTS)}")
+    ap.add_argument("--model", default="gpt", help="model.name of the default job (gpt, mlp)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="one profiled step's operator table")
     args = ap.parse_args()
@@ -113,7 +116,7 @@ def main() -> None:
     run: Callable[..., list[dict[str, Any]]] = run_distributed
     for name in names:
         world = 4 if name == "dp2-tp2" else 2
-        first = run(_rank, world, name, args.steps, args.profile, timeout_s=600.0)[0]
+        first = run(_rank, world, args.model, name, args.steps, args.profile, timeout_s=600.0)[0]
         table = first.pop("table", None)
         print(name, json.dumps(first), flush=True)
         if table:
