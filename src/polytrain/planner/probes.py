@@ -108,8 +108,8 @@ def rank_tp_module_s(rank: int, world: int, budget_s: float) -> float:
     one forward + backward, on a mesh of ONE rank (its collectives move nothing; what is left
     is DTensor's dispatch: the styles' input and output hooks, ``from_local`` / ``to_local``
     and their autograd nodes, sharding propagation of the Linear's operators). The slope
-    between 8 and 32 column-then-row pairs of 16-wide Linears, each (parallelized minus the
-    same model plain), per Linear. A group of one rank: run it under
+    between 8 and 32 16-wide Linears (4 and 16 column-then-row pairs), each (parallelized
+    minus the same model plain), per Linear. A group of one rank: run it under
     `testing.run_distributed`."""
     device = torch.device("cpu")
     mesh = init_device_mesh("cpu", (1,))
