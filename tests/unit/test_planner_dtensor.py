@@ -14,22 +14,11 @@ from polytrain.planner.cost.dp import replicate_backward
 from polytrain.planner.cost.tp import tp_comm_s
 from polytrain.planner.cost.zero import zero_step
 from polytrain.planner.stats_pure import gpt_stats
-from polytrain.planner.types import BlockStats, HostProfile, Layout, ModelStats, TPModule
+from polytrain.planner.types import BlockStats, Layout, ModelStats, TPModule
+from tests.helpers.planner import cpu_profile
 
 PLAIN = {"adamw": (20e-6, 1e-9), "check": (2e-6, 2e-11), "clip": (4e-6, 5e-11)}
 DIST = {"dtensor adamw": (130e-6, 6e-10), "dtensor check": (3e-6, 2e-11)}  # no dtensor clip
-
-
-def _profile(**extra: object) -> HostProfile:
-    fields: dict[str, object] = {
-        "fingerprint": "test",
-        "device": "cpu",
-        "matmul_flops": {"fp32": 10e9},
-        "mem_bw": 1e10,
-        "matmul_concurrent": {1: 10e9, 2: 6e9, 4: 2e9},
-    }
-    fields.update(extra)
-    return HostProfile(**fields)  # type: ignore[arg-type]
 
 
 def _layer(width: int = 64, samples_bytes: float = 4096.0) -> tuple[TPModule, ...]:
@@ -60,8 +49,8 @@ def test_dtensor_parameters_pay_the_dtensor_end_of_step() -> None:
     is priced at the "dtensor" figures over all of them (the clip, not measured on DTensors,
     at the plain one); DDP's stays plain."""
     cluster = parse_cluster("1x2xcpu")
-    plain = Env(cluster, profile=_profile(step_costs=PLAIN))
-    both = Env(cluster, profile=_profile(step_costs={**PLAIN, **DIST}))
+    plain = Env(cluster, profile=cpu_profile(step_costs=PLAIN))
+    both = Env(cluster, profile=cpu_profile(step_costs={**PLAIN, **DIST}))
     tensors = sum(b.tensors for b in STATS.blocks)
     shard_bytes = STATS.param_bytes / 2
     zero = Layout(dp=2, zero=2)
@@ -85,8 +74,8 @@ def test_tensor_parallel_alone_counts_the_plan_modules_parameters_as_dtensors() 
     """tp2: the parallelized modules' parameters are DTensors, the rest (layer norms, the
     embedding and head whose vocabulary 63 tp2 does not divide) stay plain; dp2 x tp2
     (FSDP2's replicate) makes all of them DTensors."""
-    env = Env(parse_cluster("1x4xcpu"), profile=_profile(step_costs={**PLAIN, **DIST}))
-    plain_env = Env(parse_cluster("1x4xcpu"), profile=_profile(step_costs=PLAIN))
+    env = Env(parse_cluster("1x4xcpu"), profile=cpu_profile(step_costs={**PLAIN, **DIST}))
+    plain_env = Env(parse_cluster("1x4xcpu"), profile=cpu_profile(step_costs=PLAIN))
     per_tensor = (DIST["dtensor adamw"][0] - PLAIN["adamw"][0]) + (
         DIST["dtensor check"][0] - PLAIN["check"][0]
     )
@@ -148,8 +137,8 @@ def test_tensor_parallel_pays_the_dtensor_dispatch_per_module() -> None:
     """[Note: DTensor module overhead]: calibrated seconds x parallelized modules per
     micro-step (12 in two layers; the embedding and head are not parallelized at tp2)."""
     cluster = parse_cluster("1x2xcpu")
-    base = Env(cluster, profile=_profile())
-    paid = Env(cluster, profile=_profile(tp_module_s=5e-4))
+    base = Env(cluster, profile=cpu_profile())
+    paid = Env(cluster, profile=cpu_profile(tp_module_s=5e-4))
     for layout, micro in ((Layout(tp=2), 1), (Layout(tp=2, grad_accum=2), 2)):
         extra = predict(layout, STATS, paid, 8).step_s - predict(layout, STATS, base, 8).step_s
         assert extra == pytest.approx(5e-4 * 12 * micro * paid.cpu_slowdown)
