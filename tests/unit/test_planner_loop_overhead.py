@@ -10,29 +10,18 @@ from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.stats_pure import gpt_stats
 from polytrain.planner.timing import Rounds, median_and_spread, timed_rounds
-from polytrain.planner.types import Curve, HostProfile, Layout
+from polytrain.planner.types import Curve, Layout
+from tests.helpers.planner import cpu_profile
 
 STATS = gpt_stats(n_layer=4, n_embd=64, n_head=4, block_size=16, vocab_size=64)
 PER_STEP, PER_MICRO = 3e-4, 2e-4
 
 
-def _profile(**extra: object) -> HostProfile:
-    fields: dict[str, object] = {
-        "fingerprint": "test",
-        "device": "cpu",
-        "matmul_flops": {"fp32": 10e9},
-        "mem_bw": 1e10,
-        "matmul_concurrent": {1: 10e9, 2: 6e9, 4: 2e9},
-    }
-    fields.update(extra)
-    return HostProfile(**fields)  # type: ignore[arg-type]
-
-
 def _extra(layout: Layout, cluster: str = "1x4xcpu") -> tuple[float, float, Env]:
     """(step with the loop terms - step without, the breakdown's loop, the priced Env)."""
     clu = parse_cluster(cluster).with_size(layout.devices)
-    bare = Env(clu, profile=_profile())
-    loop = Env(clu, profile=_profile(loop_step_s=PER_STEP, loop_microbatch_s=PER_MICRO))
+    bare = Env(clu, profile=cpu_profile())
+    loop = Env(clu, profile=cpu_profile(loop_step_s=PER_STEP, loop_microbatch_s=PER_MICRO))
     with_loop = predict(layout, STATS, loop, 16)
     return (
         with_loop.step_s - predict(layout, STATS, bare, 16).step_s,
@@ -76,7 +65,7 @@ def test_parameter_server_and_decentralized_workers_pay_one_step_and_one_micro_b
 
 
 def test_a_profile_without_the_loop_terms_prices_none() -> None:
-    env = Env(parse_cluster("1x1xcpu"), profile=_profile())
+    env = Env(parse_cluster("1x1xcpu"), profile=cpu_profile())
     assert predict(Layout(), STATS, env, 16).breakdown["loop"] == 0.0
     gpu = Env(parse_cluster("1x1xA100-40GB"))
     assert predict(Layout(), STATS, gpu, 16).breakdown["loop"] == 0.0

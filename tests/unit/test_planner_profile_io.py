@@ -30,9 +30,10 @@ def _profile() -> HostProfile:
         baseline_bytes=3e8,
         runtime_bytes=4.5e7,
         matmul_concurrent={1: 5e10, 4: 2.5e10},
-        step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11)},
+        step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11), "dtensor adamw": (1e-4, 0)},
         op_s=6e-6,
         fsdp_unit_s={2: 6e-4, 3: 7e-4},
+        tp_module_s=4.7e-4,
         loop_step_s=3e-4,
         loop_microbatch_s=2e-4,
         spread={"matmul fp32 512": 0.04, "training loop": 0.1},
@@ -72,9 +73,10 @@ def test_a_profile_saved_before_step_costs_loads_without_them(tmp_path: Path) ->
     path = save_profile(_profile(), tmp_path / "p.json")
     data = json.loads(path.read_text())
     del data["step_costs"], data["op_s"], data["fsdp_unit_s"]  # as written before them
-    del data["loop_step_s"], data["loop_microbatch_s"], data["spread"]
+    del data["loop_step_s"], data["loop_microbatch_s"], data["spread"], data["tp_module_s"]
     path.write_text(json.dumps(data))
     old = load_profile(path)
+    assert old.tp_module_s == 0.0  # [Note: DTensor module overhead] unpriced
     assert old.step_costs == {} and old.op_s == 0.0 and old.fsdp_unit_s == {}
     assert old.loop_step_s == old.loop_microbatch_s == 0.0 and old.spread == {}
     assert old.matmul_concurrent == _profile().matmul_concurrent

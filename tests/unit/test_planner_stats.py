@@ -119,6 +119,41 @@ def test_tensor_parallel_shards_follow_the_runtime_plan(tmp_path: Path) -> None:
     assert stats.blocks[0].bytes_per_tp_rank(odd) == stats.blocks[0].param_bytes
 
 
+def test_tensor_parallel_modules_and_their_activations_follow_the_runtime_plan(
+    tmp_path: Path,
+) -> None:
+    """[Note: tensor-parallel modules]: each layer's q, k, v, fc column-parallel and both
+    projections row-parallel, with their activations' bytes per sample; the vocabulary rows
+    carry the vocabulary as divisor; a model without a plan has None."""
+    job = _job(tmp_path, "gpt", n_layer=2, n_embd=32, n_head=4, block_size=16)
+    stats = model_stats(job, device="meta")
+    first, *layers, last = stats.blocks
+    vocab = first.params // 32 - 16
+    row = 16 * 32 * 4  # tokens x width x fp32 bytes
+    for layer in layers:
+        assert layer.tp_modules is not None
+        assert [m.style for m in layer.tp_modules] == ["colwise"] * 3 + [
+            "rowwise",
+            "colwise",
+            "rowwise",
+        ]
+        assert [m.in_bytes for m in layer.tp_modules] == [row] * 4 + [row, 4 * row]
+        assert [m.out_bytes for m in layer.tp_modules] == [row] * 4 + [4 * row, row]
+        assert sum(m.tensors for m in layer.tp_modules) == 12 and layer.tensors == 16
+        assert len(layer.tp_applied(2)) == 6 and layer.tp_applied(1) == ()
+    (embed,) = first.tp_modules or ()
+    assert (embed.style, embed.divisor, embed.in_bytes, embed.out_bytes) == (
+        "vocab",
+        vocab,
+        0.0,
+        row,
+    )
+    (head,) = last.tp_modules or ()
+    assert (head.style, head.divisor, head.in_bytes) == ("colwise_gather", vocab, row)
+    odd = next(t for t in range(2, vocab + 2) if vocab % t)
+    assert first.tp_applied(odd) == ()
+
+
 def test_operator_counts_cover_forward_and_backward(tmp_path: Path) -> None:
     """[Note: non-matmul time]: every block calls operators both ways; the count does not grow
     with the batch, the moved bytes are per sample, and matmuls move none."""

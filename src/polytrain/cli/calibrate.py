@@ -60,6 +60,10 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     for stage, secs in sorted(profile.fsdp_unit_s.items()):
         what = f"zero {stage}" if stage else "replicate"
         table.add_row(f"FSDP2 hooks, {what}", f"{secs * 1e6:.0f} us per wrapped module")
+    if profile.tp_module_s > 0:
+        table.add_row(
+            "DTensor, tensor-parallel module", f"{profile.tp_module_s * 1e6:.0f} us per module"
+        )
     if profile.loop_step_s > 0 or profile.loop_microbatch_s > 0:
         table.add_row(
             "training loop's own Python",

@@ -4,7 +4,9 @@ What the cost model needs and cannot read from a data sheet: achieved (not peak)
 per dtype and size (alone and with N processes at once), memory bandwidth, the latency and
 bandwidth of gloo collectives and p2p by message size and world size, what starting a process
 group costs, how much memory a worker holds before it builds a model, and the end of a step
-(non-finite check, clip, optimizer update) per tensor and per byte ([Note: per-step costs]). Everything runs with the thread count a worker uses (one intra-op
+(non-finite check, clip, optimizer update) per tensor and per byte ([Note: per-step costs]),
+on plain and on DTensor parameters, and DTensor's dispatch per tensor-parallel module (the
+probes in `planner.probes`). Everything runs with the thread count a worker uses (one intra-op
 thread per process: the launcher sets ``OMP_NUM_THREADS=1``).
 
 Collectives run on `polytrain.testing`'s gloo harness (file:// rendezvous, spawned processes),
@@ -40,12 +42,10 @@ from polytrain.config.job import (
     LaunchConfig,
     ModelConfig,
     ObserveConfig,
-    OptimConfig,
     ParallelConfig,
     TrainConfig,
 )
-from polytrain.core.optim import build_optimizer, lr_at
-from polytrain.core.step import clip_gradients_, nonfinite_flag
+from polytrain.core.optim import lr_at
 from polytrain.core.strategy import Strategy
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
@@ -54,6 +54,7 @@ from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.parallel.family import build_spmd
 from polytrain.planner.host import host_identity, saved_profile
+from polytrain.planner.probes import rank_dtensor_step_costs, rank_tp_module_s, step_costs
 from polytrain.planner.profile_io import (
     cache_dir,
     fingerprint,
@@ -157,53 +158,6 @@ def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, 
     dst = torch.empty_like(src)
     secs, spread = timed_rounds({0: partial(dst.copy_, src)}, device, budget_s)[0]
     return 2.0 * nbytes / secs, spread  # read + write
-
-
-STEP_PARTS = ("check", "clip", "adamw", "sgd", "adamw_fused", "sgd_fused")
-
-
-def _fit_per_tensor_and_byte(points: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """Least squares of ``seconds = a tensors + b bytes`` through (tensors, bytes, seconds)
-    points, both coefficients kept >= 0 (a negative one is noise: refit with the other alone)."""
-    stt = sum(n * n for n, _, _ in points)
-    sbb = sum(b * b for _, b, _ in points)
-    stb = sum(n * b for n, b, _ in points)
-    sty = sum(n * y for n, _, y in points)
-    sby = sum(b * y for _, b, y in points)
-    det = stt * sbb - stb * stb
-    a = (sty * sbb - sby * stb) / det if det else 0.0
-    b = (sby * stt - sty * stb) / det if det else 0.0
-    if a < 0 or not det:
-        return 0.0, max(sby / sbb, 0.0) if sbb else 0.0
-    if b < 0:
-        return max(sty / stt, 0.0) if stt else 0.0, 0.0
-    return a, b
-
-
-def _step_costs(
-    shapes: tuple[tuple[int, int], ...], device: torch.device, budget_s: float
-) -> dict[str, tuple[float, float]]:
-    """[Note: per-step costs] Each part of `core.step.finish_step`'s end of step, timed alone on
-    synthetic fp32 parameters with gradients (the library's own functions and optimizers,
-    default settings, and fused as a parameter server runs them), fitted per tensor and per byte over ``shapes``."""
-    points: dict[str, list[tuple[float, float, float]]] = {part: [] for part in STEP_PARTS}
-    for count, numel in shapes:
-        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
-        for prm in params:
-            prm.grad = torch.randn_like(prm) * 1e-3
-        nbytes = float(count * numel * 4)
-        parts: dict[str, Callable[[], object]] = {
-            "check": partial(nonfinite_flag, params, device),
-            "clip": partial(clip_gradients_, params, 1.0),
-        }
-        for name in ("adamw", "sgd"):
-            parts[name] = build_optimizer(params, OptimConfig(name=name)).step
-            # A parameter server's optimizer ([Note: fused server optimizer] in ps/server.py).
-            fused = build_optimizer(params, OptimConfig(name=name), fused=True)
-            parts[f"{name}_fused"] = fused.step
-        for part, fn in parts.items():
-            points[part].append((float(count), nbytes, timed(fn, device, budget_s)))
-    return {part: _fit_per_tensor_and_byte(pts) for part, pts in points.items()}
 
 
 def _op_seconds(device: torch.device, budget_s: float) -> float:
@@ -457,7 +411,7 @@ def calibrate(
         mem_bw, spread["memory bandwidth"] = _mem_bw(plan.copy_bytes, device, plan.budget_s)
         tell("memory bandwidth")
         matmuls.round()
-        step_costs = _step_costs(plan.step_shapes, device, plan.budget_s)
+        costs = step_costs(plan.step_shapes, device, plan.budget_s, fused=True)
         op_s = _op_seconds(device, plan.budget_s)
         tell("end of step: check, clip, optimizers; operator overhead")
     finally:
@@ -465,10 +419,20 @@ def calibrate(
     matmuls.round()
     (fsdp_unit_s,) = run_distributed(_rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
     tell("FSDP2 overhead per unit")
+    if device.type == "cpu":  # DTensor's dispatch: [Note: DTensor end of step], [Note: DTensor
+        # module overhead] in planner/probes.py; an accelerator host: not measured yet
+        (dtensor_costs,) = run_distributed(
+            rank_dtensor_step_costs, 1, plan.step_shapes, plan.budget_s, timeout_s=300.0
+        )
+        costs = {**costs, **dtensor_costs}
+        (tp_module_s,) = run_distributed(rank_tp_module_s, 1, plan.budget_s, timeout_s=300.0)
+    else:
+        tp_module_s = 0.0
+    tell("DTensor overhead: end of step, tensor-parallel modules")
     matmuls.round()
     if device.type == "cpu":  # [Note: loop overhead]; an accelerator host: not measured yet
         ((loop_step_s, loop_micro_s, spread["training loop"]),) = run_distributed(
-            _rank_loop_overhead, 1, plan.budget_s, op_s, step_costs, timeout_s=300.0
+            _rank_loop_overhead, 1, plan.budget_s, op_s, costs, timeout_s=300.0
         )
     else:
         loop_step_s = loop_micro_s = 0.0
@@ -524,9 +488,10 @@ def calibrate(
         runtime_bytes=runtime_bytes,
         threads=threads,
         matmul_concurrent=concurrent,
-        step_costs=step_costs,
+        step_costs=costs,
         op_s=op_s,
         fsdp_unit_s=fsdp_unit_s,
+        tp_module_s=tp_module_s,
         loop_step_s=loop_step_s,
         loop_microbatch_s=loop_micro_s,
         spread=spread,
@@ -535,7 +500,7 @@ def calibrate(
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 5 + len(plan.world_sizes)
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 6 + len(plan.world_sizes)
 
 
 def cached_profile(

@@ -34,11 +34,10 @@ from polytrain._torch_private import TorchDispatchMode, storage_key
 from polytrain.config.job import JobConfig
 from polytrain.core.step import autocast
 from polytrain.data.datasets import Dataset, TokenDataset, build_datasets
-from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.parallel.tensor_parallel import module_infos, resolve_tp_plan
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
+from polytrain.planner.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.planner.types import BlockStats, ModelStats
 
 __all__ = [
@@ -48,7 +47,6 @@ __all__ = [
     "model_stats",
     "optimizer_state_per_param",
     "stats_of",
-    "tp_shards",
 ]
 
 _MATMULS = {
@@ -219,50 +217,6 @@ def _heads(model: nn.Module) -> int:
     return math.gcd(*counts) if counts else 0
 
 
-def _tp_styles(model: BlockModel, model_name: str, plan_rows: list[str]) -> dict[str, str] | None:
-    """The runtime's tensor-parallel plan resolved at tp = 1 (every conditional row in), or
-    None for a model without one."""
-    try:
-        return dict(resolve_tp_plan(model_name, model, 1, plan_rows))
-    except (ConfigError, MeshError):
-        return None
-
-
-def tp_shards(
-    model: BlockModel, styles: dict[str, str] | None
-) -> list[tuple[tuple[float, int], ...]]:
-    """Per block, the (bytes, divisor) pairs of [Note: tensor-parallel shards]: what the
-    runtime's tensor-parallel plan (`parallel.tensor_parallel.resolve_tp_plan`, resolved at
-    tp = 1 so that every conditional row is in) splits, and by which dimension. Column-parallel
-    layers split weight and bias by their outputs, row-parallel ones the weight by its inputs
-    and leave the bias whole (torch's ``RowwiseParallel``), ``qkv`` by the width of each chunk,
-    ``vocab`` by the vocabulary; modules no row matches stay whole (divisor 1). A plan row that
-    applies only when tp divides a dimension (the vocabulary rows) is the same rule. A model
-    without a plan (``styles`` None, from `_tp_styles`) gets ``()`` per block (everything
-    split: the old estimate)."""
-    if styles is None:
-        return [() for _ in model.blocks]
-    infos = module_infos(model)
-    out = []
-    for index, block in enumerate(model.blocks):
-        pairs: list[tuple[float, int]] = []
-        for sub, module in block.named_modules():
-            path = f"blocks.{index}" + (f".{sub}" if sub else "")
-            style, info = styles.get(path), infos.get(path)
-            for pname, param in module.named_parameters(recurse=False):
-                divisor = 1
-                if style is not None and info is not None:
-                    if style in ("rowwise", "rowwise_split"):
-                        divisor = info.in_dim if pname == "weight" else 1
-                    elif style == "qkv":
-                        divisor = info.out_dim // 3
-                    else:  # colwise, colwise_gather, vocab: the output rows
-                        divisor = info.out_dim
-                pairs.append((float(param.numel() * param.element_size()), max(divisor, 1)))
-        out.append(tuple(pairs))
-    return out
-
-
 def _params_and_bytes(block: nn.Module) -> tuple[int, int]:
     params = list(block.parameters())
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
@@ -299,6 +253,7 @@ def stats_of(
             h = h.detach().requires_grad_(True)
         linears = _LinearRows(block)
         split = SplitActivations(block, f"blocks.{index}", tp_styles) if tp_styles else None
+        planned = TPModules(block, f"blocks.{index}", tp_styles or {}, batch)
         fwd_ops, bwd_ops = OpCounter(), OpCounter()
         try:
             with _counting(exclude, split) as (flops, saved), fwd_ops:
@@ -306,6 +261,7 @@ def stats_of(
                 result = model.loss(y, targets) if index == last else y
         finally:
             linears.close()
+            planned.close()
             if split is not None:
                 split.close()
         if result.requires_grad:  # backward outside the FLOP and saved-bytes counters
@@ -331,6 +287,7 @@ def stats_of(
                 bwd_moved_bytes=bwd_ops.moved / batch,
                 tp_shards=shards[index] if shards else (),
                 saved_whole_bytes=(saved.bytes - saved.split_bytes) / batch if split else 0.0,
+                tp_modules=planned.modules() if tp_styles is not None else None,
             )
         )
         h = y.detach()
@@ -452,7 +409,7 @@ def model_stats(
     # (`saved_bytes`) and a fixed part (`saved_fixed_bytes`). Counted at one batch of 2, gpt
     # medium in bf16 showed 65 MiB per sample against 47 at a batch of 8.
     autocasts = device != "meta" and job.train.dtype != "fp32"
-    styles = _tp_styles(model, job.model.name, list(job.parallel.tp_plan))
+    styles = plan_styles(model, job.model.name, list(job.parallel.tp_plan))
     shards = tp_shards(model, styles)
     data_bytes = held_data_bytes(train_set, val_set)
 

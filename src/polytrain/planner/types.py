@@ -21,6 +21,7 @@ __all__ = [
     "Layout",
     "ModelStats",
     "Prediction",
+    "TPModule",
     "launch_shape",
 ]
 
@@ -35,6 +36,17 @@ def launch_shape(devices: int, per_host: int) -> tuple[int, int] | None:
     if devices % nodes:
         return None
     return devices // nodes, nodes
+
+
+@dataclass(frozen=True)
+class TPModule:
+    """One module a tensor-parallel plan parallelizes ([Note: tensor-parallel modules])."""
+
+    style: str  # parallel.tp_plans.Style: colwise, colwise_gather, rowwise, rowwise_split, ...
+    divisor: int  # the dimension it splits: applied at degree tp iff tp divides it
+    tensors: int  # its parameter tensors (DTensors once applied)
+    in_bytes: float  # its input's bytes per sample (0 for token ids), unsplit
+    out_bytes: float  # its output's bytes per sample, unsplit
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,17 @@ class BlockStats:
     # bytes one pass saves whatever its batch (autocast's low-precision weight copies; [Note:
     # counted under autocast] in planner/stats.py), once per micro-batch in flight
     saved_fixed_bytes: float = 0.0
+    # [Note: tensor-parallel modules] in planner/cost/tp.py: each module of the block the
+    # runtime's tensor-parallel plan parallelizes (resolved at tp = 1, every conditional row in)
+    # as (style, divisor: it applies at degree tp iff tp divides it, its parameter tensors, its
+    # input's and its output's bytes per sample, unsplit). None = unknown: the old estimate.
+    tp_modules: tuple[TPModule, ...] | None = None
+
+    def tp_applied(self, tp: int) -> tuple[TPModule, ...]:
+        """The `tp_modules` the plan parallelizes at degree ``tp`` (none at tp = 1)."""
+        if tp <= 1 or not self.tp_modules:
+            return ()
+        return tuple(m for m in self.tp_modules if m.divisor % tp == 0)
 
     def bytes_per_tp_rank(self, tp: int) -> float:
         """Parameter bytes one of ``tp`` tensor-parallel ranks holds of this block."""
@@ -182,13 +205,17 @@ class HostProfile:
     matmul_concurrent: dict[int, float] = field(default_factory=dict)
     # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
     # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
-    # global-norm clip), "check" (the non-finite check). {} = not calibrated: the cost model
+    # global-norm clip), "check" (the non-finite check); "dtensor <part>" the same on DTensor
+    # parameters ([Note: DTensor end of step] in planner/probes.py; absent: the plain ones). {} = not calibrated: the cost model
     # falls back to the memory-bound update alone.
     step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
     op_s: float = 0.0  # seconds per ATen operator call on tiny tensors (dispatch); 0 = unknown
     # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
     # forward + backward ([Note: FSDP2 unit overhead] in planner/calibrate.py); {} = unknown
     fsdp_unit_s: dict[int, float] = field(default_factory=dict)
+    # [Note: DTensor module overhead] in planner/probes.py: seconds tensor parallelism's
+    # DTensor dispatch adds per parallelized module to one forward + backward; 0 = unknown
+    tp_module_s: float = 0.0
     # [Note: loop overhead] in planner/calibrate.py: seconds a training step spends in its own
     # Python beyond what the rest of the profile prices, once per step and once per micro-batch
     # (one process alone, a CPU host); 0 = not calibrated

@@ -212,14 +212,22 @@ class Env:
         per_unit = self.profile.fsdp_unit_s.get(stage, 0.0) if self.profile is not None else 0.0
         return per_unit * units * self.cpu_slowdown
 
-    def step_cost_s(self, parts: tuple[str, ...], tensors: float, nbytes: float) -> float:
+    def step_cost_s(
+        self, parts: tuple[str, ...], tensors: float, nbytes: float, dtensors: float = 0.0
+    ) -> float:
         """Calibrated seconds of the end-of-step ``parts`` over ``tensors`` tensors of
-        ``nbytes`` bytes on one rank (0 for a part the profile lacks); [Note: per-step costs]."""
+        ``nbytes`` bytes on one rank (0 for a part the profile lacks); [Note: per-step costs].
+        ``dtensors`` of the tensors are DTensors (their share of the bytes with them): those
+        are priced at the ``"dtensor <part>"`` figures where calibrated ([Note: DTensor end of
+        step] in planner/probes.py), else at the plain ones."""
         costs = self.profile.step_costs if self.profile is not None else {}
+        share = min(dtensors / tensors, 1.0) if tensors > 0 else 0.0
         total = 0.0
         for part in parts:
-            per_tensor, per_byte = costs.get(part, (0.0, 0.0))
-            total += per_tensor * tensors + per_byte * nbytes
+            plain = costs.get(part, (0.0, 0.0))
+            dist = costs.get("dtensor " + part, plain)
+            for (per_tensor, per_byte), frac in ((plain, 1.0 - share), (dist, share)):
+                total += frac * (per_tensor * tensors + per_byte * nbytes)
         return total * self.cpu_slowdown
 
     def optimizer_s(
@@ -231,19 +239,21 @@ class Env:
         tensors: float = 0.0,
         optimizer: str = "adamw",
         clip: bool = False,
+        dtensors: float = 0.0,
         fused: bool = False,
     ) -> float:
         """One rank's end of step over ``params`` parameters in ``tensors`` tensors: the
         non-finite check, the clip (``clip``) and the optimizer update, as calibrated
-        ([Note: per-step costs]); ``fused``: torch's fused optimizer, as a parameter server
-        runs it (a profile without it prices the default one). Uncalibrated: the memory-bound
-        update alone (read p, g and the states, write p and the states)."""
+        ([Note: per-step costs]; ``dtensors`` of the tensors DTensors, see `step_cost_s`);
+        ``fused``: torch's fused optimizer, as a parameter server runs it (a profile without
+        it prices the default one). Uncalibrated: the memory-bound update alone (read p, g and
+        the states, write p and the states)."""
         if self.profile is None or optimizer not in self.profile.step_costs:
             return params * dtype_bytes * (3 + 2 * state_per_param) / self.mem_bw
         if fused and f"{optimizer}_fused" in self.profile.step_costs:
             optimizer = f"{optimizer}_fused"
         parts = (optimizer, "check", "clip") if clip else (optimizer, "check")
-        return self.step_cost_s(parts, tensors, params * dtype_bytes)
+        return self.step_cost_s(parts, tensors, params * dtype_bytes, dtensors)
 
     # -- communication -------------------------------------------------------------------
     def link(self, stride: int, size: int) -> Link:

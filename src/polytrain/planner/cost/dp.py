@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.overlap import overlap
 
-__all__ = ["bucket_sizes", "dp_backward"]
+__all__ = ["bucket_sizes", "dp_backward", "replicate_backward"]
 
 
 def bucket_sizes(
@@ -55,3 +55,21 @@ def dp_backward(
         sum(c * env.collective_s("all_reduce", b, dp, stride) for c, b in bs) for bs in buckets
     ]
     return overlap(rev_s, after=after)
+
+
+def replicate_backward(
+    env: Env,
+    bwd_s: Sequence[float],
+    grad_bytes: Sequence[float],
+    dp: int,
+    stride: int,
+) -> tuple[float, float]:
+    """`dp_backward` for FSDP2's ``replicate`` (data parallel over tensor-parallel ranks,
+    `parallel.replicate`): one all-reduce per block, issued when its gradients are ready. On a
+    CPU host FSDP2 runs it synchronously in the block's post-backward hook ([Note: FSDP2 on a
+    CPU host] in cost/zero.py): every one exposed. On an accelerator it overlaps the rest of
+    backward, priced as DDP's buckets (`dp_backward`, as before)."""
+    if dp <= 1 or env.cluster.device.key != "cpu":
+        return dp_backward(env, bwd_s, grad_bytes, dp, stride)
+    after = [env.collective_s("all_reduce", b, dp, stride) for b in grad_bytes]
+    return sum(bwd_s) + sum(after), sum(after)

@@ -15,11 +15,11 @@ from dataclasses import replace
 
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.decentralized import gossip_exchange_s, localsgd_average_s
-from polytrain.planner.cost.dp import dp_backward
+from polytrain.planner.cost.dp import dp_backward, replicate_backward
 from polytrain.planner.cost.pipeline import pipeline_step
 from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.sufficient_factor import sf_block_s
-from polytrain.planner.cost.tp import tp_comm_s
+from polytrain.planner.cost.tp import tp_comm_s, tp_dispatch_s
 from polytrain.planner.cost.zero import zero_step
 from polytrain.planner.memory import memory_per_rank, ps_server_memory
 from polytrain.planner.partition import balanced_stages
@@ -75,10 +75,14 @@ def _block_times(
     fwd, bwd = [], []
     tp_s = 0.0
     for k, b in enumerate(blocks):
-        comm = tp_comm_s(env, b, samples, tp, first=(k == first), last=(k == last))
-        f = env.fwd_s(b, samples, tp) + comm
-        bw = env.bwd_s(b, samples, tp) + comm + (f if recompute else 0.0)
-        tp_s += 2 * comm + (comm if recompute else 0.0)
+        ends = {"first": k == first, "last": k == last}
+        comm_f = tp_comm_s(env, b, samples, tp, **ends)
+        comm_b = tp_comm_s(env, b, samples, tp, backward=True, **ends)
+        # [Note: DTensor module overhead]: half of a forward + backward's dispatch in each pass
+        dispatch = tp_dispatch_s(env, b, tp) / 2
+        f = env.fwd_s(b, samples, tp) + comm_f + dispatch
+        bw = env.bwd_s(b, samples, tp) + comm_b + dispatch + (f if recompute else 0.0)
+        tp_s += comm_f + comm_b + 2 * dispatch + (comm_f + dispatch if recompute else 0.0)
         fwd.append(f)
         bwd.append(bw)
     return fwd, bwd, tp_s
@@ -97,8 +101,21 @@ def _optimizer(layout: Layout, stats: ModelStats, env: Env, blocks: Sequence[Blo
         tensors=sum(b.tensors for b in blocks),
         optimizer=stats.optimizer,
         clip=stats.grad_clip,
+        dtensors=_dtensors(layout, blocks),
     )
     return update + _step_reduce_s(layout, stats, env)
+
+
+def _dtensors(layout: Layout, blocks: Sequence[BlockStats]) -> float:
+    """[Note: DTensor end of step] in planner/probes.py: how many of a rank's parameter
+    tensors are DTensors. FSDP2 makes every one of them a DTensor (ZeRO-2/3, and its
+    ``replicate`` for dp x tp); tensor parallelism alone the parameters of the modules its
+    plan parallelizes (`BlockStats.tp_modules`; unknown: none counted). A PS or gossip
+    replica, DDP and a pipeline stage without tp hold plain tensors."""
+    spmd = layout.sync == "allreduce" and layout.pp == 1
+    if spmd and (layout.zero >= 2 or (layout.dp > 1 and layout.tp > 1)):
+        return float(sum(b.tensors for b in blocks))
+    return float(sum(m.tensors for b in blocks for m in b.tp_applied(layout.tp)))
 
 
 def _step_reduce_s(layout: Layout, stats: ModelStats, env: Env) -> float:
@@ -150,7 +167,10 @@ def _spmd(
             pairs = [sf_block_s(env, b, mb_samples, dp, stats.dtype_bytes) for b in blocks]
             sf_s = sum(p[0] for p in pairs)
             grad_bytes = [p[1] / layout.tp for p in pairs]
-        b_end, exposed = dp_backward(env, bwd, grad_bytes, dp, stride)
+        if dp > 1 and layout.tp > 1:  # FSDP2's replicate (parallel/family.py)
+            b_end, exposed = replicate_backward(env, bwd, grad_bytes, dp, stride)
+        else:
+            b_end, exposed = dp_backward(env, bwd, grad_bytes, dp, stride)
         # no_sync micro-steps first, then the last one overlaps its all-reduce (DDP)
         step = (sum(fwd) + sum(bwd)) * (layout.grad_accum - 1) + sum(fwd) + b_end + sf_s
         exposed += sf_s

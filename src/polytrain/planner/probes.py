@@ -1,0 +1,142 @@
+"""`polytrain calibrate`'s probes of per-tensor and per-module costs (torch-facing).
+
+The end of a step over plain and over DTensor parameters ([Note: per-step costs], [Note:
+DTensor end of step]) and tensor parallelism's per-module dispatch ([Note: DTensor module
+overhead]); `planner.calibrate` runs them and keeps their figures in the `HostProfile`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from polytrain.config.job import OptimConfig
+from polytrain.core.optim import build_optimizer
+from polytrain.core.step import GradNorm, clip_gradients_, nonfinite_flag
+from polytrain.parallel.grad_norm import grad_norm
+from polytrain.planner.timing import timed
+
+__all__ = [
+    "DTENSOR",
+    "STEP_PARTS",
+    "fit_per_tensor_and_byte",
+    "rank_dtensor_step_costs",
+    "rank_tp_module_s",
+    "step_costs",
+]
+
+STEP_PARTS = ("check", "clip", "adamw", "sgd")
+FUSED_PARTS = ("adamw_fused", "sgd_fused")
+DTENSOR = "dtensor "  # the prefix of a part's key measured on DTensor parameters
+
+
+def fit_per_tensor_and_byte(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Least squares of ``seconds = a tensors + b bytes`` through (tensors, bytes, seconds)
+    points, both coefficients kept >= 0 (a negative one is noise: refit with the other alone)."""
+    stt = sum(n * n for n, _, _ in points)
+    sbb = sum(b * b for _, b, _ in points)
+    stb = sum(n * b for n, b, _ in points)
+    sty = sum(n * y for n, _, y in points)
+    sby = sum(b * y for _, b, y in points)
+    det = stt * sbb - stb * stb
+    a = (sty * sbb - sby * stb) / det if det else 0.0
+    b = (sby * stt - sty * stb) / det if det else 0.0
+    if a < 0 or not det:
+        return 0.0, max(sby / sbb, 0.0) if sbb else 0.0
+    if b < 0:
+        return max(sty / stt, 0.0) if stt else 0.0, 0.0
+    return a, b
+
+
+def step_costs(
+    shapes: tuple[tuple[int, int], ...],
+    device: torch.device,
+    budget_s: float,
+    *,
+    make: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    norm: GradNorm | None = None,
+    fused: bool = False,
+) -> dict[str, tuple[float, float]]:
+    """[Note: per-step costs] Each part of `core.step.finish_step`'s end of step, timed alone on
+    synthetic fp32 parameters with gradients (the library's own functions and optimizers,
+    default settings), fitted per tensor and per byte over ``shapes``. ``make`` turns each
+    parameter's values (and its gradient's) into what the strategy holds (a DTensor), ``norm``
+    is the clip's norm (the SPMD strategies' `parallel.grad_norm`). ``fused`` adds torch's fused
+    AdamW and SGD (``"adamw_fused"``, ``"sgd_fused"``), which a parameter server runs ([Note:
+    fused server optimizer] in ps/server.py)."""
+    names = STEP_PARTS + (FUSED_PARTS if fused else ())
+    points: dict[str, list[tuple[float, float, float]]] = {part: [] for part in names}
+    wrap = make or (lambda t: t)
+    for count, numel in shapes:
+        params = [torch.nn.Parameter(wrap(torch.randn(numel, device=device))) for _ in range(count)]
+        for prm in params:
+            prm.grad = wrap(torch.randn(numel, device=device) * 1e-3)
+        nbytes = float(count * numel * 4)
+        parts: dict[str, Callable[[], object]] = {
+            "check": partial(nonfinite_flag, params, device),
+            "clip": partial(clip_gradients_, params, 1.0, norm),
+        }
+        for name in ("adamw", "sgd"):
+            parts[name] = build_optimizer(params, OptimConfig(name=name)).step
+            if fused:
+                server = build_optimizer(params, OptimConfig(name=name), fused=True)
+                parts[f"{name}_fused"] = server.step
+        for part, fn in parts.items():
+            points[part].append((float(count), nbytes, timed(fn, device, budget_s)))
+    return {part: fit_per_tensor_and_byte(pts) for part, pts in points.items()}
+
+
+def rank_dtensor_step_costs(
+    rank: int, world: int, shapes: tuple[tuple[int, int], ...], budget_s: float
+) -> dict[str, tuple[float, float]]:
+    """[Note: DTensor end of step] The end-of-step parts of `step_costs` on DTensor parameters
+    and gradients (``Shard(0)`` on a mesh of ONE rank, the clip's norm by `parallel.grad_norm`
+    as the SPMD strategies run it), keyed ``"dtensor <part>"``. ZeRO-2/3 (FSDP2) and tensor
+    parallelism hold their parameters as DTensors; torch's CPU optimizers then run every
+    per-tensor operator through DTensor's dispatch (sharding propagation in Python), which the
+    plain-tensor figures do not include. On one rank nothing is communicated: what is left is
+    the dispatch. A group of one rank: run it under `testing.run_distributed`."""
+    mesh = init_device_mesh("cpu", (1,))
+
+    def make(values: torch.Tensor) -> torch.Tensor:
+        return distribute_tensor(values, mesh, [Shard(0)])
+
+    costs = step_costs(shapes, torch.device("cpu"), budget_s, make=make, norm=grad_norm)
+    return {DTENSOR + part: pair for part, pair in costs.items()}
+
+
+def rank_tp_module_s(rank: int, world: int, budget_s: float) -> float:
+    """[Note: DTensor module overhead] Seconds tensor parallelism adds per parallelized Linear to
+    one forward + backward, on a mesh of ONE rank (its collectives move nothing; what is left
+    is DTensor's dispatch: the styles' input and output hooks, ``from_local`` / ``to_local``
+    and their autograd nodes, sharding propagation of the Linear's operators). The slope
+    between 8 and 32 16-wide Linears (4 and 16 column-then-row pairs), each (parallelized
+    minus the same model plain), per Linear. A group of one rank: run it under
+    `testing.run_distributed`."""
+    device = torch.device("cpu")
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.ones(4, 16)
+
+    def build(pairs: int) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(16, 16) for _ in range(2 * pairs)])
+
+    def seconds(model: nn.Module) -> float:
+        return timed(lambda: model(x).sum().backward(), device, budget_s)
+
+    extra = []
+    for pairs in (4, 16):
+        plain = seconds(build(pairs))
+        model = build(pairs)
+        styles = {
+            str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(2 * pairs)
+        }
+        parallelize_module(model, mesh, styles)  # type: ignore[arg-type]
+        extra.append(seconds(model) - plain)
+    return max((extra[1] - extra[0]) / 24, 0.0)

@@ -1,0 +1,132 @@
+"""What the runtime's tensor-parallel plan does to each block, for `planner.stats` (torch-facing).
+
+Which parameter bytes a plan splits ([Note: tensor-parallel shards]) and which modules it
+parallelizes, with the activations their collectives move ([Note: tensor-parallel modules] in
+planner/cost/tp.py). The plan is the runtime's own (`parallel.tensor_parallel.resolve_tp_plan`),
+resolved at tp = 1 so that every conditional row is in; a row that applies only when tp
+divides a dimension (the vocabulary rows) carries that dimension as its divisor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.errors import ConfigError, MeshError
+from polytrain.models.base import BlockModel
+from polytrain.parallel.tensor_parallel import module_infos, resolve_tp_plan
+from polytrain.parallel.tp_plans import ModuleInfo
+from polytrain.planner.types import TPModule
+
+__all__ = ["TPModules", "plan_styles", "tp_shards"]
+
+
+def plan_styles(model: BlockModel, model_name: str, plan_rows: list[str]) -> dict[str, str] | None:
+    """The runtime's tensor-parallel plan resolved at tp = 1 (every conditional row in), or
+    None for a model without one."""
+    try:
+        return dict(resolve_tp_plan(model_name, model, 1, plan_rows))
+    except (ConfigError, MeshError):
+        return None
+
+
+def _divisor(style: str, info: ModuleInfo, pname: str = "weight") -> int:
+    """The dimension ``style`` splits parameter ``pname`` of a module by (1: kept whole)."""
+    if style in ("rowwise", "rowwise_split"):
+        return info.in_dim if pname == "weight" else 1
+    if style == "qkv":
+        return info.out_dim // 3
+    return info.out_dim  # colwise, colwise_gather, vocab: the output rows
+
+
+def tp_shards(
+    model: BlockModel, styles: dict[str, str] | None
+) -> list[tuple[tuple[float, int], ...]]:
+    """Per block, the (bytes, divisor) pairs of [Note: tensor-parallel shards]: what the
+    runtime's tensor-parallel plan splits, and by which dimension. Column-parallel layers split
+    weight and bias by their outputs, row-parallel ones the weight by its inputs and leave the
+    bias whole (torch's ``RowwiseParallel``), ``qkv`` by the width of each chunk, ``vocab`` by
+    the vocabulary; modules no row matches stay whole (divisor 1). A model without a plan
+    (``styles`` None, from `plan_styles`) gets ``()`` per block (everything split: the old
+    estimate)."""
+    if styles is None:
+        return [() for _ in model.blocks]
+    infos = module_infos(model)
+    out = []
+    for index, block in enumerate(model.blocks):
+        pairs: list[tuple[float, int]] = []
+        for sub, module in block.named_modules():
+            path = f"blocks.{index}" + (f".{sub}" if sub else "")
+            style, info = styles.get(path), infos.get(path)
+            for pname, param in module.named_parameters(recurse=False):
+                divisor = 1
+                if style is not None and info is not None:
+                    divisor = _divisor(style, info, pname)
+                pairs.append((float(param.numel() * param.element_size()), max(divisor, 1)))
+        out.append(tuple(pairs))
+    return out
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, list | tuple):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _float_bytes(value: Any) -> float:
+    t = _first_tensor(value)
+    if t is None or not t.is_floating_point():
+        return 0.0  # token ids: no gradient, nothing reduced
+    return float(t.numel() * t.element_size())
+
+
+class TPModules:
+    """[Note: tensor-parallel modules] The modules of one block that the plan ``styles``
+    parallelizes, with their input's and output's bytes as one forward of ``batch`` samples
+    sees them (forward hooks), as `TPModule` rows in the block's module order."""
+
+    def __init__(self, block: nn.Module, prefix: str, styles: dict[str, str], batch: int) -> None:
+        self.batch = batch
+        self.rows: dict[str, TPModule] = {}
+        self.handles = []
+        infos = module_infos(block)
+        for sub, module in block.named_modules():
+            style = styles.get(prefix + (f".{sub}" if sub else ""))
+            info = infos.get(sub)
+            if style is None or info is None:
+                continue
+            tensors = len(list(module.parameters(recurse=False)))
+            divisor = max(_divisor(style, info), 1)
+
+            def hook(
+                module: nn.Module,
+                inputs: Any,
+                output: Any,
+                key: str = sub,
+                style: str = style,
+                divisor: int = divisor,
+                tensors: int = tensors,
+            ) -> None:
+                self.rows[key] = TPModule(
+                    style,
+                    divisor,
+                    tensors,
+                    _float_bytes(inputs) / self.batch,
+                    _float_bytes(output) / self.batch,
+                )
+
+            self.handles.append(module.register_forward_hook(hook))
+
+    def modules(self) -> tuple[TPModule, ...]:
+        return tuple(self.rows.values())
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
