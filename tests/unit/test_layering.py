@@ -25,7 +25,13 @@ PURE = [
 ]
 # The planner's torch-facing modules (planner2's): model statistics and host calibration (its
 # timing rounds in planner/timing.py).
-PURE_EXEMPT = {"planner/stats.py", "planner/calibrate.py", "planner/timing.py", "planner/host.py"}
+PURE_EXEMPT = {
+    "planner/stats.py",
+    "planner/calibrate.py",
+    "planner/calibrate_wire.py",
+    "planner/timing.py",
+    "planner/host.py",
+}
 # The only places that call c10d directly.
 C10D_ALLOWED = ["comm", "launch", "testing", "_torch_private.py"]  # the last: torch private APIs
 # torch.distributed sub-packages that strategies may build on.
