@@ -131,6 +131,7 @@ class CalibrationPlan:
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each
+SMALL_MESSAGE_BYTES, SMALL_MESSAGE_CALLS = 64 * _KB, 5  # ... but 5 calls each up to 64 KiB
 
 
 def _matmul_rounds(
@@ -369,7 +370,10 @@ def _rank_collectives(
             # a warm-up call for every op in the first sweep, and for the first op of each
             # later one (it follows the matmul round)
             warmup = sweep == 0 or i == 0
-            secs = time_collective(op, n, iters=1, budget_s=budget_s, warmup=warmup)
+            # latency-bound sizes: the median of a few calls, as one call is bimodal on a
+            # small VM (0.3 or 3-8 ms; [Note: posted receives] in comm/probe.py)
+            iters = SMALL_MESSAGE_CALLS if n <= SMALL_MESSAGE_BYTES else 1
+            secs = time_collective(op, n, iters=iters, budget_s=budget_s, warmup=warmup)
             sweeps[(op, n)].append(secs)
         barrier()
         matmul.round()
