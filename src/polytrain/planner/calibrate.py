@@ -131,7 +131,9 @@ class CalibrationPlan:
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each
-SMALL_MESSAGE_BYTES, SMALL_MESSAGE_CALLS = 64 * _KB, 5  # ... but 5 calls each up to 64 KiB
+# ... but the 16 B point (below 1 KiB) takes the median of 5 calls: it alone prices the end of
+# step's all-reduce, and a single call there is bimodal (0.3 or 3-8 ms) on the 2-core VM
+SMALL_MESSAGE_BYTES, SMALL_MESSAGE_CALLS = _KB, 5
 
 
 def _matmul_rounds(
@@ -370,8 +372,6 @@ def _rank_collectives(
             # a warm-up call for every op in the first sweep, and for the first op of each
             # later one (it follows the matmul round)
             warmup = sweep == 0 or i == 0
-            # latency-bound sizes: the median of a few calls, as one call is bimodal on a
-            # small VM (0.3 or 3-8 ms; [Note: posted receives] in comm/probe.py)
             iters = SMALL_MESSAGE_CALLS if n <= SMALL_MESSAGE_BYTES else 1
             secs = time_collective(op, n, iters=iters, budget_s=budget_s, warmup=warmup)
             sweeps[(op, n)].append(secs)
