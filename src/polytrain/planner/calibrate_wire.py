@@ -16,11 +16,13 @@ the loop's own Python ([Note: loop overhead] in planner/calibrate.py) and its op
 (`HostProfile.ps_exchange_s`); `Env.ps_exchange_s` reads it at N, linear between and past the
 measured counts (the server's one main thread serves its workers' messages in turn, so each
 worker adds its share). Measured with the workers sharing the cores as they do in a job, so
-no shared-core slowdown is applied on top. Measured on the 2-core VM (one launch each, a
-host shared with other jobs): sync 1.9-5.4 ms with 1 worker and 5.3-10.7 ms with 2; async
-2.3-7.4 and 7.6-11.0 ms. Async costs more than sync with 2 workers because it posts no pull
-with its CLOCK, so each step pays a separate PULL request and reply after a blocking push
-([Note: pull with the clock] in ps/overlap.py is sync-only).
+no shared-core slowdown is applied on top. Measured on the 2-core VM over nine calibrations
+(each the median of its launches, the host shared with other jobs): sync 1.9-7.2 ms with 1
+worker and 4.8-10.7 ms with 2; async 2.3-7.5 and 5.4-11.0 ms. Async does more per step than
+sync: it posts no pull with its CLOCK ([Note: pull with the clock] in ps/overlap.py is
+sync-only), so each step pays a blocking push and then a separate PULL request and reply,
+none of it overlapped with compute; in the quiet benchmark run the mlp's async step took 15.5
+ms against sync's 9.1.
 """
 
 from __future__ import annotations
