@@ -37,7 +37,8 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert profile.startup_s > 0 and profile.baseline_bytes > 50 * 2**20
     # torch._dynamo alone ([Note: a worker's own memory] in planner/memory.py)
     assert profile.runtime_bytes > 10 * 2**20
-    assert set(profile.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "p2p"}
+    ops = {"all_reduce", "all_gather", "reduce_scatter", "p2p", "p2p_posted"}
+    assert set(profile.collectives) == ops
     for by_world in profile.collectives.values():
         curve = by_world[2]
         assert len(curve.points) == 3 and all(s > 0 for _, s in curve.points)
@@ -55,6 +56,13 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     )
     # [Note: loop overhead] and [Note: timing rounds]: measured, and the table shows them
     assert profile.loop_step_s >= 0 and profile.loop_microbatch_s >= 0
+    # [Note: parameter-server exchange]: one worker at one server, both modes (quick plan)
+    assert {m: set(by_n) for m, by_n in profile.ps_exchange_s.items()} == {
+        "sync": {1},
+        "async": {1},
+    }
+    assert all(v >= 0 for by_n in profile.ps_exchange_s.values() for v in by_n.values())
+    assert "parameter server" in first.stdout
     assert {"matmul fp32 256", "memory bandwidth", "training loop"} <= set(profile.spread)
     assert all(v >= 0 for v in profile.spread.values())
     assert "spread" in first.stdout  # (one word: rich wraps the table at spaces)

@@ -29,6 +29,7 @@ PURE_EXEMPT = {
     "planner/stats.py",
     "planner/tp_stats.py",
     "planner/calibrate.py",
+    "planner/calibrate_wire.py",
     "planner/probes.py",
     "planner/timing.py",
     "planner/host.py",

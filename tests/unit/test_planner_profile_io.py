@@ -36,6 +36,7 @@ def _profile() -> HostProfile:
         tp_module_s=4.7e-4,
         loop_step_s=3e-4,
         loop_microbatch_s=2e-4,
+        ps_exchange_s={"sync": {1: 2e-3, 2: 8e-3}, "async": {1: 3e-3}},
         spread={"matmul fp32 512": 0.04, "training loop": 0.1},
     )
 
@@ -74,9 +75,11 @@ def test_a_profile_saved_before_step_costs_loads_without_them(tmp_path: Path) ->
     data = json.loads(path.read_text())
     del data["step_costs"], data["op_s"], data["fsdp_unit_s"]  # as written before them
     del data["loop_step_s"], data["loop_microbatch_s"], data["spread"], data["tp_module_s"]
+    del data["ps_exchange_s"]
     path.write_text(json.dumps(data))
     old = load_profile(path)
     assert old.tp_module_s == 0.0  # [Note: DTensor module overhead] unpriced
     assert old.step_costs == {} and old.op_s == 0.0 and old.fsdp_unit_s == {}
     assert old.loop_step_s == old.loop_microbatch_s == 0.0 and old.spread == {}
+    assert old.ps_exchange_s == {}
     assert old.matmul_concurrent == _profile().matmul_concurrent

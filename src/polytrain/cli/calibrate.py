@@ -28,6 +28,10 @@ def _spread(profile: HostProfile, what: str) -> str:
     return f" (spread {100 * value:.0f}%{busy})"
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes:.0f} B" if nbytes < 1024 else f"{nbytes / 1024:.0f} KiB"
+
+
 def profile_table(profile: HostProfile, path: Path) -> Table:
     table = Table(title=f"host profile {path}", show_header=False)
     table.add_row("device", f"{profile.device} ({profile.threads} thread(s) per process)")
@@ -74,12 +78,19 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     for part, (per_tensor, per_byte) in profile.step_costs.items():
         rate = f"{1 / per_byte / 1e9:.2f} GB/s" if per_byte > 0 else "no per-byte term"
         table.add_row(f"end of step: {part}", f"{per_tensor * 1e6:.1f} us per tensor + {rate}")
+    for mode, by_workers in profile.ps_exchange_s.items():
+        for workers, secs in sorted(by_workers.items()):
+            where = _spread(profile, f"ps exchange {mode} x{workers}")
+            table.add_row(
+                f"parameter server {mode}, {workers} worker(s)",
+                f"{secs * 1e3:.2f} ms per step of fixed exchange{where}",
+            )
     for op, by_world in profile.collectives.items():
         for world, curve in sorted(by_world.items()):
             small = min(curve.points)
             table.add_row(
                 f"{op} world {world}",
-                f"latency {small[1] * 1e6:.0f} us at {small[0] / 1024:.0f} KiB, "
+                f"latency {small[1] * 1e6:.0f} us at {_size(small[0])}, "
                 f"{curve.bandwidth / 1e9:.2f} GB/s at {max(curve.points)[0] / 2**20:.1f} MiB"
                 f"{_spread(profile, f'{op} world {world}')}",
             )

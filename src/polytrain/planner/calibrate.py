@@ -53,6 +53,7 @@ from polytrain.errors import PlanError
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.parallel.family import build_spmd
+from polytrain.planner.calibrate_wire import PS_PROBE_WORKERS, posted_p2p_curve, ps_exchange
 from polytrain.planner.host import host_identity, saved_profile
 from polytrain.planner.probes import rank_dtensor_step_costs, rank_tp_module_s, step_costs
 from polytrain.planner.profile_io import (
@@ -86,11 +87,16 @@ class CalibrationPlan:
     matmul_sizes: tuple[int, ...] = (128, 256, 512, 1024)
     dtypes: tuple[str, ...] = ("fp32", "bf16")
     copy_bytes: int = 256 * 2**20
-    message_bytes: tuple[int, ...] = tuple(4 * _KB * 4**i for i in range(8))  # 4 KB .. 64 MB
+    # 16 B (the end of step's [loss, flag] all-reduce: gloo's small-buffer regime, at world 4
+    # on the 2-core VM ~1 ms where 4 KiB take 7-9 ms), then 4 KB .. 64 MB
+    message_bytes: tuple[int, ...] = (16, *(4 * _KB * 4**i for i in range(8)))
     world_sizes: tuple[int, ...] = (2, 3, 4)
     budget_s: float = 0.5  # per (operation, size): at most ~this long once two calls are in
     # (tensors, fp32 values each) of the end-of-step probes: many small to few large tensors
     step_shapes: tuple[tuple[int, int], ...] = ((256, 64), (64, 4096), (4, 1 << 20))
+    # workers at one server of the parameter-server probe ([Note: parameter-server exchange])
+    ps_workers: tuple[int, ...] = PS_PROBE_WORKERS
+    ps_rounds: int = 3  # launches of each (mode, workers); the figure is their median
 
     @staticmethod
     def quick() -> CalibrationPlan:
@@ -101,6 +107,8 @@ class CalibrationPlan:
             message_bytes=(4 * _KB, 64 * _KB, 1024 * _KB),
             world_sizes=(2,),
             budget_s=0.05,
+            ps_workers=(1,),
+            ps_rounds=1,
         )
 
     @staticmethod
@@ -124,6 +132,9 @@ class CalibrationPlan:
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each
+# ... but the 16 B point (below 1 KiB) takes the median of 5 calls: it alone prices the end of
+# step's all-reduce, and a single call there is bimodal (0.3 or 3-8 ms) on the 2-core VM
+SMALL_MESSAGE_BYTES, SMALL_MESSAGE_CALLS = _KB, 5
 
 
 def _matmul_rounds(
@@ -318,7 +329,8 @@ def _rank_collectives(
             # a warm-up call for every op in the first sweep, and for the first op of each
             # later one (it follows the matmul round)
             warmup = sweep == 0 or i == 0
-            secs = time_collective(op, n, iters=1, budget_s=budget_s, warmup=warmup)
+            iters = SMALL_MESSAGE_CALLS if n <= SMALL_MESSAGE_BYTES else 1
+            secs = time_collective(op, n, iters=iters, budget_s=budget_s, warmup=warmup)
             sweeps[(op, n)].append(secs)
         barrier()
         matmul.round()
@@ -452,6 +464,14 @@ def calibrate(
         tell(f"matmul {dtype} {n}")
 
     collectives: dict[str, dict[int, Curve]] = {op: {} for op in COLLECTIVES}
+    ps_exchange_s: dict[str, dict[int, float]] = {}
+    if device.type == "cpu" and 2 in plan.world_sizes:  # planner/calibrate_wire.py
+        posted, spread["p2p_posted world 2"] = posted_p2p_curve(plan.message_bytes)
+        collectives["p2p_posted"] = {2: Curve(tuple(posted))}
+        loop_s = loop_step_s + loop_micro_s
+        ps_exchange_s, ps_spread = ps_exchange(op_s, loop_s, plan.ps_workers, plan.ps_rounds)
+        spread.update(ps_spread)
+        tell("posted p2p, parameter-server exchange")
     concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
     for world in plan.world_sizes:
         ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
@@ -494,13 +514,15 @@ def calibrate(
         tp_module_s=tp_module_s,
         loop_step_s=loop_step_s,
         loop_microbatch_s=loop_micro_s,
+        ps_exchange_s=ps_exchange_s,
         spread=spread,
     )
 
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 6 + len(plan.world_sizes)
+    wire = 1 if 2 in plan.world_sizes and not torch.cuda.is_available() else 0
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 6 + len(plan.world_sizes) + wire
 
 
 def cached_profile(

@@ -73,6 +73,10 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "tp_module_s": profile.tp_module_s,
         "loop_step_s": profile.loop_step_s,
         "loop_microbatch_s": profile.loop_microbatch_s,
+        "ps_exchange_s": {
+            mode: {str(n): v for n, v in by_n.items()}
+            for mode, by_n in profile.ps_exchange_s.items()
+        },
         "spread": profile.spread,
     }
 
@@ -112,6 +116,11 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         # older profiles: the loop's own Python unpriced, no spreads recorded
         loop_step_s=float(data.get("loop_step_s", 0.0)),
         loop_microbatch_s=float(data.get("loop_microbatch_s", 0.0)),
+        # older profiles: the parameter server's fixed exchange unpriced (the link's latency)
+        ps_exchange_s={
+            str(mode): {int(n): float(v) for n, v in by_n.items()}
+            for mode, by_n in data.get("ps_exchange_s", {}).items()
+        },
         spread={str(k): float(v) for k, v in data.get("spread", {}).items()},
     )
 

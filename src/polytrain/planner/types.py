@@ -190,7 +190,8 @@ class HostProfile:
     device: str  # "cpu" or the accelerator's name
     matmul_flops: dict[str, float]  # dtype ("fp32", "bf16", ...) -> achieved FLOP/s, large sizes
     mem_bw: float  # bytes per second
-    # op ("all_reduce", "all_gather", "reduce_scatter", "p2p") -> world size -> curve
+    # op ("all_reduce", "all_gather", "reduce_scatter", "p2p", "p2p_posted": a message whose
+    # receive is already posted, [Note: posted receives] in comm/probe.py) -> world size -> curve
     collectives: dict[str, dict[int, Curve]] = field(default_factory=dict)
     startup_s: float = 0.0  # seconds to start a worker process group
     # dtype -> matrix size n (n x n @ n x n) -> achieved FLOP/s; `matmul_flops` is the largest n
@@ -221,6 +222,9 @@ class HostProfile:
     # (one process alone, a CPU host); 0 = not calibrated
     loop_step_s: float = 0.0
     loop_microbatch_s: float = 0.0
+    # [Note: parameter-server exchange] in planner/calibrate_wire.py: mode ("sync", "async") ->
+    # workers at one server -> fixed seconds per step of the exchange; {} = not calibrated
+    ps_exchange_s: dict[str, dict[int, float]] = field(default_factory=dict)
     # [Note: timing rounds] in planner/timing.py: measured figure ("matmul fp32 1024",
     # "memory bandwidth", "training loop") -> interquartile range / median of its rounds
     spread: dict[str, float] = field(default_factory=dict)

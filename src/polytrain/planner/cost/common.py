@@ -280,6 +280,37 @@ class Env:
             return 0.0
         return self.collective_s("p2p", nbytes, 2, stride)
 
+    def posted_p2p_s(self, nbytes: float, stride: int) -> float:
+        """One pipeline message to the rank ``stride`` away: its receive is posted before it is
+        sent ([Note: early receives] in pipeline/runtime.py), so on the calibrated host it costs
+        the posted curve ([Note: posted receives] in comm/probe.py) up to its largest size; past
+        it, or without it, what `p2p_s` costs."""
+        prof = self.profile
+        curve = prof.collectives.get("p2p_posted", {}).get(2) if prof is not None else None
+        link = self.link(stride, 2)
+        if nbytes <= 0 or curve is None or link is not self.cluster.intra:
+            return self.p2p_s(nbytes, stride)
+        if nbytes > max(curve.points)[0]:
+            return self.p2p_s(nbytes, stride)
+        return curve.seconds(nbytes)
+
+    def ps_exchange_s(self, mode: str, workers: int) -> float | None:
+        """Fixed seconds per step of a parameter-server exchange with ``workers`` workers at a
+        server, as calibrated ([Note: parameter-server exchange] in planner/calibrate_wire.py):
+        linear between the measured worker counts and past them (ssp prices as async); None
+        without it or for a group that leaves the calibrated host."""
+        prof = self.profile
+        by_workers = prof.ps_exchange_s.get("sync" if mode == "sync" else "async") if prof else None
+        if not by_workers or self.link(1, workers + 1) is not self.cluster.intra:
+            return None
+        counts = sorted(by_workers)
+        if len(counts) == 1:
+            return by_workers[counts[0]] * max(workers, 1) / counts[0]
+        i = min(max(bisect.bisect_left(counts, workers), 1), len(counts) - 1)
+        lo, hi = counts[i - 1], counts[i]
+        slope = (by_workers[hi] - by_workers[lo]) / (hi - lo)
+        return max(by_workers[lo] + slope * (workers - lo), 0.0)
+
     def _measured(self, op: str, nbytes: float, size: int, link: Link) -> float | None:
         # A profile describes the calibrated host only: groups that leave it use the catalog.
         if self.profile is None or link is not self.cluster.intra:

@@ -218,9 +218,10 @@ def _pipeline(
         bwd_s.append(sum(b) + per_micro / 2)
         tp_total = max(tp_total, tp_s)
         out = blocks[-1].output_bytes * mb_samples / layout.tp
-        send_f.append(env.p2p_s(out, pp_stride))
+        # the runtime posts its receives ahead: [Note: posted receives] in comm/probe.py
+        send_f.append(env.posted_p2p_s(out, pp_stride))
         inp = _input_bytes(blocks[0]) * mb_samples / layout.tp
-        send_b.append(env.p2p_s(inp, pp_stride))
+        send_b.append(env.posted_p2p_s(inp, pp_stride))
     timing = pipeline_step(layout.schedule, layout.microbatches, fwd_s, bwd_s, send_f, send_b)
     # PipelineStrategy.train_step runs the m-micro-batch program once per accumulation
     # micro-step, each with its flush (PipeDream streams instead and ignores accumulation).

@@ -42,8 +42,11 @@ def ps_step(
     world = workers + servers
     link = env.link(1, world)
     # Chunks are pipelined (a chunk is on the wire while the next is packed), so latency is
-    # paid once per push and pull per server, not per chunk.
-    latency = 2 * servers * link.latency + link.base
+    # paid once per push and pull per server, not per chunk. On the calibrated host the fixed
+    # exchange measured on a probe replaces it ([Note: parameter-server exchange] in
+    # planner/calibrate_wire.py: messages, headers, the server's threads, for N workers).
+    fixed = env.ps_exchange_s(mode, workers)
+    latency = 2 * servers * link.latency + link.base if fixed is None else fixed
     worker_s = param_bytes / link.bandwidth + latency
     server_s = workers * param_bytes / (servers * link.bandwidth) + latency
     exchange = max(worker_s, server_s)
