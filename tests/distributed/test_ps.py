@@ -334,9 +334,12 @@ def test_server_assembles_chunks_arriving_last_first() -> None:
     assert server["grad_equal"] and server["updates"] == 1
 
 
-def _pull_with_clock_rank(rank: int, world_size: int, out_dir: str) -> dict[str, Any]:
-    """Train a 4-step sync job (1 server), recording on each worker the order of its CLOCKs,
-    its pulls and its loss all-reduces; the server returns its stats file."""
+def _pull_with_clock_rank(
+    rank: int, world_size: int, out_dir: str, mode: str = "sync"
+) -> dict[str, Any]:
+    """Train a 4-step job (1 server), recording on each worker the order of its CLOCKs, its
+    whole pushes, its pulls, its loss all-reduces and its step ends; the server returns its
+    stats file."""
     from polytrain.ps import strategy as ps_strategy
     from polytrain.ps import worker as ps_worker
     from polytrain.trainer.loop import train
@@ -344,6 +347,17 @@ def _pull_with_clock_rank(rank: int, world_size: int, out_dir: str) -> dict[str,
     calls: list[tuple[str, int]] = []
     client, strategy = ps_worker.WorkerClient, ps_strategy.PSStrategy
     post_clock, post_pull, init = client.post_clock, client.post_pull, strategy.__init__
+    push, train_step = client.push, strategy.train_step
+
+    def pushed(self: Any, c: int, *a: Any, **kw: Any) -> Any:
+        out = push(self, c, *a, **kw)
+        calls.append(("push", c))
+        return out
+
+    def stepped(self: Any, step: int) -> Any:
+        out = train_step(self, step)
+        calls.append(("step end", step))
+        return out
 
     def clock(self: Any, c: int) -> None:
         calls.append(("clock", c))
@@ -364,9 +378,10 @@ def _pull_with_clock_rank(rank: int, world_size: int, out_dir: str) -> dict[str,
         self.reduce = recorded
 
     client.post_clock, client.post_pull, strategy.__init__ = clock, pull, build  # type: ignore[method-assign]
+    client.push, strategy.train_step = pushed, stepped  # type: ignore[method-assign]
     job = small_job(
         parallel={"sync": "ps"},
-        ps={"servers": 1},
+        ps={"servers": 1, "mode": mode},
         launch={"nproc": world_size},
         observe={"out_dir": out_dir},
     )
@@ -404,3 +419,17 @@ def test_sync_posts_clock_before_the_loss_reduce_and_pulls_before_leaving_the_st
         if c > 0:  # the pull of c carries the update of c - 1
             assert windows[str(c - 1)]["apply_end"] <= w["pull_start"]
     assert stats["window_bytes_per_s"] > 0
+
+
+def test_async_posts_the_next_pull_with_its_push(tmp_path: Path) -> None:
+    """[Note: pull with the clock], async: a worker posts the pull of step c + 1 right after
+    its whole push of step c, before step c ends (none after the last step)."""
+    out = run_distributed(_pull_with_clock_rank, 3, str(tmp_path), "async", timeout_s=300)
+    steps = 4
+    for rank in (0, 1):
+        calls = out[rank]["calls"]
+        for c in range(steps):
+            if c + 1 < steps:
+                assert calls.index(("push", c)) < calls.index(("pull", c + 1)), (rank, calls)
+                assert calls.index(("pull", c + 1)) < calls.index(("step end", c)), (rank, calls)
+        assert calls.index(("step end", steps - 1)) < calls.index(("pull", steps)), calls

@@ -34,7 +34,12 @@ server as a NaN sum, which every server drops or stops on ([Note: parameter-serv
 polytrain.ps.strategy), as the workers decide from the all-reduce. A finite step's bytes are
 unchanged, so sync parity stays exact. No pull is posted after the last step or before a stop
 on a non-finite step; a posted pull that no step takes is taken by the evaluation after it, or
-waited for before the worker leaves.
+waited for before the worker leaves. An async or ssp worker (no overlap: its push is whole and
+blocking) posts its next pull right after its push too (2026-11-25), so the PULL's trip and the
+server's grant travel while the worker is between steps; the server grants it by the same
+rule as a later one (async at once, ssp within the staleness bound), so the parameters it
+returns may miss pushes that arrive in between, which is what async allows and what the
+pull's floors report.
 """
 
 from __future__ import annotations

@@ -494,6 +494,11 @@ class PSStrategy(Strategy):
                 if poison:
                     flats = [torch.full_like(f, math.nan) for f in flats]
                 self._send(step, flats)
+                if not self.sync and self.is_pusher:  # [Note: pull with the clock], async/ssp
+                    stopping = poison and self.rules.on_nonfinite == "stop"
+                    if step + 1 < self.job.train.steps and not stopping:
+                        assert self.client is not None
+                        self.next_pull = self.client.post_pull(step + 1)
             if poison and self.colocated is not None:
                 self.colocated.wait_handled(step)  # see ColocatedServer.wait_handled
 
