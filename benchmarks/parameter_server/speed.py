@@ -296,9 +296,9 @@ def _run_slow(model: str, sync: str, args: argparse.Namespace) -> dict[str, Any]
         result = json.loads(out.read_text())
         server_out = Path(str(out) + ".server")
         window = json.loads(server_out.read_text()) if server_out.exists() else None
+        workers = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("result.json.w*"))]
     run: dict[str, Any] = {"step_s": result["step_s"], "load": os.getloadavg()[0]}
     if sync == "ps":
-        workers = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("result.json.w*"))]
         run.update(_server_throughput(result, window, workers))
     print(f"{model} {sync} over {args.slow_mbit:g} Mbit/s: {json.dumps(run)}", flush=True)
     return run

@@ -433,3 +433,31 @@ def test_async_posts_the_next_pull_with_its_push(tmp_path: Path) -> None:
                 assert calls.index(("push", c)) < calls.index(("pull", c + 1)), (rank, calls)
                 assert calls.index(("pull", c + 1)) < calls.index(("step end", c)), (rank, calls)
         assert calls.index(("step end", steps - 1)) < calls.index(("pull", steps)), calls
+
+
+def _link_probe_rank(rank: int, world_size: int) -> Any:
+    """Ranks 0 and 2 probe their link (rank 1 stays out); then a ps job's automatic chunk."""
+    from polytrain.comm import ps_wire
+    from polytrain.ps import strategy as ps_strategy
+
+    points = ps_wire.probe_link(2, lead=True) if rank == 0 else []
+    if rank == 2:
+        assert ps_wire.probe_link(0, lead=False) == []
+    link = ps_strategy._measured_link(rank, [2])
+    return {"points": points, "link": link}
+
+
+def test_the_link_is_measured_at_start_up_and_shared(tmp_path: Path) -> None:
+    """[Note: chunk size from the link]: rank 0 times every probe size to the server's rank
+    (a loopback round trip is far below the slow-link stop), one-way seconds growing with the
+    size; every rank gets rank 0's points, so every rank cuts the same chunks."""
+    from polytrain.comm.ps_wire import LINK_PROBE_BYTES
+
+    out = run_distributed(_link_probe_rank, 3, timeout_s=300)
+    sizes = [b for b, _ in out[0]["points"]]
+    assert sizes == [float(b) for b in LINK_PROBE_BYTES]
+    seconds = [t for _, t in out[0]["points"]]
+    assert all(t > 0 for t in seconds) and seconds[-1] > seconds[0]
+    assert out[1]["points"] == out[2]["points"] == []
+    assert out[0]["link"] == out[1]["link"] == out[2]["link"]
+    assert len(out[0]["link"]) == len(LINK_PROBE_BYTES)

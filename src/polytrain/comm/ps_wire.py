@@ -41,6 +41,7 @@ the receiver in gloo (documented limit).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import queue
 import threading
@@ -54,6 +55,9 @@ from polytrain.comm.watchdog import default_store
 from polytrain.errors import ProtocolError
 
 __all__ = [
+    "LINK_PROBE_BYTES",
+    "TAG_LINK",
+    "TAG_LINK_DATA",
     "TAG_PARAMS",
     "TAG_PROBE",
     "TAG_PUSH",
@@ -71,6 +75,7 @@ __all__ = [
     "peer_is_gone",
     "post_recv",
     "post_send",
+    "probe_link",
     "wait_all",
     "wait_all_watched",
     "world_group",
@@ -93,6 +98,16 @@ TAG_PARAMS = 14
 """Server -> worker payloads (parameter chunks)."""
 TAG_PROBE = 15
 """Never sent on: a receive posted here fails at once if and only if the peer is gone."""
+TAG_LINK = 16
+"""Start-up link probe (`probe_link`): the next message size, 0 to stop."""
+TAG_LINK_DATA = 17
+"""Start-up link probe: the timed messages and their echoes."""
+
+LINK_PROBE_BYTES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+"""Message sizes `probe_link` times, smallest first."""
+LINK_PROBE_SLOW_S = 0.05
+"""A round trip longer than this ends the probe: on so slow a link larger messages add time,
+not information (the rate is already the link's)."""
 
 
 class PeerLost(RuntimeError):
@@ -153,6 +168,45 @@ def wait_all(ops: Sequence[_Op]) -> None:
             first = first or exc
     if first is not None:
         raise first
+
+
+def probe_link(peer: int, lead: bool) -> list[tuple[float, float]]:
+    """One-way seconds per message size between this rank and ``peer`` (both call it, one with
+    ``lead``), for the automatic chunk size ([Note: chunk size from the link] in
+    polytrain.ps.layout). The leading side announces each size of `LINK_PROBE_BYTES` on
+    `TAG_LINK`, then times three round trips of it (the peer echoes each message) and keeps the
+    faster of the last two; it stops after a round trip longer than `LINK_PROBE_SLOW_S`, and
+    returns ``(bytes, seconds)`` points. The echoing side returns []."""
+    size = torch.zeros(1, dtype=torch.int64)
+    points: list[tuple[float, float]] = []
+    for nbytes in LINK_PROBE_BYTES if lead else iter(int, 1):
+        if lead:
+            size.fill_(nbytes)
+            wait_all([post_send(size, peer, TAG_LINK)])
+        else:
+            wait_all([post_recv(size, peer, TAG_LINK)])
+            nbytes = int(size.item())
+            if nbytes == 0:
+                return points
+        buf = torch.zeros(max(nbytes // 4, 1))
+        best = math.inf
+        for trip in range(3):
+            if lead:
+                start = time.perf_counter()
+                echo = post_recv(buf, peer, TAG_LINK_DATA)
+                wait_all([post_send(buf, peer, TAG_LINK_DATA), echo])
+                if trip > 0:
+                    best = min(best, time.perf_counter() - start)
+            else:
+                wait_all([post_recv(buf, peer, TAG_LINK_DATA)])
+                wait_all([post_send(buf, peer, TAG_LINK_DATA)])
+        if lead:
+            points.append((float(nbytes), best / 2))
+            if best > LINK_PROBE_SLOW_S:
+                break
+    size.zero_()
+    wait_all([post_send(size, peer, TAG_LINK)])
+    return points
 
 
 def _beat_key(name: str) -> str:

@@ -72,12 +72,10 @@ from polytrain.core.optim import lr_at
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
-from polytrain.errors import PolytrainError
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.batchnorm import convert_batchnorm
 from polytrain.parallel.recompute import apply_recompute
-from polytrain.planner.host import saved_profile
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.local import ColocatedServer
@@ -104,19 +102,17 @@ def ranks_per_host(job: JobConfig) -> int:
 _MAX_LINK_POINTS = 32
 
 
-def _calibrated_link(rank: int) -> list[tuple[float, float]]:
-    """Rank 0's calibrated p2p curve (world 2), the same on every rank ([Note: chunk size from
-    the link] in polytrain.ps.layout); empty when this host was never calibrated."""
+def _measured_link(rank: int, servers: list[int]) -> list[tuple[float, float]]:
+    """The p2p curve between rank 0 and a server on another rank, measured now by both
+    (`ps_wire.probe_link`) and broadcast, so every rank computes the same chunk size ([Note:
+    chunk size from the link] in polytrain.ps.layout)."""
+    peer = next((r for r in servers if r != 0), 1)
+    points = ps_wire.probe_link(peer, lead=True) if rank == 0 else []
+    if rank == peer:
+        ps_wire.probe_link(0, lead=False)
     table = torch.zeros(_MAX_LINK_POINTS, 2, dtype=torch.float64)
-    if rank == 0:
-        try:
-            profile = saved_profile()
-        except PolytrainError:  # an unreadable profile: the fixed rule, as without one
-            profile = None
-        curve = profile.collectives.get("p2p", {}).get(2) if profile is not None else None
-        points = sorted(curve.points)[:_MAX_LINK_POINTS] if curve is not None else []
-        for i, point in enumerate(points):
-            table[i] = torch.tensor(point, dtype=torch.float64)
+    for i, point in enumerate(points[:_MAX_LINK_POINTS]):
+        table[i] = torch.tensor(point, dtype=torch.float64)
     ps_wire.broadcast(table, 0, ps_wire.world_group())
     return [(float(b), float(t)) for b, t in table.tolist() if b > 0]
 
@@ -150,7 +146,7 @@ class PSStrategy(Strategy):
         self.rules = StepRules(on_nonfinite=job.train.on_nonfinite, grad_clip=clip)
         self.tracer = Tracer(rank, enabled=bool(job.observe.trace))
         extra = f"mode={ps.mode};s={ps.staleness};workers={self.num_workers};h={ps.hierarchical}"
-        link = _calibrated_link(rank) if ps.chunk_kb == 0 else []
+        link = _measured_link(rank, self.servers) if ps.chunk_kb == 0 else []
         self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra, link)
 
         # Groups: every rank creates every group, in the same order.
