@@ -54,6 +54,7 @@ from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.parallel.family import build_spmd
 from polytrain.planner.host import host_identity, saved_profile
+from polytrain.planner.kernels import kernel_rates
 from polytrain.planner.probes import rank_dtensor_step_costs, rank_tp_module_s, step_costs
 from polytrain.planner.profile_io import (
     cache_dir,
@@ -91,10 +92,21 @@ class CalibrationPlan:
     budget_s: float = 0.5  # per (operation, size): at most ~this long once two calls are in
     # (tensors, fp32 values each) of the end-of-step probes: many small to few large tensors
     step_shapes: tuple[tuple[int, int], ...] = ((256, 64), (64, 4096), (4, 1 << 20))
+    # a CPU host's kernels in a block: Linear weight sizes on cold operands ([Note: cold
+    # operands] in planner/kernels.py), attention's sequence lengths x head sizes ([Note:
+    # attention kernels]); () skips them (an accelerator host)
+    gemm_sizes: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    attention_lengths: tuple[int, ...] = (32, 128)
+    attention_heads: tuple[int, ...] = (32, 128)
+    kernel_budget_s: float = 0.1  # per kernel shape
 
     @staticmethod
     def quick() -> CalibrationPlan:
         return CalibrationPlan(
+            gemm_sizes=(32, 128),
+            attention_lengths=(16, 32),
+            attention_heads=(16,),
+            kernel_budget_s=0.02,
             step_shapes=((64, 64), (4, 16384)),
             matmul_sizes=(64, 128, 256),
             copy_bytes=8 * 2**20,
@@ -114,6 +126,8 @@ class CalibrationPlan:
             copy_bytes=2**30,
             world_sizes=(),
             step_shapes=((256, 64), (64, 4096), (4, 1 << 22)),
+            gemm_sizes=(),
+            attention_lengths=(),
         )
 
     @staticmethod
@@ -414,6 +428,18 @@ def calibrate(
         costs = step_costs(plan.step_shapes, device, plan.budget_s, fused=True)
         op_s = _op_seconds(device, plan.budget_s)
         tell("end of step: check, clip, optimizers; operator overhead")
+        gemm, attention = (
+            kernel_rates(
+                plan.gemm_sizes,
+                plan.attention_lengths,
+                plan.attention_heads,
+                plan.kernel_budget_s,
+                spread,
+            )
+            if device.type == "cpu"
+            else ({}, {})
+        )
+        tell("matmul kernels: Linears on cold operands, attention")
     finally:
         torch.set_num_threads(old_threads)
     matmuls.round()
@@ -495,12 +521,14 @@ def calibrate(
         loop_step_s=loop_step_s,
         loop_microbatch_s=loop_micro_s,
         spread=spread,
+        gemm_by_size=gemm,
+        attention_rates=attention,
     )
 
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 6 + len(plan.world_sizes)
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 7 + len(plan.world_sizes)
 
 
 def cached_profile(

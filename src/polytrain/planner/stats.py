@@ -37,6 +37,7 @@ from polytrain.data.datasets import Dataset, TokenDataset, build_datasets
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
+from polytrain.planner.kernels import AttentionCounter
 from polytrain.planner.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.planner.types import BlockStats, ModelStats
 
@@ -257,7 +258,8 @@ def stats_of(
         fwd_ops, bwd_ops = OpCounter(), OpCounter()
         try:
             with _counting(exclude, split) as (flops, saved), fwd_ops:
-                y = block(h)
+                with AttentionCounter(flops) as attention:
+                    y = block(h)
                 result = model.loss(y, targets) if index == last else y
         finally:
             linears.close()
@@ -288,6 +290,8 @@ def stats_of(
                 tp_shards=shards[index] if shards else (),
                 saved_whole_bytes=(saved.bytes - saved.split_bytes) / batch if split else 0.0,
                 tp_modules=planned.modules() if tp_styles is not None else None,
+                attention=tuple((t, s, d, fl / batch) for t, s, d, fl in attention.calls),
+                attention_counted=attention.counted / batch,
             )
         )
         h = y.detach()

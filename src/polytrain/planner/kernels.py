@@ -1,0 +1,160 @@
+"""The matmul kernels a CPU block runs, counted in the model and timed on this host (torch-facing).
+
+[Note: attention kernels] On a CPU host ``F.scaled_dot_product_attention`` runs one fused
+kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) that torch's
+`FlopCounterMode` does not count (no formula for it: gpt tiny's forward counted only its
+Linears' 0.805 GFLOP per 32 sequences) and `OpCounter` leaves out of the bytes moved (it is a
+matmul), so the flops-based cost model priced a block's attention at nothing; on the meta device
+the same call decomposes into bmm's and a softmax that were priced at the Linears' rate. Timed
+inside a gpt tiny block (32 x 64 tokens, 4 heads of 32, one thread): the fused kernel took 1.8
+ms forward and 3.8 ms backward of the block's ~42 ms, ~36 GFLOP/s against the Linears' ~80.
+`AttentionCounter` records every call at the Python level (so the same on every device) as
+(T, S, D, forward FLOPs per sample), the FLOPs by the usual count 4 H T S D (QK^T and PV, the
+causal mask not halved), and which of the block's FLOPs `FlopCounterMode` already counted
+inside it (meta: the math path's bmm's; CPU: none). `attention_rates` times the fused kernel
+forward and backward, causal, on a grid of sequence lengths T and head sizes D (4 x 4 heads; the
+default plan T, D in 32 and 128: the kernel's rate grows with both, 35 -> 69 GFLOP/s forward from
+(32, 32) to (128, 128) here), counting
+FLOPs the same way (backward: 2x forward); the cost model prices each recorded call at the rate
+for its (T, D), interpolated in log-log ([Note: attention kernels] in planner/cost/common.py).
+
+[Note: cold operands] `polytrain calibrate`'s square matmuls multiply the same two matrices
+call after call, which then sit in the core's cache; in a training step every matmul reads an
+activation the previous operators just wrote and a weight last touched one block earlier. On
+this host (2 MiB L2) a (2048 x 128) @ (128 x 128) matmul ran at 99 GFLOP/s on the same operands
+and 84 on operands taken in turn from a pool larger than the cache; the Linears inside a gpt
+tiny block ran at ~80. `gemm_rates` times a Linear's forward, ``(rows x s) @ (s x s)^T`` plus a
+bias, for each weight size ``s``, with both operands rotated through a 64 MiB pool, so none
+is in cache when it is used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from polytrain.planner.timing import Rounds
+
+__all__ = ["AttentionCounter", "attention_rates", "gemm_rates", "kernel_rates"]
+
+
+class AttentionCounter(TorchFunctionMode):
+    """[Note: attention kernels] Records each ``F.scaled_dot_product_attention`` call under it:
+    ``calls`` holds (T, S, D, forward FLOPs) of the whole call (all samples and heads), and
+    ``counted`` the FLOPs ``flops`` (the block's `FlopCounterMode`, if any) counted inside it."""
+
+    def __init__(self, flops: FlopCounterMode | None = None) -> None:
+        super().__init__()
+        self.flops = flops
+        self.calls: list[tuple[int, int, int, float]] = []
+        self.counted = 0.0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        before = self.flops.get_total_flops() if self.flops is not None else 0
+        out = func(*args, **kwargs)
+        after = self.flops.get_total_flops() if self.flops is not None else 0
+        q, k = args[0], args[1]
+        t, d, s = q.shape[-2], q.shape[-1], k.shape[-2]
+        heads = math.prod(q.shape[:-2])  # batch x heads
+        self.calls.append((int(t), int(s), int(d), 4.0 * heads * t * s * d))
+        self.counted += float(after - before)
+        return out
+
+
+def gemm_rates(
+    sizes: tuple[int, ...], budget_s: float, rows: int = 4096, pool_bytes: int = 64 * 2**20
+) -> dict[int, tuple[float, float]]:
+    """[Note: cold operands] (FLOP/s, spread) of a fp32 Linear's forward ``addmm`` of ``rows``
+    rows by an (s x s) weight, per ``s``, its operands rotated through ``pool_bytes`` of
+    memory; the sizes interleaved in rounds ([Note: timing rounds])."""
+    pool = torch.rand(pool_bytes // 4)
+    fns: dict[int, Callable[[], object]] = {}
+    for s in sizes:
+        per = rows * s + s * s
+        count = max(pool.numel() // per, 1)
+        pairs = [
+            (
+                pool[i * per : i * per + rows * s].view(rows, s),
+                pool[i * per + rows * s : (i + 1) * per].view(s, s),
+            )
+            for i in range(count)
+        ]
+        bias = torch.zeros(s)
+        state = {"i": 0}
+
+        def call(
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = pairs,
+            bias: torch.Tensor = bias,
+            state: dict[str, int] = state,
+        ) -> object:
+            state["i"] = (state["i"] + 1) % len(pairs)
+            x, w = pairs[state["i"]]
+            return torch.addmm(bias, x, w.t())
+
+        fns[s] = call
+    result = Rounds(fns, torch.device("cpu"), budget_s).result()
+    return {s: (2.0 * rows * s * s / secs, spread) for s, (secs, spread) in result.items()}
+
+
+ATTENTION_HEADS = (4, 4)  # the probe's (batch, heads)
+
+
+def attention_rates(
+    lengths: tuple[int, ...], head_dims: tuple[int, ...], budget_s: float
+) -> dict[tuple[int, int], tuple[float, float, float]]:
+    """[Note: attention kernels] (forward FLOP/s, backward FLOP/s, spread) of causal fp32
+    ``scaled_dot_product_attention`` on this host's default kernel per (sequence length T, head
+    size D), FLOPs counted as `AttentionCounter` counts them (backward: twice the forward's)."""
+    fns: dict[tuple[str, int, int], Callable[[], object]] = {}
+    for t in lengths:
+        for d in head_dims:
+            q, k, v = (torch.randn(*ATTENTION_HEADS, t, d, requires_grad=True) for _ in range(3))
+            fns[("fwd", t, d)] = partial(
+                F.scaled_dot_product_attention, q.detach(), k.detach(), v.detach(), is_causal=True
+            )
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            fns[("bwd", t, d)] = partial(
+                torch.autograd.grad, out, (q, k, v), torch.ones_like(out), retain_graph=True
+            )
+    result = Rounds(fns, torch.device("cpu"), budget_s).result()
+    heads = math.prod(ATTENTION_HEADS)
+    rates: dict[tuple[int, int], tuple[float, float, float]] = {}
+    for t in lengths:
+        for d in head_dims:
+            flops = 4.0 * heads * t * t * d
+            (fwd, s_fwd), (bwd, s_bwd) = result[("fwd", t, d)], result[("bwd", t, d)]
+            rates[(t, d)] = (flops / fwd, 2.0 * flops / bwd, max(s_fwd, s_bwd))
+    return rates
+
+
+def kernel_rates(
+    gemm_sizes: tuple[int, ...],
+    lengths: tuple[int, ...],
+    head_dims: tuple[int, ...],
+    budget_s: float,
+    spread: dict[str, float],
+) -> tuple[dict[int, float], dict[tuple[int, int], tuple[float, float]]]:
+    """`polytrain calibrate`'s CPU kernel figures: (`HostProfile.gemm_by_size`,
+    `HostProfile.attention_rates`), each empty when its sizes are; their spreads go into
+    ``spread`` ([Note: timing rounds])."""
+    gemm: dict[int, float] = {}
+    attention: dict[tuple[int, int], tuple[float, float]] = {}
+    if gemm_sizes:
+        for n, (rate, spread[f"gemm fp32 {n}"]) in gemm_rates(gemm_sizes, budget_s).items():
+            gemm[n] = rate
+    if lengths and head_dims:
+        for (t, d), (fwd, bwd, spread[f"attention T{t} D{d}"]) in attention_rates(
+            lengths, head_dims, budget_s
+        ).items():
+            attention[(t, d)] = (fwd, bwd)
+    return gemm, attention
