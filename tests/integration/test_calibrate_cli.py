@@ -54,6 +54,7 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert set(profile.gemm_by_size) == {32, 128} and min(profile.gemm_by_size.values()) > 0
     assert set(profile.attention_rates) == {(16, 16), (32, 16)}
     assert all(f > 0 and b > 0 for f, b in profile.attention_rates.values())
+    assert profile.elementwise_s["aten.gelu"] > 0  # [Note: elementwise kernels]
     assert set(profile.fsdp_unit_s) == {0, 2, 3} and all(
         v >= 0 for v in profile.fsdp_unit_s.values()
     )

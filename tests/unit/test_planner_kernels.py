@@ -4,6 +4,8 @@ an accelerator and old profiles priced as before."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,12 @@ def test_cold_operand_rates_price_the_cpu_linears_in_fp32() -> None:
     )
     assert cube.matmul_rate(_block()) == pytest.approx(9e9)
     assert cold.matmul_rate(_block()) == pytest.approx(6e9)
+    # read at the block's size whatever the curve's shape (a loaded large size: slower)
+    dipped = Env(
+        parse_cluster("1x1xcpu"),
+        profile=cpu_profile(matmul_by_size=by_size, gemm_by_size={128: 6e9, 1024: 3e9}),
+    )
+    assert dipped.matmul_rate(_block()) == pytest.approx(6e9)
     assert cold.fwd_s(_block(), 1) == pytest.approx(1e9 / 6e9)
     shared = Env(
         parse_cluster("1x4xcpu"),
@@ -146,3 +154,52 @@ def test_the_probes_answer_positive_rates_for_every_shape() -> None:
     att = attention_rates((8, 16), (8,), 0.01)
     assert set(att) == {(8, 8), (16, 8)}
     assert all(f > 0 and b > 0 for f, b, _ in att.values())
+
+
+def test_the_op_counter_records_heavy_elementwise_operators_forward_and_backward() -> None:
+    from polytrain.planner.stats import OpCounter
+
+    x = torch.randn(4, 8, requires_grad=True)
+    fwd, bwd = OpCounter(), OpCounter()
+    with fwd:
+        y = F.gelu(x) * 2.0
+    with bwd:
+        y.sum().backward()
+    assert fwd.per_sample(2) == (("aten.gelu", 16.0, 2 * 32 * 4 / 2),)  # in + out bytes
+    assert dict((op, n) for op, n, _ in bwd.per_sample(1)) == {"aten.gelu_backward": 32.0}
+    assert "aten.mul" not in fwd.elementwise  # light: priced by its bytes
+
+
+def test_cpu_elementwise_operators_cost_their_elements_instead_of_their_bytes() -> None:
+    heavy = (("aten.gelu", 1e6, 8e6),)  # 1 M elements, 8 MB per sample
+    block = BlockStats(
+        "b",
+        0,
+        0,
+        0.0,
+        0.0,
+        0.0,
+        fwd_moved_bytes=10e6,
+        bwd_moved_bytes=10e6,
+        fwd_elementwise=heavy,
+        bwd_elementwise=(("aten.gelu_backward", 1e6, 12e6),),
+    )
+    prof = cpu_profile(op_s=1e-6, elementwise_s={"aten.gelu": 1e-9})  # mem_bw 10 GB/s
+    env = Env(parse_cluster("1x1xcpu"), profile=prof)
+    plain = Env(parse_cluster("1x1xcpu"), profile=cpu_profile(op_s=1e-6))
+    dispatch = block.fwd_ops * 1e-6
+    assert plain.fwd_s(block, 2) == pytest.approx(dispatch + 20e6 / 1e10)
+    assert env.fwd_s(block, 2) == pytest.approx(dispatch + 4e6 / 1e10 + 2e6 * 1e-9)
+    # an operator the profile did not time keeps its bytes
+    assert env.bwd_s(block, 2) == pytest.approx(plain.bwd_s(block, 2))
+    # an accelerator: as before
+    gpu = Env(parse_cluster("1x1xh100"), profile=replace(prof, device="H100"))
+    gpu_plain = Env(parse_cluster("1x1xh100"), profile=replace(plain.profile, device="H100"))
+    assert gpu.fwd_s(block, 2) == gpu_plain.fwd_s(block, 2)
+
+
+def test_the_elementwise_probe_times_every_named_operator() -> None:
+    from polytrain.planner.kernels import ELEMENTWISE, elementwise_seconds
+
+    seconds = elementwise_seconds(0.005, side=64)
+    assert set(seconds) == ELEMENTWISE and all(s > 0 for s, _ in seconds.values())

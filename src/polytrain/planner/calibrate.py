@@ -428,7 +428,7 @@ def calibrate(
         costs = step_costs(plan.step_shapes, device, plan.budget_s, fused=True)
         op_s = _op_seconds(device, plan.budget_s)
         tell("end of step: check, clip, optimizers; operator overhead")
-        gemm, attention = (
+        gemm, attention, elementwise = (
             kernel_rates(
                 plan.gemm_sizes,
                 plan.attention_lengths,
@@ -437,9 +437,9 @@ def calibrate(
                 spread,
             )
             if device.type == "cpu"
-            else ({}, {})
+            else ({}, {}, {})
         )
-        tell("matmul kernels: Linears on cold operands, attention")
+        tell("kernels: Linears on cold operands, attention, elementwise")
     finally:
         torch.set_num_threads(old_threads)
     matmuls.round()
@@ -523,6 +523,7 @@ def calibrate(
         spread=spread,
         gemm_by_size=gemm,
         attention_rates=attention,
+        elementwise_s=elementwise,
     )
 
 

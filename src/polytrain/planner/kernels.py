@@ -26,6 +26,15 @@ and 84 on operands taken in turn from a pool larger than the cache; the Linears 
 tiny block ran at ~80. `gemm_rates` times a Linear's forward, ``(rows x s) @ (s x s)^T`` plus a
 bias, for each weight size ``s``, with both operands rotated through a 64 MiB pool, so none
 is in cache when it is used.
+
+[Note: elementwise kernels] `OpCounter` prices a non-matmul operator by the bytes it reads and
+writes at the copy bandwidth; one thread computes a GELU (erf) far slower than it moves the
+bytes: 2.2 G elements/s here against 10 for an add, and inside a gpt tiny block GELU and its
+backward took ~1 + ~2.9 ms against ~0.2 + ~0.5 priced. `ELEMENTWISE` names the operators
+whose arithmetic per element is heavy (transcendentals, softmax); `OpCounter` records each
+one's output elements and bytes, and `elementwise_seconds` times each on 2^20 fp32 elements
+(1024 x 1024, larger than a core's L2: its bytes come from memory as in a step) for seconds
+per element, which the cost model charges instead of its bytes' time.
 """
 
 from __future__ import annotations
@@ -42,7 +51,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from polytrain.planner.timing import Rounds
 
-__all__ = ["AttentionCounter", "attention_rates", "gemm_rates", "kernel_rates"]
+__all__ = [
+    "ELEMENTWISE",
+    "AttentionCounter",
+    "attention_rates",
+    "elementwise_seconds",
+    "gemm_rates",
+    "kernel_rates",
+]
 
 
 class AttentionCounter(TorchFunctionMode):
@@ -143,10 +159,10 @@ def kernel_rates(
     head_dims: tuple[int, ...],
     budget_s: float,
     spread: dict[str, float],
-) -> tuple[dict[int, float], dict[tuple[int, int], tuple[float, float]]]:
+) -> tuple[dict[int, float], dict[tuple[int, int], tuple[float, float]], dict[str, float]]:
     """`polytrain calibrate`'s CPU kernel figures: (`HostProfile.gemm_by_size`,
-    `HostProfile.attention_rates`), each empty when its sizes are; their spreads go into
-    ``spread`` ([Note: timing rounds])."""
+    `HostProfile.attention_rates`, `HostProfile.elementwise_s`), the first two empty when their
+    sizes are; their spreads go into ``spread`` ([Note: timing rounds])."""
     gemm: dict[int, float] = {}
     attention: dict[tuple[int, int], tuple[float, float]] = {}
     if gemm_sizes:
@@ -157,4 +173,43 @@ def kernel_rates(
             lengths, head_dims, budget_s
         ).items():
             attention[(t, d)] = (fwd, bwd)
-    return gemm, attention
+    elementwise: dict[str, float] = {}
+    for op, (secs, spread[op]) in elementwise_seconds(budget_s).items():
+        elementwise[op] = secs
+    return gemm, attention, elementwise
+
+
+def _elementwise_probes(x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """One call of each `ELEMENTWISE` operator on ``x`` (rows of a softmax: its last dim)."""
+    aten = torch.ops.aten
+    g, y = torch.ones_like(x), torch.softmax(x, -1)
+    logy = torch.log_softmax(x, -1)
+    return {
+        "aten.gelu": partial(aten.gelu, x),
+        "aten.gelu_backward": partial(aten.gelu_backward, g, x),
+        "aten.silu": partial(aten.silu, x),
+        "aten.silu_backward": partial(aten.silu_backward, g, x),
+        "aten.tanh": partial(aten.tanh, x),
+        "aten.tanh_backward": partial(aten.tanh_backward, g, y),
+        "aten.sigmoid": partial(aten.sigmoid, x),
+        "aten.exp": partial(aten.exp, x),
+        "aten._softmax": partial(aten._softmax, x, -1, False),
+        "aten._softmax_backward_data": partial(
+            aten._softmax_backward_data, g, y, -1, torch.float32
+        ),
+        "aten._log_softmax": partial(aten._log_softmax, x, -1, False),
+        "aten._log_softmax_backward_data": partial(
+            aten._log_softmax_backward_data, g, logy, -1, torch.float32
+        ),
+    }
+
+
+ELEMENTWISE = frozenset(_elementwise_probes(torch.ones(1, 1)))
+
+
+def elementwise_seconds(budget_s: float, side: int = 1024) -> dict[str, tuple[float, float]]:
+    """[Note: elementwise kernels] (seconds per output element, spread) of each `ELEMENTWISE`
+    operator on a ``side`` x ``side`` fp32 tensor, interleaved in rounds."""
+    x = torch.randn(side, side)
+    result = Rounds(_elementwise_probes(x), torch.device("cpu"), budget_s).result()
+    return {op: (secs / x.numel(), spread) for op, (secs, spread) in result.items()}

@@ -78,6 +78,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "attention_rates": {
             f"{t},{d}": list(pair) for (t, d), pair in profile.attention_rates.items()
         },
+        "elementwise_s": profile.elementwise_s,
     }
 
 
@@ -123,6 +124,7 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
             _length_and_head(key): (float(pair[0]), float(pair[1]))
             for key, pair in data.get("attention_rates", {}).items()
         },
+        elementwise_s={str(k): float(v) for k, v in data.get("elementwise_s", {}).items()},
     )
 
 

@@ -37,7 +37,7 @@ from polytrain.data.datasets import Dataset, TokenDataset, build_datasets
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
-from polytrain.planner.kernels import AttentionCounter
+from polytrain.planner.kernels import ELEMENTWISE, AttentionCounter
 from polytrain.planner.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.planner.types import BlockStats, ModelStats
 
@@ -77,22 +77,29 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.moved = 0.0
+        # [Note: elementwise kernels] in planner/kernels.py: op -> [output elements, bytes]
+        self.elementwise: dict[str, list[float]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        if str(func.overloadpacket) not in _MATMULS and not func.is_view:
+        name = str(func.overloadpacket)
+        if name not in _MATMULS and not func.is_view:
+            outs = out if isinstance(out, tuple | list) else (out,)
             tensors = [
-                t
-                for t in (
-                    *args,
-                    *(kwargs or {}).values(),
-                    *(out if isinstance(out, tuple | list) else (out,)),
-                )
-                if isinstance(t, torch.Tensor)
+                t for t in (*args, *(kwargs or {}).values(), *outs) if isinstance(t, torch.Tensor)
             ]
-            self.moved += sum(t.numel() * t.element_size() for t in tensors)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.moved += nbytes
+            if name in ELEMENTWISE and isinstance(outs[0], torch.Tensor):
+                entry = self.elementwise.setdefault(name, [0.0, 0.0])
+                entry[0] += outs[0].numel()
+                entry[1] += nbytes
         return out
+
+    def per_sample(self, batch: int) -> tuple[tuple[str, float, float], ...]:
+        """`elementwise` as (op, output elements, bytes) per sample."""
+        return tuple((op, n / batch, b / batch) for op, (n, b) in sorted(self.elementwise.items()))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -292,6 +299,8 @@ def stats_of(
                 tp_modules=planned.modules() if tp_styles is not None else None,
                 attention=tuple((t, s, d, fl / batch) for t, s, d, fl in attention.calls),
                 attention_counted=attention.counted / batch,
+                fwd_elementwise=fwd_ops.per_sample(batch),
+                bwd_elementwise=bwd_ops.per_sample(batch),
             )
         )
         h = y.detach()

@@ -95,6 +95,11 @@ class BlockStats:
     # CPU's fused kernel: none). () = unknown: priced inside fwd_flops as before.
     attention: tuple[tuple[int, int, int, float], ...] = ()
     attention_counted: float = 0.0  # per sample
+    # [Note: elementwise kernels] in planner/kernels.py: of the moved bytes, the operators whose
+    # arithmetic per element is heavy (GELU, softmax, ...) as (op, output elements, bytes) per
+    # sample, forward and backward; () = unknown (priced by their bytes alone)
+    fwd_elementwise: tuple[tuple[str, float, float], ...] = ()
+    bwd_elementwise: tuple[tuple[str, float, float], ...] = ()
 
     def tp_applied(self, tp: int) -> tuple[TPModule, ...]:
         """The `tp_modules` the plan parallelizes at degree ``tp`` (none at tp = 1)."""
@@ -238,6 +243,9 @@ class HostProfile:
     # backward) fp32 FLOP/s of causal scaled-dot-product attention, one process alone;
     # {} = unknown (attention priced at the matmul rate)
     attention_rates: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    # [Note: elementwise kernels] in planner/kernels.py: ATen operator ("aten.gelu") -> fp32
+    # seconds per output element, one process alone; {} = unknown (priced by bytes moved)
+    elementwise_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

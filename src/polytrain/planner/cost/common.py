@@ -179,8 +179,8 @@ class Env:
         by_size = prof.matmul_by_size.get(self.dtype) if prof is not None else None
         cpu = self.cluster.device.key == "cpu"
         if cpu and prof is not None and prof.gemm_by_size and self.dtype == "fp32":
-            rate, by_size = max(prof.gemm_by_size.values()), prof.gemm_by_size
-            rate /= self.cpu_slowdown
+            by_size = prof.gemm_by_size
+            rate = by_size[max(by_size)] / self.cpu_slowdown  # the largest size's, as above
         if not by_size or not block.linears or (not cpu and rows <= 0):
             return rate
         weights = [fi * fo for fi, fo in block.linears]
@@ -200,8 +200,10 @@ class Env:
             return block.fwd_s * samples * self.cpu_slowdown / tp
         rate = self.matmul_rate(block, samples * block.rows_per_sample / tp)
         flops, attention = self._attention(block, samples / tp, 0, rate)
-        matmul = flops * samples / rate / tp + attention
-        return self._compute_s(matmul, block.fwd_ops, block.fwd_moved_bytes * samples / tp)
+        kept, heavy = self._elementwise(block.fwd_elementwise, samples / tp)
+        matmul = flops * samples / rate / tp + attention + heavy
+        moved = block.fwd_moved_bytes * samples / tp - kept
+        return self._compute_s(matmul, block.fwd_ops, moved)
 
     def bwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
         """Backward = input and weight gradients = 2x the forward FLOPs (measured when known),
@@ -210,8 +212,31 @@ class Env:
             return block.bwd_s * samples * self.cpu_slowdown / tp
         rate = self.matmul_rate(block, samples * block.rows_per_sample / tp)
         flops, attention = self._attention(block, samples / tp, 1, rate)
-        matmul = 2.0 * flops * samples / rate / tp + attention
-        return self._compute_s(matmul, block.bwd_ops, block.bwd_moved_bytes * samples / tp)
+        kept, heavy = self._elementwise(block.bwd_elementwise, samples / tp)
+        matmul = 2.0 * flops * samples / rate / tp + attention + heavy
+        moved = block.bwd_moved_bytes * samples / tp - kept
+        return self._compute_s(matmul, block.bwd_ops, moved)
+
+    def _elementwise(
+        self, counted: tuple[tuple[str, float, float], ...], samples: float
+    ) -> tuple[float, float]:
+        """[Note: elementwise kernels] (bytes moved to take out of the memory term, seconds
+        instead) of the heavy elementwise operators ``counted`` over ``samples`` samples: on a
+        CPU host each operator the profile calibrated costs its output elements x its seconds
+        per element (slowed by shared cores), in place of its bytes at ``mem_bw``; the rest,
+        an accelerator and a profile without them: (0, 0), the bytes as before."""
+        prof = self.profile
+        if prof is None or not prof.elementwise_s or self.cluster.device.key != "cpu":
+            return 0.0, 0.0
+        if self.dtype != "fp32" or prof.op_s <= 0:
+            return 0.0, 0.0
+        nbytes = seconds = 0.0
+        for op, elements, moved in counted:
+            per = prof.elementwise_s.get(op)
+            if per is not None:
+                nbytes += moved * samples
+                seconds += elements * samples * per * self.cpu_slowdown
+        return nbytes, seconds
 
     def _attention(
         self, block: BlockStats, samples: float, direction: int, rate: float
