@@ -62,6 +62,9 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert profile.loop_step_s >= 0 and profile.loop_microbatch_s >= 0
     assert {"matmul fp32 256", "memory bandwidth", "training loop"} <= set(profile.spread)
     assert all(v >= 0 for v in profile.spread.values())
+    assert (
+        "aten.gelu" in first.stdout and "Linear" in first.stdout
+    )  # the kernels' rows (one word each)
     assert "spread" in first.stdout  # (one word: rich wraps the table at spaces)
     assert json.loads(path.read_text())["identity"]["torch"]
     stamp = path.stat().st_mtime_ns
