@@ -56,6 +56,20 @@ def test_the_counter_records_each_attention_call_and_what_the_flop_counter_saw()
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_an_attention_call_counts_as_one_operator_moving_nothing_on_any_device(device: str) -> None:
+    from polytrain.planner.stats import OpCounter
+
+    q = torch.randn(2, 4, 16, 8, device=device)
+    ops = OpCounter()
+    with ops, AttentionCounter(None, ops):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert (ops.ops, ops.moved, ops.elementwise) == (1, 0.0, {})
+    with ops, AttentionCounter(None, ops):
+        torch.softmax(q, -1)  # not attention: counted as it runs
+    assert ops.ops == 2 and ops.moved > 0 and "aten._softmax" in ops.elementwise
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_model_stats_count_gpt_attention_alike_on_meta_and_cpu(device: str) -> None:
     job = JobConfig(model=ModelConfig(name="gpt", n_layer=1, n_embd=32, n_head=2, block_size=16))
     stats = model_stats(job, device=device)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -61,14 +61,26 @@ __all__ = [
 ]
 
 
+class Operators(Protocol):
+    """What `AttentionCounter` resets of `planner.stats.OpCounter`."""
+
+    ops: int
+    moved: float
+    elementwise: dict[str, list[float]]
+
+
 class AttentionCounter(TorchFunctionMode):
     """[Note: attention kernels] Records each ``F.scaled_dot_product_attention`` call under it:
     ``calls`` holds (T, S, D, forward FLOPs) of the whole call (all samples and heads), and
-    ``counted`` the FLOPs ``flops`` (the block's `FlopCounterMode`, if any) counted inside it."""
+    ``counted`` the FLOPs ``flops`` (the block's `FlopCounterMode`, if any) counted inside it.
+    ``ops`` (the block's forward `OpCounter`, if any) counts each call as the one fused
+    operator it is on a CPU host whatever the device: the meta device's math path (scale, mask,
+    softmax, views) would add operator calls and bytes the attention rate already includes."""
 
-    def __init__(self, flops: FlopCounterMode | None = None) -> None:
+    def __init__(self, flops: FlopCounterMode | None = None, ops: Operators | None = None) -> None:
         super().__init__()
         self.flops = flops
+        self.ops = ops
         self.calls: list[tuple[int, int, int, float]] = []
         self.counted = 0.0
 
@@ -77,8 +89,14 @@ class AttentionCounter(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         before = self.flops.get_total_flops() if self.flops is not None else 0
+        kept = None
+        if self.ops is not None:
+            elementwise = {op: list(pair) for op, pair in self.ops.elementwise.items()}
+            kept = (self.ops.ops, self.ops.moved, elementwise)
         out = func(*args, **kwargs)
         after = self.flops.get_total_flops() if self.flops is not None else 0
+        if self.ops is not None and kept is not None:
+            self.ops.ops, self.ops.moved, self.ops.elementwise = kept[0] + 1, kept[1], kept[2]
         q, k = args[0], args[1]
         t, d, s = q.shape[-2], q.shape[-1], k.shape[-2]
         heads = math.prod(q.shape[:-2])  # batch x heads

@@ -265,7 +265,7 @@ def stats_of(
         fwd_ops, bwd_ops = OpCounter(), OpCounter()
         try:
             with _counting(exclude, split) as (flops, saved), fwd_ops:
-                with AttentionCounter(flops) as attention:
+                with AttentionCounter(flops, fwd_ops) as attention:
                     y = block(h)
                 result = model.loss(y, targets) if index == last else y
         finally:
