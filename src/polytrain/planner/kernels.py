@@ -1,4 +1,5 @@
-"""The matmul kernels a CPU block runs, counted in the model and timed on this host (torch-facing).
+"""The kernels of a CPU block the FLOP count misprices, counted in the model and timed on this
+host (torch-facing): attention, Linears on operands out of cache, heavy elementwise operators.
 
 [Note: attention kernels] On a CPU host ``F.scaled_dot_product_attention`` runs one fused
 kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) that torch's
@@ -12,11 +13,11 @@ ms forward and 3.8 ms backward of the block's ~42 ms, ~36 GFLOP/s against the Li
 (T, S, D, forward FLOPs per sample), the FLOPs by the usual count 4 H T S D (QK^T and PV, the
 causal mask not halved), and which of the block's FLOPs `FlopCounterMode` already counted
 inside it (meta: the math path's bmm's; CPU: none). `attention_rates` times the fused kernel
-forward and backward, causal, on a grid of sequence lengths T and head sizes D (4 x 4 heads; the
-default plan T, D in 32 and 128: the kernel's rate grows with both, 35 -> 69 GFLOP/s forward from
-(32, 32) to (128, 128) here), counting
-FLOPs the same way (backward: 2x forward); the cost model prices each recorded call at the rate
-for its (T, D), interpolated in log-log ([Note: attention kernels] in planner/cost/common.py).
+forward and backward, causal, on a grid of sequence lengths T and head sizes D (4 x 4 heads;
+the default plan: T and D in 32 and 128; the kernel's rate grows with both, 36 -> 70 GFLOP/s
+forward from (32, 32) to (128, 128) here), counting FLOPs the same way (backward: twice the
+forward's). The cost model prices each recorded call at the rate of its (T, D), bilinear in
+log-log over the grid (`Env._attention`, `grid_rate` in planner/cost/common.py).
 
 [Note: cold operands] `polytrain calibrate`'s square matmuls multiply the same two matrices
 call after call, which then sit in the core's cache; in a training step every matmul reads an
