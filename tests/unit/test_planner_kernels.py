@@ -217,3 +217,16 @@ def test_the_elementwise_probe_times_every_named_operator() -> None:
 
     seconds = elementwise_seconds(0.005, side=64)
     assert set(seconds) == ELEMENTWISE and all(s > 0 for s, _ in seconds.values())
+
+
+def test_each_elementwise_probe_runs_the_operator_it_is_named_for() -> None:
+    """The names `OpCounter` matches are the operators the probes time (the softmax family
+    reached through its public functions)."""
+    from polytrain.planner.kernels import _elementwise_probes
+    from polytrain.planner.stats import OpCounter
+
+    for name, probe in _elementwise_probes(torch.randn(8, 8)).items():
+        counter = OpCounter()
+        with counter:
+            probe()
+        assert name in counter.elementwise, name

@@ -199,10 +199,13 @@ def kernel_rates(
 
 
 def _elementwise_probes(x: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """One call of each `ELEMENTWISE` operator on ``x`` (rows of a softmax: its last dim)."""
+    """One call of each `ELEMENTWISE` operator on ``x`` (rows of a softmax: its last dim). The
+    softmax family's operators have private names: they are reached through the public
+    functions that dispatch them (their backward through autograd, one node)."""
     aten = torch.ops.aten
     g, y = torch.ones_like(x), torch.softmax(x, -1)
-    logy = torch.log_softmax(x, -1)
+    leaf = x.detach().requires_grad_(True)
+    soft, logsoft = torch.softmax(leaf, -1), torch.log_softmax(leaf, -1)
     return {
         "aten.gelu": partial(aten.gelu, x),
         "aten.gelu_backward": partial(aten.gelu_backward, g, x),
@@ -212,13 +215,13 @@ def _elementwise_probes(x: torch.Tensor) -> dict[str, Callable[[], object]]:
         "aten.tanh_backward": partial(aten.tanh_backward, g, y),
         "aten.sigmoid": partial(aten.sigmoid, x),
         "aten.exp": partial(aten.exp, x),
-        "aten._softmax": partial(aten._softmax, x, -1, False),
+        "aten._softmax": partial(torch.softmax, x, -1),
         "aten._softmax_backward_data": partial(
-            aten._softmax_backward_data, g, y, -1, torch.float32
+            torch.autograd.grad, soft, leaf, g, retain_graph=True
         ),
-        "aten._log_softmax": partial(aten._log_softmax, x, -1, False),
+        "aten._log_softmax": partial(torch.log_softmax, x, -1),
         "aten._log_softmax_backward_data": partial(
-            aten._log_softmax_backward_data, g, logy, -1, torch.float32
+            torch.autograd.grad, logsoft, leaf, g, retain_graph=True
         ),
     }
 
