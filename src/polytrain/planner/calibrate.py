@@ -54,7 +54,7 @@ from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.parallel.family import build_spmd
 from polytrain.planner.host import host_identity, saved_profile
-from polytrain.planner.kernels import kernel_rates
+from polytrain.planner.kernels import OpCounter, kernel_rates
 from polytrain.planner.probes import rank_dtensor_step_costs, rank_tp_module_s, step_costs
 from polytrain.planner.profile_io import (
     cache_dir,
@@ -63,7 +63,6 @@ from polytrain.planner.profile_io import (
     profile_path,
     save_profile,
 )
-from polytrain.planner.stats import OpCounter
 from polytrain.planner.timing import Rounds, median_and_spread, timed, timed_rounds
 from polytrain.planner.types import Curve, HostProfile
 from polytrain.testing.harness import run_distributed
@@ -177,7 +176,7 @@ def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, 
 def _op_seconds(device: torch.device, budget_s: float) -> float:
     """[Note: non-matmul time] Seconds per ATen operator call where the data is negligible: a
     forward and backward through 64 multiply-adds of 16 values, divided by the operator calls
-    `planner.stats.OpCounter` counts in it (the same counter the model statistics use)."""
+    `planner.kernels.OpCounter` counts in it (the same counter the model statistics use)."""
     x = torch.ones(16, device=device, requires_grad=True)
 
     def chain() -> None:

@@ -50,11 +50,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from polytrain._torch_private import TorchDispatchMode
 from polytrain.planner.timing import Rounds
 
 __all__ = [
     "ELEMENTWISE",
     "AttentionCounter",
+    "OpCounter",
     "attention_rates",
     "elementwise_seconds",
     "gemm_rates",
@@ -63,7 +65,7 @@ __all__ = [
 
 
 class Operators(Protocol):
-    """What `AttentionCounter` resets of `planner.stats.OpCounter`."""
+    """What `AttentionCounter` resets of an `OpCounter`."""
 
     ops: int
     moved: float
@@ -227,6 +229,58 @@ def _elementwise_probes(x: torch.Tensor) -> dict[str, Callable[[], object]]:
 
 
 ELEMENTWISE = frozenset(_elementwise_probes(torch.ones(1, 1)))
+
+
+_MATMULS = {
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten.convolution_backward",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_efficient_attention_backward",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_backward",
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """[Note: non-matmul time] Counts every ATen operator call under it and the bytes the
+    non-matmul, non-view ones read and write (tensor inputs + outputs). The cost model prices
+    matmuls by FLOPs at the calibrated matmul rate; the rest of a block's time is operators that
+    move memory (layer norms, activations, softmax, the loss) and the per-call dispatch overhead
+    of every operator, which dominates on small models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.moved = 0.0
+        # [Note: elementwise kernels] in planner/kernels.py: op -> [output elements, bytes]
+        self.elementwise: dict[str, list[float]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        name = str(func.overloadpacket)
+        if name not in _MATMULS and not func.is_view:
+            outs = out if isinstance(out, tuple | list) else (out,)
+            tensors = [
+                t for t in (*args, *(kwargs or {}).values(), *outs) if isinstance(t, torch.Tensor)
+            ]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.moved += nbytes
+            if name in ELEMENTWISE and isinstance(outs[0], torch.Tensor):
+                entry = self.elementwise.setdefault(name, [0.0, 0.0])
+                entry[0] += outs[0].numel()
+                entry[1] += nbytes
+        return out
+
+    def per_sample(self, batch: int) -> tuple[tuple[str, float, float], ...]:
+        """`elementwise` as (op, output elements, bytes) per sample."""
+        return tuple((op, n / batch, b / batch) for op, (n, b) in sorted(self.elementwise.items()))
 
 
 def elementwise_seconds(budget_s: float, side: int = 1024) -> dict[str, tuple[float, float]]:

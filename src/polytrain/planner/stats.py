@@ -37,7 +37,7 @@ from polytrain.data.datasets import Dataset, TokenDataset, build_datasets
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
-from polytrain.planner.kernels import ELEMENTWISE, AttentionCounter
+from polytrain.planner.kernels import AttentionCounter, OpCounter
 from polytrain.planner.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.planner.types import BlockStats, ModelStats
 
@@ -49,57 +49,6 @@ __all__ = [
     "optimizer_state_per_param",
     "stats_of",
 ]
-
-_MATMULS = {
-    "aten.mm",
-    "aten.addmm",
-    "aten.bmm",
-    "aten.baddbmm",
-    "aten.convolution",
-    "aten.convolution_backward",
-    "aten._scaled_dot_product_flash_attention_for_cpu",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
-    "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_efficient_attention_backward",
-    "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_flash_attention_backward",
-}
-
-
-class OpCounter(TorchDispatchMode):
-    """[Note: non-matmul time] Counts every ATen operator call under it and the bytes the
-    non-matmul, non-view ones read and write (tensor inputs + outputs). The cost model prices
-    matmuls by FLOPs at the calibrated matmul rate; the rest of a block's time is operators that
-    move memory (layer norms, activations, softmax, the loss) and the per-call dispatch overhead
-    of every operator, which dominates on small models."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-        self.moved = 0.0
-        # [Note: elementwise kernels] in planner/kernels.py: op -> [output elements, bytes]
-        self.elementwise: dict[str, list[float]] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        name = str(func.overloadpacket)
-        if name not in _MATMULS and not func.is_view:
-            outs = out if isinstance(out, tuple | list) else (out,)
-            tensors = [
-                t for t in (*args, *(kwargs or {}).values(), *outs) if isinstance(t, torch.Tensor)
-            ]
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            self.moved += nbytes
-            if name in ELEMENTWISE and isinstance(outs[0], torch.Tensor):
-                entry = self.elementwise.setdefault(name, [0.0, 0.0])
-                entry[0] += outs[0].numel()
-                entry[1] += nbytes
-        return out
-
-    def per_sample(self, batch: int) -> tuple[tuple[str, float, float], ...]:
-        """`elementwise` as (op, output elements, bytes) per sample."""
-        return tuple((op, n / batch, b / batch) for op, (n, b) in sorted(self.elementwise.items()))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
