@@ -51,6 +51,11 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert all(a >= 0 and b >= 0 for a, b in profile.step_costs.values())
     assert any(a > 0 or b > 0 for a, b in profile.step_costs.values())
     assert profile.op_s > 0
+    # [Note: cold operands], [Note: attention kernels] in planner/kernels.py
+    assert set(profile.gemm_by_size) == {32, 128} and min(profile.gemm_by_size.values()) > 0
+    assert set(profile.attention_rates) == {(16, 16), (32, 16)}
+    assert all(f > 0 and b > 0 for f, b in profile.attention_rates.values())
+    assert profile.elementwise_s["aten.gelu"] > 0  # [Note: elementwise kernels]
     assert set(profile.fsdp_unit_s) == {0, 2, 3} and all(
         v >= 0 for v in profile.fsdp_unit_s.values()
     )
@@ -65,6 +70,9 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert "parameter server" in first.stdout
     assert {"matmul fp32 256", "memory bandwidth", "training loop"} <= set(profile.spread)
     assert all(v >= 0 for v in profile.spread.values())
+    assert (
+        "aten.gelu" in first.stdout and "Linear" in first.stdout
+    )  # the kernels' rows (one word each)
     assert "spread" in first.stdout  # (one word: rich wraps the table at spaces)
     assert json.loads(path.read_text())["identity"]["torch"]
     stamp = path.stat().st_mtime_ns

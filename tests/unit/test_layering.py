@@ -33,6 +33,7 @@ PURE_EXEMPT = {
     "planner/probes.py",
     "planner/timing.py",
     "planner/host.py",
+    "planner/kernels.py",
 }
 # The only places that call c10d directly.
 C10D_ALLOWED = ["comm", "launch", "testing", "_torch_private.py"]  # the last: torch private APIs

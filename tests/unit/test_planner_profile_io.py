@@ -38,6 +38,9 @@ def _profile() -> HostProfile:
         loop_microbatch_s=2e-4,
         ps_exchange_s={"sync": {1: 2e-3, 2: 8e-3}, "async": {1: 3e-3}},
         spread={"matmul fp32 512": 0.04, "training loop": 0.1},
+        gemm_by_size={32: 6e10, 512: 9e10},
+        attention_rates={(32, 32): (3.6e10, 2.9e10), (128, 32): (5.7e10, 5.1e10)},
+        elementwise_s={"aten.gelu": 5e-10},
     )
 
 
@@ -76,10 +79,13 @@ def test_a_profile_saved_before_step_costs_loads_without_them(tmp_path: Path) ->
     del data["step_costs"], data["op_s"], data["fsdp_unit_s"]  # as written before them
     del data["loop_step_s"], data["loop_microbatch_s"], data["spread"], data["tp_module_s"]
     del data["ps_exchange_s"]
+    del data["gemm_by_size"], data["attention_rates"], data["elementwise_s"]
     path.write_text(json.dumps(data))
     old = load_profile(path)
     assert old.tp_module_s == 0.0  # [Note: DTensor module overhead] unpriced
     assert old.step_costs == {} and old.op_s == 0.0 and old.fsdp_unit_s == {}
     assert old.loop_step_s == old.loop_microbatch_s == 0.0 and old.spread == {}
     assert old.ps_exchange_s == {}
+    assert old.gemm_by_size == {} and old.attention_rates == {}  # [Note: attention kernels]
+    assert old.elementwise_s == {}  # [Note: elementwise kernels]
     assert old.matmul_concurrent == _profile().matmul_concurrent

@@ -30,3 +30,17 @@ def test_mlp_parameter_counts_per_block() -> None:
     stats = mlp_stats(**dims, vocab_size=65)
     real = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     assert [b.params for b in stats.blocks] == real
+
+
+def test_gpt_attention_calls_match_the_counted_ones() -> None:
+    """[Note: attention kernels]: the analytic stats record the same attention call (T, S, D,
+    FLOPs per sample) and the same FLOPs inside it as `planner.stats` counts on meta."""
+    from polytrain.config.job import JobConfig, ModelConfig
+    from polytrain.planner.stats import model_stats
+
+    dims = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 16}
+    counted = model_stats(JobConfig(model=ModelConfig(name="gpt", **dims)), device="meta")
+    (block,) = [b for b in counted.blocks if b.attention]
+    pure = gpt_stats(**dims, vocab_size=65).blocks[1]
+    assert pure.attention == block.attention
+    assert pure.attention_counted == pytest.approx(block.attention_counted)

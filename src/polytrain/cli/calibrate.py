@@ -61,6 +61,18 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
         )
     if profile.op_s > 0:
         table.add_row("operator call (dispatch)", f"{profile.op_s * 1e6:.1f} us")
+    for n, flops in sorted(profile.gemm_by_size.items()):  # [Note: cold operands]
+        where = _spread(profile, f"gemm fp32 {n}")
+        what = f"Linear {n} -> {n}, 4096 rows, cold operands"
+        table.add_row(what, f"{flops / 1e9:.1f} GFLOP/s{where}")
+    for (t, d), (fwd, bwd) in sorted(profile.attention_rates.items()):  # [Note: attention kernels]
+        where = _spread(profile, f"attention T{t} D{d}")
+        table.add_row(
+            f"attention T {t}, head {d}",
+            f"{fwd / 1e9:.1f} GFLOP/s forward, {bwd / 1e9:.1f} backward{where}",
+        )
+    for op, secs in sorted(profile.elementwise_s.items()):  # [Note: elementwise kernels]
+        table.add_row(op, f"{1 / secs / 1e9:.2f} G elements/s{_spread(profile, op)}")
     for stage, secs in sorted(profile.fsdp_unit_s.items()):
         what = f"zero {stage}" if stage else "replicate"
         table.add_row(f"FSDP2 hooks, {what}", f"{secs * 1e6:.0f} us per wrapped module")

@@ -55,6 +55,7 @@ from polytrain.observe.metrics import peak_memory_mb
 from polytrain.parallel.family import build_spmd
 from polytrain.planner.calibrate_wire import PS_PROBE_WORKERS, posted_p2p_curve, ps_exchange
 from polytrain.planner.host import host_identity, saved_profile
+from polytrain.planner.kernels import OpCounter, kernel_rates
 from polytrain.planner.probes import rank_dtensor_step_costs, rank_tp_module_s, step_costs
 from polytrain.planner.profile_io import (
     cache_dir,
@@ -63,7 +64,6 @@ from polytrain.planner.profile_io import (
     profile_path,
     save_profile,
 )
-from polytrain.planner.stats import OpCounter
 from polytrain.planner.timing import Rounds, median_and_spread, timed, timed_rounds
 from polytrain.planner.types import Curve, HostProfile
 from polytrain.testing.harness import run_distributed
@@ -97,10 +97,21 @@ class CalibrationPlan:
     # workers at one server of the parameter-server probe ([Note: parameter-server exchange])
     ps_workers: tuple[int, ...] = PS_PROBE_WORKERS
     ps_rounds: int = 3  # launches of each (mode, workers); the figure is their median
+    # a CPU host's kernels in a block: Linear weight sizes on cold operands ([Note: cold
+    # operands] in planner/kernels.py), attention's sequence lengths x head sizes ([Note:
+    # attention kernels]); () skips them (an accelerator host)
+    gemm_sizes: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    attention_lengths: tuple[int, ...] = (32, 128)
+    attention_heads: tuple[int, ...] = (32, 128)
+    kernel_budget_s: float = 0.1  # per kernel shape
 
     @staticmethod
     def quick() -> CalibrationPlan:
         return CalibrationPlan(
+            gemm_sizes=(32, 128),
+            attention_lengths=(16, 32),
+            attention_heads=(16,),
+            kernel_budget_s=0.02,
             step_shapes=((64, 64), (4, 16384)),
             matmul_sizes=(64, 128, 256),
             copy_bytes=8 * 2**20,
@@ -122,6 +133,8 @@ class CalibrationPlan:
             copy_bytes=2**30,
             world_sizes=(),
             step_shapes=((256, 64), (64, 4096), (4, 1 << 22)),
+            gemm_sizes=(),
+            attention_lengths=(),
         )
 
     @staticmethod
@@ -174,7 +187,7 @@ def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, 
 def _op_seconds(device: torch.device, budget_s: float) -> float:
     """[Note: non-matmul time] Seconds per ATen operator call where the data is negligible: a
     forward and backward through 64 multiply-adds of 16 values, divided by the operator calls
-    `planner.stats.OpCounter` counts in it (the same counter the model statistics use)."""
+    `planner.kernels.OpCounter` counts in it (the same counter the model statistics use)."""
     x = torch.ones(16, device=device, requires_grad=True)
 
     def chain() -> None:
@@ -426,6 +439,18 @@ def calibrate(
         costs = step_costs(plan.step_shapes, device, plan.budget_s, fused=True)
         op_s = _op_seconds(device, plan.budget_s)
         tell("end of step: check, clip, optimizers; operator overhead")
+        gemm, attention, elementwise = (
+            kernel_rates(
+                plan.gemm_sizes,
+                plan.attention_lengths,
+                plan.attention_heads,
+                plan.kernel_budget_s,
+                spread,
+            )
+            if device.type == "cpu"
+            else ({}, {}, {})
+        )
+        tell("kernels: Linears on cold operands, attention, elementwise")
     finally:
         torch.set_num_threads(old_threads)
     matmuls.round()
@@ -516,13 +541,16 @@ def calibrate(
         loop_microbatch_s=loop_micro_s,
         ps_exchange_s=ps_exchange_s,
         spread=spread,
+        gemm_by_size=gemm,
+        attention_rates=attention,
+        elementwise_s=elementwise,
     )
 
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
     wire = 1 if 2 in plan.world_sizes and not torch.cuda.is_available() else 0
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 6 + len(plan.world_sizes) + wire
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 7 + len(plan.world_sizes) + wire
 
 
 def cached_profile(

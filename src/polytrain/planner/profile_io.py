@@ -78,6 +78,11 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
             for mode, by_n in profile.ps_exchange_s.items()
         },
         "spread": profile.spread,
+        "gemm_by_size": {str(n): v for n, v in profile.gemm_by_size.items()},
+        "attention_rates": {
+            f"{t},{d}": list(pair) for (t, d), pair in profile.attention_rates.items()
+        },
+        "elementwise_s": profile.elementwise_s,
     }
 
 
@@ -122,7 +127,19 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
             for mode, by_n in data.get("ps_exchange_s", {}).items()
         },
         spread={str(k): float(v) for k, v in data.get("spread", {}).items()},
+        # older profiles: Linears at the square-matmul rates, attention at the matmul rate
+        gemm_by_size={int(n): float(v) for n, v in data.get("gemm_by_size", {}).items()},
+        attention_rates={
+            _length_and_head(key): (float(pair[0]), float(pair[1]))
+            for key, pair in data.get("attention_rates", {}).items()
+        },
+        elementwise_s={str(k): float(v) for k, v in data.get("elementwise_s", {}).items()},
     )
+
+
+def _length_and_head(key: str) -> tuple[int, int]:
+    t, d = key.split(",")
+    return int(t), int(d)
 
 
 def save_profile(profile: HostProfile, path: Path, identity: dict[str, str] | None = None) -> Path:

@@ -37,6 +37,7 @@ from polytrain.data.datasets import Dataset, TokenDataset, build_datasets
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
+from polytrain.planner.kernels import AttentionCounter, OpCounter
 from polytrain.planner.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.planner.types import BlockStats, ModelStats
 
@@ -48,50 +49,6 @@ __all__ = [
     "optimizer_state_per_param",
     "stats_of",
 ]
-
-_MATMULS = {
-    "aten.mm",
-    "aten.addmm",
-    "aten.bmm",
-    "aten.baddbmm",
-    "aten.convolution",
-    "aten.convolution_backward",
-    "aten._scaled_dot_product_flash_attention_for_cpu",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
-    "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_efficient_attention_backward",
-    "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_flash_attention_backward",
-}
-
-
-class OpCounter(TorchDispatchMode):
-    """[Note: non-matmul time] Counts every ATen operator call under it and the bytes the
-    non-matmul, non-view ones read and write (tensor inputs + outputs). The cost model prices
-    matmuls by FLOPs at the calibrated matmul rate; the rest of a block's time is operators that
-    move memory (layer norms, activations, softmax, the loss) and the per-call dispatch overhead
-    of every operator, which dominates on small models."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-        self.moved = 0.0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        if str(func.overloadpacket) not in _MATMULS and not func.is_view:
-            tensors = [
-                t
-                for t in (
-                    *args,
-                    *(kwargs or {}).values(),
-                    *(out if isinstance(out, tuple | list) else (out,)),
-                )
-                if isinstance(t, torch.Tensor)
-            ]
-            self.moved += sum(t.numel() * t.element_size() for t in tensors)
-        return out
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -257,7 +214,8 @@ def stats_of(
         fwd_ops, bwd_ops = OpCounter(), OpCounter()
         try:
             with _counting(exclude, split) as (flops, saved), fwd_ops:
-                y = block(h)
+                with AttentionCounter(flops, fwd_ops) as attention:
+                    y = block(h)
                 result = model.loss(y, targets) if index == last else y
         finally:
             linears.close()
@@ -288,6 +246,10 @@ def stats_of(
                 tp_shards=shards[index] if shards else (),
                 saved_whole_bytes=(saved.bytes - saved.split_bytes) / batch if split else 0.0,
                 tp_modules=planned.modules() if tp_styles is not None else None,
+                attention=tuple((t, s, d, fl / batch) for t, s, d, fl in attention.calls),
+                attention_counted=attention.counted / batch,
+                fwd_elementwise=fwd_ops.per_sample(batch),
+                bwd_elementwise=bwd_ops.per_sample(batch),
             )
         )
         h = y.detach()

@@ -61,6 +61,9 @@ def transformer_stats(
                 params=layer_params,
                 param_bytes=layer_params * param_bytes,
                 fwd_flops=24.0 * T * C * C + 4.0 * T * T * C,
+                # [Note: attention kernels]: one causal self-attention call, counted in full
+                attention=((T, T, C // n_head, 4.0 * T * T * C),),
+                attention_counted=4.0 * T * T * C,
                 saved_bytes=saved,
                 # eq. 2 (tensor parallel, no sequence parallelism): the 10 T C bytes of layer
                 # norm and dropout inputs stay whole ([Note: tensor-parallel activations])

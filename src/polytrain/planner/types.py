@@ -89,6 +89,17 @@ class BlockStats:
     # as (style, divisor: it applies at degree tp iff tp divides it, its parameter tensors, its
     # input's and its output's bytes per sample, unsplit). None = unknown: the old estimate.
     tp_modules: tuple[TPModule, ...] | None = None
+    # [Note: attention kernels] in planner/kernels.py: each scaled-dot-product attention call
+    # of one forward as (T, S, D, forward FLOPs per sample, 4 H T S D), and how many of
+    # fwd_flops `FlopCounterMode` counted inside those calls (meta: the math path's bmm's;
+    # CPU's fused kernel: none). () = unknown: priced inside fwd_flops as before.
+    attention: tuple[tuple[int, int, int, float], ...] = ()
+    attention_counted: float = 0.0  # per sample
+    # [Note: elementwise kernels] in planner/kernels.py: of the moved bytes, the operators whose
+    # arithmetic per element is heavy (GELU, softmax, ...) as (op, output elements, bytes) per
+    # sample, forward and backward; () = unknown (priced by their bytes alone)
+    fwd_elementwise: tuple[tuple[str, float, float], ...] = ()
+    bwd_elementwise: tuple[tuple[str, float, float], ...] = ()
 
     def tp_applied(self, tp: int) -> tuple[TPModule, ...]:
         """The `tp_modules` the plan parallelizes at degree ``tp`` (none at tp = 1)."""
@@ -228,6 +239,17 @@ class HostProfile:
     # [Note: timing rounds] in planner/timing.py: measured figure ("matmul fp32 1024",
     # "memory bandwidth", "training loop") -> interquartile range / median of its rounds
     spread: dict[str, float] = field(default_factory=dict)
+    # [Note: cold operands] in planner/kernels.py: weight size s -> fp32 FLOP/s of a Linear's
+    # forward (rows x s) @ (s x s) on operands not in cache, one process alone; {} = unknown
+    # (the square matmuls of `matmul_by_size` price the Linears, as before)
+    gemm_by_size: dict[int, float] = field(default_factory=dict)
+    # [Note: attention kernels] in planner/kernels.py: (sequence length, head size) -> (forward,
+    # backward) fp32 FLOP/s of causal scaled-dot-product attention, one process alone;
+    # {} = unknown (attention priced at the matmul rate)
+    attention_rates: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    # [Note: elementwise kernels] in planner/kernels.py: ATen operator ("aten.gelu") -> fp32
+    # seconds per output element, one process alone; {} = unknown (priced by bytes moved)
+    elementwise_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from polytrain.planner.catalog import Link
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.types import BlockStats, HostProfile
 
-__all__ = ["Env", "concurrent_rate", "ring_factor", "size_rate"]
+__all__ = ["Env", "concurrent_rate", "grid_rate", "ring_factor", "size_rate"]
 
 
 def size_rate(by_size: dict[int, float], dim: float) -> float:
@@ -50,6 +50,26 @@ def size_rate(by_size: dict[int, float], dim: float) -> float:
     lo, hi = sizes[i - 1], sizes[i]
     w = math.log(dim / lo) / math.log(hi / lo)
     return math.exp((1 - w) * math.log(by_size[lo]) + w * math.log(by_size[hi]))
+
+
+def grid_rate(grid: dict[tuple[int, int], float], t: float, d: float) -> float:
+    """The rate at (``t``, ``d``) of a calibrated grid (the product of two axes): bilinear in
+    log-log between the measured points, clamped to their range; [Note: attention kernels]."""
+    ts, ds = sorted({k[0] for k in grid}), sorted({k[1] for k in grid})
+
+    def bracket(axis: list[int], x: float) -> tuple[int, int, float]:
+        x = min(max(x, axis[0]), axis[-1])
+        i = min(bisect.bisect_left(axis, x), len(axis) - 1)
+        lo, hi = axis[max(i - 1, 0)], axis[i]
+        return lo, hi, math.log(x / lo) / math.log(hi / lo) if hi > lo else 0.0
+
+    t0, t1, wt = bracket(ts, t)
+    d0, d1, wd = bracket(ds, d)
+    log = 0.0
+    for tt, w1 in ((t0, 1 - wt), (t1, wt)):
+        for dd, w2 in ((d0, 1 - wd), (d1, wd)):
+            log += w1 * w2 * math.log(grid[(tt, dd)])
+    return math.exp(log)
 
 
 def concurrent_rate(measured: dict[int, float], n: int) -> float:
@@ -151,11 +171,16 @@ class Env:
           so the rows count as much as the weights (an H100 runs a 512-cube matmul at a few
           percent of its 8192-cube rate).
 
-        Without them, `flops_rate`."""
+        Without them, `flops_rate`. On a CPU host in fp32 with the Linear-shaped rates on
+        operands out of cache ([Note: cold operands] in planner/kernels.py), those instead of
+        the square matmuls' (at the shared-core rate, [Note: shared cores])."""
         rate = self.flops_rate
         prof = self.profile
         by_size = prof.matmul_by_size.get(self.dtype) if prof is not None else None
         cpu = self.cluster.device.key == "cpu"
+        if cpu and prof is not None and prof.gemm_by_size and self.dtype == "fp32":
+            by_size = prof.gemm_by_size
+            rate = by_size[max(by_size)] / self.cpu_slowdown  # the largest size's, as above
         if not by_size or not block.linears or (not cpu and rows <= 0):
             return rate
         weights = [fi * fo for fi, fo in block.linears]
@@ -174,8 +199,11 @@ class Env:
         if block.fwd_s is not None:
             return block.fwd_s * samples * self.cpu_slowdown / tp
         rate = self.matmul_rate(block, samples * block.rows_per_sample / tp)
-        matmul = block.fwd_flops * samples / rate / tp
-        return self._compute_s(matmul, block.fwd_ops, block.fwd_moved_bytes * samples / tp)
+        flops, attention = self._attention(block, samples / tp, 0, rate)
+        kept, heavy = self._elementwise(block.fwd_elementwise, samples / tp)
+        matmul = flops * samples / rate / tp + attention + heavy
+        moved = block.fwd_moved_bytes * samples / tp - kept
+        return self._compute_s(matmul, block.fwd_ops, moved)
 
     def bwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
         """Backward = input and weight gradients = 2x the forward FLOPs (measured when known),
@@ -183,8 +211,53 @@ class Env:
         if block.bwd_s is not None:
             return block.bwd_s * samples * self.cpu_slowdown / tp
         rate = self.matmul_rate(block, samples * block.rows_per_sample / tp)
-        matmul = 2.0 * block.fwd_flops * samples / rate / tp
-        return self._compute_s(matmul, block.bwd_ops, block.bwd_moved_bytes * samples / tp)
+        flops, attention = self._attention(block, samples / tp, 1, rate)
+        kept, heavy = self._elementwise(block.bwd_elementwise, samples / tp)
+        matmul = 2.0 * flops * samples / rate / tp + attention + heavy
+        moved = block.bwd_moved_bytes * samples / tp - kept
+        return self._compute_s(matmul, block.bwd_ops, moved)
+
+    def _elementwise(
+        self, counted: tuple[tuple[str, float, float], ...], samples: float
+    ) -> tuple[float, float]:
+        """[Note: elementwise kernels] (bytes moved to take out of the memory term, seconds
+        instead) of the heavy elementwise operators ``counted`` over ``samples`` samples: on a
+        CPU host each operator the profile calibrated costs its output elements x its seconds
+        per element (slowed by shared cores), in place of its bytes at ``mem_bw``; the rest,
+        an accelerator and a profile without them: (0, 0), the bytes as before."""
+        prof = self.profile
+        if prof is None or not prof.elementwise_s or self.cluster.device.key != "cpu":
+            return 0.0, 0.0
+        if self.dtype != "fp32" or prof.op_s <= 0:
+            return 0.0, 0.0
+        nbytes = seconds = 0.0
+        for op, elements, moved in counted:
+            per = prof.elementwise_s.get(op)
+            if per is not None:
+                nbytes += moved * samples
+                seconds += elements * samples * per * self.cpu_slowdown
+        return nbytes, seconds
+
+    def _attention(
+        self, block: BlockStats, samples: float, direction: int, rate: float
+    ) -> tuple[float, float]:
+        """[Note: attention kernels] (``block``'s forward FLOPs per sample left to price at the
+        matmul rate, seconds of its attention calls over ``samples`` samples in ``direction``
+        0 forward / 1 backward). On a CPU host each recorded call is priced at the calibrated
+        attention rate of its (T, D) (slowed by shared cores), or without one at the matmul
+        ``rate``; the FLOPs `FlopCounterMode` counted inside the calls leave the matmul part.
+        An accelerator keeps its FLOP count as counted."""
+        prof = self.profile
+        if self.cluster.device.key != "cpu" or not block.attention:
+            return block.fwd_flops, 0.0
+        grid = {}
+        if prof is not None and self.dtype == "fp32":
+            grid = {key: pair[direction] for key, pair in prof.attention_rates.items()}
+        seconds = 0.0
+        for t, _, d, flops in block.attention:
+            per = grid_rate(grid, t, d) / self.cpu_slowdown if grid else rate
+            seconds += (1 + direction) * flops * samples / per
+        return max(block.fwd_flops - block.attention_counted, 0.0), seconds
 
     def _compute_s(self, matmul_s: float, ops: int, moved_bytes: float) -> float:
         """[Note: non-matmul time] With a calibrated operator cost (``HostProfile.op_s``), the
