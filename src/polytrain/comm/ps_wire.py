@@ -105,6 +105,8 @@ TAG_LINK_DATA = 17
 
 LINK_PROBE_BYTES = (16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 """Message sizes `probe_link` times, smallest first."""
+LINK_PROBE_TRIPS = 5
+"""Round trips per probe size, the first a warm-up."""
 LINK_PROBE_SLOW_S = 0.05
 """A round trip longer than this ends the probe: on so slow a link larger messages add time,
 not information (the rate is already the link's)."""
@@ -174,8 +176,9 @@ def probe_link(peer: int, lead: bool) -> list[tuple[float, float]]:
     """One-way seconds per message size between this rank and ``peer`` (both call it, one with
     ``lead``), for the automatic chunk size ([Note: chunk size from the link] in
     polytrain.ps.layout). The leading side announces each size of `LINK_PROBE_BYTES` on
-    `TAG_LINK`, then times three round trips of it (the peer echoes each message) and keeps the
-    faster of the last two; it stops after a round trip longer than `LINK_PROBE_SLOW_S`, and
+    `TAG_LINK`, then times `LINK_PROBE_TRIPS` round trips of it (the peer echoes each message)
+    and keeps the fastest after the first (a warm-up): one slow trip on a busy host would
+    otherwise move the chunk size; it stops after a round trip longer than `LINK_PROBE_SLOW_S`, and
     returns ``(bytes, seconds)`` points. The echoing side returns []."""
     size = torch.zeros(1, dtype=torch.int64)
     points: list[tuple[float, float]] = []
@@ -190,7 +193,7 @@ def probe_link(peer: int, lead: bool) -> list[tuple[float, float]]:
                 return points
         buf = torch.zeros(max(nbytes // 4, 1))
         best = math.inf
-        for trip in range(3):
+        for trip in range(LINK_PROBE_TRIPS):
             if lead:
                 start = time.perf_counter()
                 echo = post_recv(buf, peer, TAG_LINK_DATA)
