@@ -502,9 +502,10 @@ def test_automatic_chunk_size_is_bounded_by_the_shard() -> None:
 
 
 def test_chunk_size_from_a_calibrated_link() -> None:
-    """[Note: chunk size from the link]: the smallest message reaching 90% of the best measured
-    rate, at most the largest shard, at least LINK_CHUNK_MIN; the fixed rule without a usable
-    curve, and never when ps.chunk_kb is set."""
+    """[Note: chunk size from the link]: among the sizes reaching 90% of the best measured rate,
+    the smallest taking at least LINK_CHUNK_MIN_S, else the largest; at most the largest shard,
+    at least LINK_CHUNK_MIN; the fixed rule without a usable curve, and never when ps.chunk_kb
+    is set."""
     from torch import nn
 
     from polytrain.ps.layout import LINK_CHUNK_MIN, auto_chunk_bytes, build_layout, link_chunk_bytes
@@ -525,9 +526,17 @@ def test_chunk_size_from_a_calibrated_link() -> None:
     assert link_chunk_bytes(vm, 3 * mib) == mib
     assert link_chunk_bytes(vm, 700 * kib) == 700 * kib  # the whole shard, one chunk
     assert link_chunk_bytes(vm, 10 * kib) == LINK_CHUNK_MIN
-    # An alpha-beta link (50 us, 1 GB/s): 90% of the peak needs b >= 9 * alpha * B = 450 kB.
+    # An alpha-beta link (50 us, 1 GB/s): 90% of the peak needs b >= 9 * alpha * B = 450 kB,
+    # 5 ms of transfer 5 MB: the first size past both is 16 MiB (4 MiB takes 4.2 ms).
     ab = [(float(b), 50e-6 + b / 1e9) for b in (4 * kib * 4**i for i in range(8))]
-    assert link_chunk_bytes(ab, 1 << 30) == mib
+    assert link_chunk_bytes(ab, 1 << 30) == 16 * mib
+    # A 200 Mbit/s link (25 MB/s): every size from 16 KiB is efficient; 256 KiB takes 10 ms.
+    slow = [(float(b), 50e-6 + b / 25e6) for b in (16 * kib * 4**i for i in range(4))]
+    assert link_chunk_bytes(slow, 1 << 30) == 256 * kib
+    # Loopback-like (3 GB/s, flat past 1 MiB): no size takes 5 ms, so the largest efficient one.
+    fast = [(float(b), 100e-6 + b / 3e9) for b in (mib, 4 * mib, 16 * mib)]
+    assert link_chunk_bytes(fast, 1 << 30) == 16 * mib
+    assert link_chunk_bytes(fast, 3 * mib) == 3 * mib  # the default job's shard: one chunk
     assert link_chunk_bytes(ab[:1], 1 << 30) is None
     assert link_chunk_bytes([], 1 << 30) is None
     model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 1024))  # 16 MiB + biases

@@ -24,14 +24,20 @@ least four to eight chunks per shard for the overlap's sake: 10% slower on the d
 start-up: rank 0 and a server on another rank time round trips of 16 KiB to 16 MiB messages
 (`comm.ps_wire.probe_link`, stopping early on a slow link) and rank 0 broadcasts the points, so
 every rank computes the same chunk size (it is part of the job fingerprint). The chunk
-(`link_chunk_bytes`) is the smallest measured message size whose rate reaches 90% of the best
-measured rate, i.e. the size past which a larger message no longer amortises the per-message
-cost, at most the largest shard and at least `LINK_CHUNK_MIN`. On loopback the rate climbs into
-the MiB (the default job's 3.3 MB shard goes as one chunk); over a rate-limited link it is flat
-from small sizes, so a shard goes in many chunks that leave during backward. Until 2026-11-25
-the points came from `polytrain calibrate`'s saved loopback curve, which cannot see a slower
-link between hosts: over an emulated 200 Mbit/s link the colocated default job stepped 1.06x
-all-reduce's time with one chunk per shard, against 0.78x in the measured link's 256 KiB chunks.
+(`link_chunk_bytes`) is, among the measured sizes whose rate reaches 90% of the best measured
+rate (past the per-message cost), the smallest whose transfer takes at least
+`LINK_CHUNK_MIN_S` (5 ms), else the largest of them; at most the largest shard and at least
+`LINK_CHUNK_MIN`. The time floor is the runtime's own price per chunk, which the raw probe does
+not see (~1 ms: a header, thread hand-offs, a hook's wait; the loopback sweep's slope was
+1.5-2.7 ms per chunk over two workers and both directions). On loopback (~3 GB/s) no chunk
+short of 16 MiB takes 5 ms, so a shard goes whole or in 16 MiB pieces, the sweep's best; over
+a rate-limited link (200 Mbit/s: 25 MB/s) a 256 KiB chunk already takes 10 ms, so a shard goes
+in many chunks that leave during backward. (Taking the smallest size within 90% of the best
+rate alone flipped between 1 MiB and 4 MiB on loopback from one probe to the next.) Until
+2026-11-25 the points came from `polytrain calibrate`'s saved loopback curve, which cannot see a
+slower link between hosts: over an emulated 200 Mbit/s link the colocated default job stepped
+1.06x all-reduce's time with one chunk per shard, against 0.78x in the measured link's 256 KiB
+chunks.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ costs the PS runtime ~1 ms of Python and thread hand-offs that the raw probe doe
 the emulated 200 Mbit/s link the colocated default job stepped 0.90x all-reduce's time in
 64 KiB chunks and 0.78x in 256 KiB ones."""
 LINK_CHUNK_EFFICIENCY = 0.9
+LINK_CHUNK_MIN_S = 5e-3
+"""Shortest transfer time of an automatic chunk on its link ([Note: chunk size from the
+link]): the runtime's ~1 ms per chunk stays a fifth of it or less."""
 
 
 def auto_chunk_bytes(shard_bytes: int) -> int:
@@ -77,13 +86,15 @@ def auto_chunk_bytes(shard_bytes: int) -> int:
 
 
 def link_chunk_bytes(points: Sequence[tuple[float, float]], shard_bytes: int) -> int | None:
-    """Chunk size from a calibrated p2p curve of ``(bytes, seconds)`` points ([Note: chunk
-    size from the link]); None when the curve cannot tell (fewer than two usable points)."""
-    rates = sorted((b, b / t) for b, t in points if b > 0 and t > 0)
-    if len(rates) < 2:
+    """Chunk size from a measured p2p curve of ``(bytes, seconds)`` points ([Note: chunk size
+    from the link]); None when the curve cannot tell (fewer than two usable points)."""
+    curve = sorted((b, t) for b, t in points if b > 0 and t > 0)
+    if len(curve) < 2:
         return None
-    best = max(rate for _, rate in rates)
-    chosen = next(b for b, rate in rates if rate >= LINK_CHUNK_EFFICIENCY * best)
+    best = max(b / t for b, t in curve)
+    efficient = [(b, t) for b, t in curve if b / t >= LINK_CHUNK_EFFICIENCY * best]
+    long_enough = [b for b, t in efficient if t >= LINK_CHUNK_MIN_S]
+    chosen = long_enough[0] if long_enough else efficient[-1][0]
     return int(max(min(chosen, shard_bytes), LINK_CHUNK_MIN))
 
 
