@@ -11,21 +11,18 @@ from polytrain.planner.cost import Env, predict
 from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.stats_pure import gpt_stats
 from polytrain.planner.types import Curve, HostProfile, Layout
+from tests.helpers.planner import cpu_profile
 
 _PINGPONG = Curve(((4096.0, 1e-3), (2.0**20, 2e-3), (2.0**24, 1e-2)))
 _POSTED = Curve(((4096.0, 1e-4), (2.0**20, 1e-3)))
 
 
 def _profile(**extra: object) -> HostProfile:
-    fields: dict[str, object] = {
-        "fingerprint": "test",
-        "device": "cpu",
-        "matmul_flops": {"fp32": 10e9},
-        "mem_bw": 1e10,
-        "collectives": {"p2p": {2: _PINGPONG}},
-    }
+    """`cpu_profile` with the ping-pong p2p curve and no concurrent rates (no shared-core
+    slowdown), plus ``extra``."""
+    fields: dict[str, object] = {"matmul_concurrent": {}, "collectives": {"p2p": {2: _PINGPONG}}}
     fields.update(extra)
-    return HostProfile(**fields)  # type: ignore[arg-type]
+    return cpu_profile(**fields)
 
 
 def _posted_profile() -> HostProfile:

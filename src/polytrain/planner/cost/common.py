@@ -196,26 +196,26 @@ class Env:
     def fwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
         """Forward seconds of ``samples`` samples through one of ``tp`` tensor-parallel shards
         of ``block`` (measured when known); see [Note: non-matmul time]."""
-        if block.fwd_s is not None:
-            return block.fwd_s * samples * self.cpu_slowdown / tp
-        rate = self.matmul_rate(block, samples * block.rows_per_sample / tp)
-        flops, attention = self._attention(block, samples / tp, 0, rate)
-        kept, heavy = self._elementwise(block.fwd_elementwise, samples / tp)
-        matmul = flops * samples / rate / tp + attention + heavy
-        moved = block.fwd_moved_bytes * samples / tp - kept
-        return self._compute_s(matmul, block.fwd_ops, moved)
+        return self._pass_s(block, samples, tp, 0)
 
     def bwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
         """Backward = input and weight gradients = 2x the forward FLOPs (measured when known),
         plus its own operators' overhead and memory traffic."""
-        if block.bwd_s is not None:
-            return block.bwd_s * samples * self.cpu_slowdown / tp
+        return self._pass_s(block, samples, tp, 1)
+
+    def _pass_s(self, block: BlockStats, samples: float, tp: int, direction: int) -> float:
+        """Seconds of one pass (``direction`` 0 forward, 1 backward: twice the forward's matmul
+        FLOPs) of ``samples`` samples through one of ``tp`` shards of ``block``."""
+        measured = (block.fwd_s, block.bwd_s)[direction]
+        if measured is not None:
+            return measured * samples * self.cpu_slowdown / tp
         rate = self.matmul_rate(block, samples * block.rows_per_sample / tp)
-        flops, attention = self._attention(block, samples / tp, 1, rate)
-        kept, heavy = self._elementwise(block.bwd_elementwise, samples / tp)
-        matmul = 2.0 * flops * samples / rate / tp + attention + heavy
-        moved = block.bwd_moved_bytes * samples / tp - kept
-        return self._compute_s(matmul, block.bwd_ops, moved)
+        flops, attention = self._attention(block, samples / tp, direction, rate)
+        counted = (block.fwd_elementwise, block.bwd_elementwise)[direction]
+        kept, heavy = self._elementwise(counted, samples / tp)
+        matmul = (1 + direction) * flops * samples / rate / tp + attention + heavy
+        moved = (block.fwd_moved_bytes, block.bwd_moved_bytes)[direction] * samples / tp - kept
+        return self._compute_s(matmul, (block.fwd_ops, block.bwd_ops)[direction], moved)
 
     def _elementwise(
         self, counted: tuple[tuple[str, float, float], ...], samples: float
