@@ -13,8 +13,9 @@ as fractions of that raw bandwidth:
 
 - ``fraction_of_raw`` (the issue's metric): the bytes through the server per step (2 workers x
   (push + pull) x model bytes) over the step's communication time, ps step time minus the
-  slower worker's own forward + backward time in that step (median over steps), timed in the
-  run. A synchronous step cannot end before its slower worker has computed; everything else
+  slower worker's own forward + backward time in that step (each step paired with its own
+  compute, median over steps; until 2026-11-25 evening a median step minus a median compute),
+  timed in the run. A synchronous step cannot end before its slower worker has computed; everything else
   counts as transfer time: the server's sum, clipping and optimizer step, the loss all-reduce,
   the waits for chunks. ``fraction_of_raw_w0`` is the same over worker 0's compute alone (the
   figure reported until 2026-11-25), which also counts the two workers' compute imbalance on
@@ -42,7 +43,7 @@ veth pairs, each host's link tbf-limited to R Mbit/s; needs root): ps runs 3 hos
 server of half the shards, BytePS's colocated mode) 2; ABBA: colocated, ps, dp, dp, ps,
 colocated. ``--colocated`` adds two colocated runs on loopback too.
 
-Run: PYTHONPATH=src python benchmarks/parameter_server/speed.py [--steps 4] [--sweep]
+Run: PYTHONPATH=src python benchmarks/parameter_server/speed.py [--steps 12] [--sweep]
      [--compare-overlap] [--colocated] [--slow-mbit 200]
 """
 
@@ -162,6 +163,7 @@ def _rank(
     times = [r["step_time_s"] for r in result.history][1:]
     return {
         "step_s": statistics.median(times) if times else float("nan"),
+        "step_steps": times,
         "compute_s": statistics.median(compute[1:]) if len(compute) > 1 else None,
         "compute_steps": compute[1:],
         "bandwidth": measured["bandwidth"],
@@ -191,6 +193,14 @@ def slower_compute_s(workers: list[list[float]]) -> float:
     return statistics.median(max(step) for step in zip(*workers, strict=False))
 
 
+def exposed_s(step_s: list[float], workers: list[list[float]]) -> float:
+    """Median over steps of (that step's time - the slower worker's compute in that step):
+    the step's communication time, each step paired with its own compute (a median of step
+    times minus a median of compute times mixes steps, and swung 2x between runs)."""
+    per_step = zip(step_s, *workers, strict=False)
+    return statistics.median(step - max(compute) for step, *compute in per_step)
+
+
 def _server_throughput(
     result: dict[str, Any], window: dict[str, float] | None, workers: list[list[float]]
 ) -> dict[str, Any]:
@@ -200,7 +210,7 @@ def _server_throughput(
     every worker's per-step compute seconds."""
     server_bytes = 2 * 2 * result["numel"] * 4  # 2 workers x (push + pull) x fp32
     compute = slower_compute_s(workers)
-    comm = max(result["step_s"] - compute, 1e-9)
+    comm = max(exposed_s(result["step_steps"], workers), 1e-9)
     comm_w0 = max(result["step_s"] - result["compute_s"], 1e-9)
     raw = result["bandwidth"]
     return {
@@ -354,7 +364,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="default,gpt11m", help="'' = only the slow link")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--bw-mb", type=int, default=64)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-kb", default="256,1024,4096")

@@ -97,11 +97,11 @@ def _run_with_hung_server(rank: int, world_size: int, job: JobConfig, marks: str
     if rank == world_size - 1:
         apply = ParameterServer._step
 
-        def hang(self: ParameterServer, clock: int) -> None:
+        def hang(self: ParameterServer, clock: int, *rest: Any) -> None:
             if clock == 2:
                 (Path(marks) / str(rank)).write_text(str(time.time()))
                 time.sleep(HANG_S)
-            apply(self, clock)
+            apply(self, clock, *rest)
 
         ParameterServer._step = hang  # type: ignore[method-assign]
     try:

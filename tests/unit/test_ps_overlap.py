@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from polytrain.core.step import all_finite
+from polytrain.core.step import all_finite, norm_and_finite
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.overlap import GradPusher, ParamFetcher, chunk_members, param_chunks
 
@@ -161,3 +161,14 @@ def test_pusher_finite_sees_a_non_finite_loss_or_gradient_anywhere() -> None:
     assert pusher.finite(loss)
     assert not all_finite(torch.tensor([3e38, float("nan"), -3e38]))
     assert all_finite(torch.tensor([3e38, 3e38, -3e38]))
+
+
+def test_the_servers_clip_norm_tells_overflow_from_nan() -> None:
+    """[Note: the server's clip norm]: one float32 pass when finite; squares that overflow
+    float32 fall back to float64 (finite, the true norm); a NaN or Inf element says so."""
+    norm, finite = norm_and_finite(torch.tensor([3.0, 4.0]))
+    assert finite and float(norm) == 5.0 and norm.dtype == torch.float32
+    norm, finite = norm_and_finite(torch.tensor([3e30, 4e30]))
+    assert finite and norm.dtype == torch.float64 and abs(float(norm) / 5e30 - 1) < 1e-6
+    for bad in (float("nan"), float("inf")):
+        assert not norm_and_finite(torch.tensor([1.0, bad]))[1]

@@ -59,7 +59,7 @@ from polytrain.comm import ps_wire
 from polytrain.comm.ps_wire import PeerLost
 from polytrain.config.job import OptimConfig
 from polytrain.core.optim import build_optimizer
-from polytrain.core.step import all_finite, clip_coefficient
+from polytrain.core.step import all_finite, clip_coefficient, norm_and_finite
 from polytrain.core.strategy import NonFiniteLossError
 from polytrain.errors import ProtocolError
 from polytrain.ps.consistency import (
@@ -347,22 +347,27 @@ class ParameterServer:
         window.apply_start = time.perf_counter()
         count = self.aggregator.finish()
         torch.div(self.sum_flat, count, out=self.grad_flat)
-        self.sum_flat.zero_()
+        finite = None
         if self.optim_cfg.grad_clip > 0:
-            # Clip by the norm of the whole gradient, summed over every server's shard.
-            # In float64 without a float64 copy of the shard (one pass over the flat buffer).
-            norm = torch.linalg.vector_norm(self.grad_flat, dtype=torch.float64)
-            square = norm.square().reshape(1)
+            # Clip by the norm of the whole gradient, summed over every server's shard
+            # ([Note: the server's clip norm]).
+            norm, finite = norm_and_finite(self.grad_flat)
+            square = norm.to(torch.float64).square().reshape(1)
             if self.server_group is not None:
                 ps_wire.all_reduce_sum(square, self.server_group)
             coef = clip_coefficient(self.optim_cfg.grad_clip, square.sqrt()[0])
-            self.grad_flat.mul_(coef.to(self.grad_flat.dtype))
-        self._step(clock)
+            finite = finite and bool(torch.isfinite(coef))  # another server's NaN
+            if not bool(coef == 1.0):  # x * 1.0 == x exactly: skip a pass, same bits
+                self.grad_flat.mul_(coef.to(self.grad_flat.dtype))
+        self._step(clock, finite)
         window.apply_end = time.perf_counter()
+        self.sum_flat.zero_()  # for the next step's pushes, after the update is made
         self.applied = clock + 1
 
-    def _step(self, clock: int) -> None:
-        if not all_finite(self.grad_flat):
+    def _step(self, clock: int, finite: bool | None = None) -> None:
+        """The optimizer step on this shard's gradient; ``finite``: known already (the clip
+        norm's pass), else checked here."""
+        if not (all_finite(self.grad_flat) if finite is None else finite):
             self._nonfinite(clock)
             return
         for group in self.optimizer.param_groups:
