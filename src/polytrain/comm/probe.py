@@ -73,11 +73,18 @@ def _op(name: str, nbytes: int, device: torch.device) -> Callable[[], object]:
 
 
 def time_collective(
-    name: str, nbytes: int, *, iters: int = 5, budget_s: float = 1.0, warmup: bool = True
+    name: str,
+    nbytes: int,
+    *,
+    iters: int = 5,
+    budget_s: float = 1.0,
+    warmup: bool = True,
+    mean: bool = False,
 ) -> float:
-    """Median seconds of one ``name`` over a message of ``nbytes`` (at least ``iters`` calls or
-    until ``budget_s`` is spent, whichever is fewer after the first two), the max over ranks.
-    ``warmup=False`` skips the untimed first call (a caller timing the same op again)."""
+    """Median (``mean=True``: mean) seconds of one ``name`` over a message of ``nbytes`` (at
+    least ``iters`` calls or until ``budget_s`` is spent, whichever is fewer after the first
+    two), the max over ranks. ``warmup=False`` skips the untimed first call (a caller timing the
+    same op again)."""
     device = collective_device()
     fn = _op(name, nbytes, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -102,7 +109,7 @@ def time_collective(
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
             break
-    result = torch.tensor([statistics.median(times)], device=device)
+    result = torch.tensor([(statistics.mean if mean else statistics.median)(times)], device=device)
     dist.all_reduce(result, op=dist.ReduceOp.MAX)
     return float(result.item())
 

@@ -78,6 +78,7 @@ __all__ = [
 ]
 
 _KB = 1024
+_MB = 1024 * _KB
 
 
 @dataclass(frozen=True)
@@ -144,10 +145,21 @@ class CalibrationPlan:
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each
-# ... but the 16 B point (below 1 KiB) takes the median of 5 calls: it alone prices the end of
-# step's all-reduce, and a single call there is bimodal (0.3 or 3-8 ms) on the 2-core VM
-SMALL_MESSAGE_BYTES, SMALL_MESSAGE_CALLS = _KB, 5
+COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each ...
+SMALL_MESSAGE_BYTES, SMALL_MESSAGE_CALLS = _MB, 8
+"""... but a message of at most ``SMALL_MESSAGE_BYTES`` is priced at the mean of
+``SMALL_MESSAGE_CALLS`` calls in each sweep ([Note: a small collective's price is its mean])."""
+
+# [Note: a small collective's price is its mean]
+# On the 2-core VM a small collective is bimodal: most calls take 0.3-0.6 ms, one in five to
+# three takes ~4 ms (a rank woken late: the host's 4 ms scheduler tick), at every size up to
+# ~1 MiB and whether or not the ranks compute between calls (2026-11-25 evening, 40 gloo
+# all-reduces of 16 B to 1 MiB, world 2: medians 0.4-2.6 ms from one size to the next, means
+# 1.4-2.6 ms). A median of three calls, as the curves were measured before, lands on either
+# mode by chance: the saved curve priced a 4 KiB all-reduce at 4.2 ms and a 64 KiB one at 0.5.
+# A step pays the mean of what its collectives cost, so a small message is priced at the mean
+# of 8 calls per sweep (24 in all), which moved by less than 2x between runs where the median
+# moved by up to 6x. Larger messages are bandwidth-bound and keep the median of the sweeps.
 
 
 def _matmul_rounds(
@@ -342,8 +354,9 @@ def _rank_collectives(
             # a warm-up call for every op in the first sweep, and for the first op of each
             # later one (it follows the matmul round)
             warmup = sweep == 0 or i == 0
-            iters = SMALL_MESSAGE_CALLS if n <= SMALL_MESSAGE_BYTES else 1
-            secs = time_collective(op, n, iters=iters, budget_s=budget_s, warmup=warmup)
+            small = n <= SMALL_MESSAGE_BYTES
+            iters = SMALL_MESSAGE_CALLS if small else 1
+            secs = time_collective(op, n, iters=iters, budget_s=budget_s, warmup=warmup, mean=small)
             sweeps[(op, n)].append(secs)
         barrier()
         matmul.round()
@@ -353,6 +366,8 @@ def _rank_collectives(
     out: dict[str, list[tuple[float, float]]] = {}
     for (op, n), values in sweeps.items():
         secs, spread_n = median_and_spread(values)
+        if n <= SMALL_MESSAGE_BYTES:  # [Note: a small collective's price is its mean]
+            secs = statistics.mean(values)
         out.setdefault(op, []).append((float(n), secs))
         out.setdefault(f"{op} spread", []).append((float(n), spread_n))
     rate, spread = matmul_rates(matmul)[("fp32", matmul_n)]

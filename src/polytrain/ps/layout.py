@@ -23,17 +23,21 @@ least four to eight chunks per shard for the overlap's sake: 10% slower on the d
 [Note: chunk size from the link] With ``ps.chunk_kb = 0`` the job measures its own link at
 start-up: rank 0 and a server on another rank time round trips of 16 KiB to 16 MiB messages
 (`comm.ps_wire.probe_link`, stopping early on a slow link) and rank 0 broadcasts the points, so
-every rank computes the same chunk size (it is part of the job fingerprint). The chunk
-(`link_chunk_bytes`) is, among the measured sizes whose rate reaches 90% of the best measured
-rate (past the per-message cost), the smallest whose transfer takes at least
-`LINK_CHUNK_MIN_S` (5 ms), else the largest of them; at most the largest shard and at least
-`LINK_CHUNK_MIN`. The time floor is the runtime's own price per chunk, which the raw probe does
-not see (~1 ms: a header, thread hand-offs, a hook's wait; the loopback sweep's slope was
-1.5-2.7 ms per chunk over two workers and both directions). On loopback (~3 GB/s) no chunk
-short of 16 MiB takes 5 ms, so a shard goes whole or in 16 MiB pieces, the sweep's best; over
-a rate-limited link (200 Mbit/s: 25 MB/s) a 256 KiB chunk already takes 10 ms, so a shard goes
-in many chunks that leave during backward. (Taking the smallest size within 90% of the best
-rate alone flipped between 1 MiB and 4 MiB on loopback from one probe to the next.) Until
+every rank computes the same chunk size (it is part of the job fingerprint). A chunk also
+costs the runtime its own price, which the raw probe does not see (`LINK_CHUNK_COST_S`, ~1 ms:
+a header, thread hand-offs, a hook's wait; the loopback sweep's slope was 1.5-2.7 ms per chunk
+over two workers and both directions), so a size's rate is its bytes over its measured time
+plus that price. The chunk (`link_chunk_bytes`) is, among the measured sizes whose rate reaches
+90% of the best, the smallest whose transfer takes at least `LINK_CHUNK_MIN_S` (5 ms), else the
+largest of them; at most the largest shard and at least `LINK_CHUNK_MIN`. On loopback (~3 GB/s)
+no chunk short of 16 MiB takes 5 ms, so a shard goes whole or in 16 MiB pieces, the sweep's
+best; over a rate-limited link (200 Mbit/s: 25 MB/s) a 256 KiB chunk already takes 10 ms, so a
+shard goes in many chunks that leave during backward. (Taking the smallest size within 90% of
+the best raw rate alone flipped between 1 MiB and 4 MiB on loopback from one probe to the next;
+with the time floor but raw rates, 1 MiB still won a busy probe in 4 of 14 runs on
+2026-11-25, since 1 MiB streams out of cache up to 2x faster than 4 MiB on loopback, and those
+runs stepped 10-20% slower than with the whole shard; the runtime's price per chunk
+outweighs that.) Until
 2026-11-25 the points came from `polytrain calibrate`'s saved loopback curve, which cannot see a
 slower link between hosts: over an emulated 200 Mbit/s link the colocated default job stepped
 1.06x all-reduce's time with one chunk per shard, against 0.78x in the measured link's 256 KiB
@@ -74,6 +78,10 @@ costs the PS runtime ~1 ms of Python and thread hand-offs that the raw probe doe
 the emulated 200 Mbit/s link the colocated default job stepped 0.90x all-reduce's time in
 64 KiB chunks and 0.78x in 256 KiB ones."""
 LINK_CHUNK_EFFICIENCY = 0.9
+LINK_CHUNK_COST_S = 1e-3
+"""The PS runtime's own price per chunk, beside its transfer ([Note: chunk size from the link]):
+a header, thread hand-offs, a hook's wait (the loopback sweep's slope: 1.5-2.7 ms per chunk
+over two workers and both directions)."""
 LINK_CHUNK_MIN_S = 5e-3
 """Shortest transfer time of an automatic chunk on its link ([Note: chunk size from the
 link]): the runtime's ~1 ms per chunk stays a fifth of it or less."""
@@ -91,8 +99,10 @@ def link_chunk_bytes(points: Sequence[tuple[float, float]], shard_bytes: int) ->
     curve = sorted((b, t) for b, t in points if b > 0 and t > 0)
     if len(curve) < 2:
         return None
-    best = max(b / t for b, t in curve)
-    efficient = [(b, t) for b, t in curve if b / t >= LINK_CHUNK_EFFICIENCY * best]
+    # a chunk's rate in the runtime: its transfer plus the runtime's own price per chunk
+    rate = {b: b / (t + LINK_CHUNK_COST_S) for b, t in curve}
+    best = max(rate.values())
+    efficient = [(b, t) for b, t in curve if rate[b] >= LINK_CHUNK_EFFICIENCY * best]
     long_enough = [b for b, t in efficient if t >= LINK_CHUNK_MIN_S]
     chosen = long_enough[0] if long_enough else efficient[-1][0]
     return int(max(min(chosen, shard_bytes), LINK_CHUNK_MIN))
