@@ -35,6 +35,7 @@ from polytrain.planner.validate import Trial, TrialSpec, held_state_bytes, run_t
 HERE = Path(__file__).resolve().parent
 
 MODELS: dict[str, dict[str, Any]] = {"gpt": {}, "mlp": {"model.name": "mlp"}}
+STEPS = {"gpt": 10, "mlp": 60}  # per run, the first --warmup dropped; the mean of the rest
 
 
 def layouts() -> list[Layout]:
@@ -239,7 +240,7 @@ def measure(
         specs,
         MODELS[model],
         Path(args.workdir) / model,
-        steps=args.steps,
+        steps=args.steps or STEPS[model],
         warmup=args.warmup,
         on_trial=show,
     )
@@ -347,7 +348,13 @@ def main() -> None:
         help="comma-separated layout names (dp2, pp2-1f1b-m4, gossip-ring-w4, ...); "
         "'default' = the 14 of README.md",
     )
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="steps per run (0: gpt 10, mlp 60: the mlp's ms-scale steps are bimodal on a "
+        "shared host, so it takes more of them for the same run time)",
+    )
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--workdir", default="/tmp/polytrain-planner-bench")
     ap.add_argument(

@@ -3,12 +3,16 @@
 `polytrain plan --validate K` and `benchmarks/planner` both call `run_trials`. Each trial is a
 real ``polytrain train`` run in a subprocess (the same launcher, workers and strategies a user
 gets), with the layout's `JobConfig` fields; the trainer writes ``rank-<r>.json`` per rank
-(median step time, peak memory, the bytes of parameters, gradients and optimizer state it holds),
+(step times, peak memory, the bytes of parameters, gradients and optimizer state it holds),
 which this module reads. Pure Python: it starts processes and reads JSON, it imports no torch.
 
 [Note: measured step time] The first steps of a run pay for allocation, connection set-up and
 (for ``pipeline.partition = "auto"``) trials, so a trial drops ``warmup`` steps and reports the
-median of the rest on rank 0, the rank whose times `metrics.jsonl` shows.
+mean of the rest on rank 0, the rank whose times `metrics.jsonl` shows. The mean, not the
+median: the planner predicts the time to finish (steps x step time), and a run pays its slow
+steps too; on the 2-core VM a latency-bound model's steps are bimodal (the mlp's pp2 PipeDream
+steps of one run: 4.7-13.0 ms), and the median of a few steps picks a mode by chance (until
+2026-11-25 evening it was the median).
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ def _read_ranks(run_dir: Path) -> list[dict[str, Any]]:
 def _measured_step(rank0: dict[str, Any], warmup: int) -> float:
     times = rank0.get("step_times_s") or []
     kept = times[warmup:] if len(times) > warmup else times
-    return statistics.median(kept) if kept else math.nan
+    return statistics.mean(kept) if kept else math.nan
 
 
 def run_trials(
