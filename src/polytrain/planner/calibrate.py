@@ -152,14 +152,15 @@ SMALL_MESSAGE_BYTES, SMALL_MESSAGE_CALLS = _MB, 8
 
 # [Note: a small collective's price is its mean]
 # On the 2-core VM a small collective is bimodal: most calls take 0.3-0.6 ms, one in five to
-# three takes ~4 ms (a rank woken late: the host's 4 ms scheduler tick), at every size up to
-# ~1 MiB and whether or not the ranks compute between calls (2026-11-25 evening, 40 gloo
-# all-reduces of 16 B to 1 MiB, world 2: medians 0.4-2.6 ms from one size to the next, means
-# 1.4-2.6 ms). A median of three calls, as the curves were measured before, lands on either
-# mode by chance: the saved curve priced a 4 KiB all-reduce at 4.2 ms and a 64 KiB one at 0.5.
-# A step pays the mean of what its collectives cost, so a small message is priced at the mean
-# of 8 calls per sweep (24 in all), which moved by less than 2x between runs where the median
-# moved by up to 6x. Larger messages are bandwidth-bound and keep the median of the sweeps.
+# three takes ~4 ms (a rank woken late, probably at the next tick: this kernel runs at 250 Hz),
+# at every size up to ~1 MiB and whether or not the ranks compute between calls (2026-11-25
+# evening, 40 gloo all-reduces of 16 B to 1 MiB, world 2: medians 0.4-3.1 ms from one size to
+# the next, means 1.4-2.8 ms). A median of three calls, as the curves were measured before,
+# lands on either mode by chance: the saved curve priced a 4 KiB all-reduce at 4.2 ms and a
+# 64 KiB one at 0.5. A step pays the mean of what its collectives cost, so a small message is
+# priced at the mean of 8 calls per sweep (24 in all); between two runs of that experiment the
+# means moved by at most 1.4x, the medians by up to 3.5x. Larger messages are bandwidth-bound
+# and keep the median of the sweeps.
 
 
 def _matmul_rounds(
