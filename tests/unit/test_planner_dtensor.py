@@ -162,6 +162,33 @@ def test_fsdp2_collectives_on_a_cpu_host_overlap_nothing() -> None:
     assert zero_step(gpu, 2, fwd, bwd, pb, dp=2, stride=1)[2] == pytest.approx(2 * one)
 
 
+def test_fsdp2_collectives_in_a_step_cost_what_the_two_rank_probe_measured() -> None:
+    """[Note: FSDP2 collectives in a step]: with the probe's curve, a unit's gathers and
+    reduce-scatter cost its reading at the unit's bytes in all (shared as the isolated curves
+    share it), for a data-parallel group of two on the calibrated host; other group sizes, a
+    group across hosts and profiles without the curve keep the isolated curves."""
+    from polytrain.planner.types import Curve
+
+    fwd, bwd, pb = [1e-2] * 4, [2e-2] * 4, [1e6] * 4
+    curve = {2: Curve(((1e3, 1e-3), (1e6, 4e-3))), 3: Curve(((1e3, 2e-3), (1e6, 9e-3)))}
+    plain = Env(parse_cluster("1x4xcpu"), profile=cpu_profile())
+    probed = Env(parse_cluster("1x4xcpu"), profile=cpu_profile(fsdp_in_step=curve))
+    for stage, per_unit in ((2, 4e-3), (3, 9e-3)):
+        f, b, exposed = zero_step(probed, stage, fwd, bwd, pb, dp=2, stride=1)
+        assert exposed == pytest.approx(4 * per_unit)
+        assert f + b == pytest.approx(sum(fwd) + sum(bwd) + 4 * per_unit)
+        # accumulation micro-steps: the gathers' share of the in-step price only
+        _, _, quiet = zero_step(probed, stage, fwd, bwd, pb, dp=2, stride=1, scatter=False)
+        assert 0 < quiet < exposed
+        for env, dp in ((plain, 2), (probed, 4)):
+            iso = zero_step(env, stage, fwd, bwd, pb, dp=dp, stride=1)[2]
+            assert iso == pytest.approx(
+                zero_step(Env(env.cluster), stage, fwd, bwd, pb, dp=dp, stride=1)[2]
+            )
+    across = Env(parse_cluster("2x1xcpu:eth10"), profile=cpu_profile(fsdp_in_step=curve))
+    assert across.fsdp_in_step_s(2, 1e6, 2, 1) is None
+
+
 def test_replicate_on_a_cpu_host_all_reduces_each_block_in_series() -> None:
     cpu = Env(parse_cluster("1x4xcpu"))
     bwd, grads = [1e-2, 2e-2, 3e-2], [1e5, 2e5, 3e5]

@@ -33,6 +33,7 @@ def _profile() -> HostProfile:
         step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11), "dtensor adamw": (1e-4, 0)},
         op_s=6e-6,
         fsdp_unit_s={2: 6e-4, 3: 7e-4},
+        fsdp_in_step={2: Curve(((1e3, 1e-3), (8e5, 3e-3)))},
         tp_module_s=4.7e-4,
         loop_step_s=3e-4,
         loop_microbatch_s=2e-4,

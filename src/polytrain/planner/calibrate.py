@@ -56,7 +56,12 @@ from polytrain.parallel.family import build_spmd
 from polytrain.planner.calibrate_wire import PS_PROBE_WORKERS, posted_p2p_curve, ps_exchange
 from polytrain.planner.host import host_identity, saved_profile
 from polytrain.planner.kernels import OpCounter, kernel_rates
-from polytrain.planner.probes import rank_dtensor_step_costs, rank_tp_module_s, step_costs
+from polytrain.planner.probes import (
+    rank_dtensor_step_costs,
+    rank_fsdp_in_step,
+    rank_tp_module_s,
+    step_costs,
+)
 from polytrain.planner.profile_io import (
     cache_dir,
     fingerprint,
@@ -105,6 +110,9 @@ class CalibrationPlan:
     attention_lengths: tuple[int, ...] = (32, 128)
     attention_heads: tuple[int, ...] = (32, 128)
     kernel_budget_s: float = 0.1  # per kernel shape
+    # FSDP2's collectives inside a step on two ranks ([Note: FSDP2 collectives in a step] in
+    # planner/probes.py), ~10 s
+    fsdp_in_step: bool = True
 
     @staticmethod
     def quick() -> CalibrationPlan:
@@ -121,6 +129,7 @@ class CalibrationPlan:
             budget_s=0.05,
             ps_workers=(1,),
             ps_rounds=1,
+            fsdp_in_step=False,
         )
 
     @staticmethod
@@ -506,13 +515,16 @@ def calibrate(
 
     collectives: dict[str, dict[int, Curve]] = {op: {} for op in COLLECTIVES}
     ps_exchange_s: dict[str, dict[int, float]] = {}
+    fsdp_in_step: dict[int, Curve] = {}
     if device.type == "cpu" and 2 in plan.world_sizes:  # planner/calibrate_wire.py
         posted, spread["p2p_posted world 2"] = posted_p2p_curve(plan.message_bytes)
         collectives["p2p_posted"] = {2: Curve(tuple(posted))}
         loop_s = loop_step_s + loop_micro_s
         ps_exchange_s, ps_spread = ps_exchange(op_s, loop_s, plan.ps_workers, plan.ps_rounds)
         spread.update(ps_spread)
-        tell("posted p2p, parameter-server exchange")
+        if plan.fsdp_in_step:
+            fsdp_in_step = _fsdp_in_step(fsdp_unit_s)
+        tell("posted p2p, parameter-server exchange, FSDP2 in a step")
     concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
     for world in plan.world_sizes:
         ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
@@ -552,6 +564,7 @@ def calibrate(
         step_costs=costs,
         op_s=op_s,
         fsdp_unit_s=fsdp_unit_s,
+        fsdp_in_step=fsdp_in_step,
         tp_module_s=tp_module_s,
         loop_step_s=loop_step_s,
         loop_microbatch_s=loop_micro_s,
@@ -561,6 +574,17 @@ def calibrate(
         attention_rates=attention,
         elementwise_s=elementwise,
     )
+
+
+def _fsdp_in_step(hooks: dict[int, float]) -> dict[int, Curve]:
+    """[Note: FSDP2 collectives in a step] in planner/probes.py: per ZeRO stage, a unit's
+    collectives inside a step on two ranks by its parameter bytes: what FSDP2 added per unit
+    there, less its hooks (``hooks``: `fsdp_unit_s`, measured on one rank)."""
+    (measured,) = run_distributed(rank_fsdp_in_step, 2, timeout_s=300.0)[:1]
+    return {
+        stage: Curve(tuple((b, max(t - hooks.get(stage, 0.0), 0.0)) for b, t in points))
+        for stage, points in measured.items()
+    }
 
 
 def steps_of(plan: CalibrationPlan) -> int:

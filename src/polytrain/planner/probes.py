@@ -7,12 +7,14 @@ overhead]); `planner.calibrate` runs them and keeps their figures in the `HostPr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -24,9 +26,11 @@ from polytrain.planner.timing import timed
 
 __all__ = [
     "DTENSOR",
+    "FSDP_PROBE_DIMS",
     "STEP_PARTS",
     "fit_per_tensor_and_byte",
     "rank_dtensor_step_costs",
+    "rank_fsdp_in_step",
     "rank_tp_module_s",
     "step_costs",
 ]
@@ -140,3 +144,65 @@ def rank_tp_module_s(rank: int, world: int, budget_s: float) -> float:
         parallelize_module(model, mesh, styles)  # type: ignore[arg-type]
         extra.append(seconds(model) - plain)
     return max((extra[1] - extra[0]) / 24, 0.0)
+
+
+# [Note: FSDP2 collectives in a step]
+# On a CPU host FSDP2's all-gathers and reduce-scatters block the computing thread ([Note: FSDP2
+# on a CPU host] in cost/zero.py), and inside a step each costs more than the isolated calls
+# of the collective curves: FSDP2 copies into and out of its flat buffers around them, and each
+# rank waits for its peer's compute since the last one. Measured on the 2-core VM (2026-11-25
+# evening, units of one Linear, two ranks, per unit beyond the same model unsharded): 448 x 448
+# units (0.8 MB, gpt tiny's unit size): 5.3 ms (ZeRO-2) and 9.5 ms (ZeRO-3), where the hooks
+# (0.4 ms, `fsdp_unit_s`) and the curves' prices of the unit's collectives (one or two
+# all-gathers and a reduce-scatter) add to 3.7 and 4.9 ms; 16 x 16 units: 1.8 and 4.3 ms.
+# `rank_fsdp_in_step` measures that per-unit figure on two ranks at two unit sizes and
+# `calibrate` keeps, per stage, the line through them less the hooks: the in-step price of a
+# unit's collectives by its parameter bytes (`HostProfile.fsdp_in_step`), which `zero_step`
+# uses for data-parallel groups of two on the calibrated CPU host.
+FSDP_PROBE_DIMS = (16, 448)  # Linear widths of the probe's units: ~1 KB and ~0.8 MB each
+_FSDP_PROBE_UNITS = (4, 12)  # the per-unit figure is the slope between these unit counts
+_FSDP_PROBE_ROWS = 64
+_FSDP_PROBE_CALLS = 10  # timed steps per model (every rank the same count: they synchronise)
+
+
+def rank_fsdp_in_step(rank: int, world: int) -> dict[int, list[tuple[float, float]]]:
+    """[Note: FSDP2 collectives in a step] Per ZeRO stage, (unit parameter bytes, seconds FSDP2
+    adds per unit to one forward + backward) at each of `FSDP_PROBE_DIMS`, on ``world`` ranks
+    (the slowest rank's figure)."""
+    device = torch.device("cpu")
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[int, list[tuple[float, float]]] = {}
+
+    def build(dim: int, units: int) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim)) for _ in range(units)])
+
+    def seconds(model: nn.Module, x: torch.Tensor) -> float:
+        def step() -> None:
+            model(x).sum().backward()
+
+        step()
+        step()
+        total = 0.0
+        for _ in range(_FSDP_PROBE_CALLS):
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            step()
+            total += time.perf_counter() - t0
+        mean = torch.tensor([total / _FSDP_PROBE_CALLS])
+        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
+        return float(mean.item())
+
+    for stage in (2, 3):
+        for dim in FSDP_PROBE_DIMS:
+            x = torch.ones(_FSDP_PROBE_ROWS, dim, device=device)
+            extra = []
+            for units in _FSDP_PROBE_UNITS:
+                plain = seconds(build(dim, units), x)
+                model = build(dim, units)
+                for module in [*model, model]:  # every unit, then the root (as apply_zero does)
+                    fully_shard(module, mesh=mesh, reshard_after_forward=stage == 3)
+                extra.append(seconds(model, x) - plain)
+            per_unit = (extra[1] - extra[0]) / (_FSDP_PROBE_UNITS[1] - _FSDP_PROBE_UNITS[0])
+            out.setdefault(stage, []).append((float((dim * dim + dim) * 4), max(per_unit, 0.0)))
+    return out

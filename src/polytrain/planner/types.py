@@ -225,6 +225,10 @@ class HostProfile:
     # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
     # forward + backward ([Note: FSDP2 unit overhead] in planner/calibrate.py); {} = unknown
     fsdp_unit_s: dict[int, float] = field(default_factory=dict)
+    # ZeRO stage -> (a unit's parameter bytes, seconds its all-gathers and reduce-scatter take
+    # inside a step on two ranks, FSDP2's copies and waits included, its hooks not): [Note: FSDP2
+    # collectives in a step] in planner/probes.py; {} = not measured (the isolated curves)
+    fsdp_in_step: dict[int, Curve] = field(default_factory=dict)
     # [Note: DTensor module overhead] in planner/probes.py: seconds tensor parallelism's
     # DTensor dispatch adds per parallelized module to one forward + backward; 0 = unknown
     tp_module_s: float = 0.0

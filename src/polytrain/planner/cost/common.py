@@ -285,6 +285,17 @@ class Env:
         per_unit = self.profile.fsdp_unit_s.get(stage, 0.0) if self.profile is not None else 0.0
         return per_unit * units * self.cpu_slowdown
 
+    def fsdp_in_step_s(self, stage: int, nbytes: float, dp: int, stride: int) -> float | None:
+        """Seconds of one unit's ZeRO-``stage`` collectives inside a step, for a unit of
+        ``nbytes`` parameter bytes, as measured on two ranks of this host ([Note: FSDP2
+        collectives in a step] in planner/probes.py); None for another group size, a group
+        that leaves the calibrated host, or a profile without it (the isolated curves)."""
+        prof = self.profile
+        curve = prof.fsdp_in_step.get(stage) if prof is not None else None
+        if curve is None or dp != 2 or self.link(stride, dp) is not self.cluster.intra:
+            return None
+        return curve.seconds(nbytes)
+
     def step_cost_s(
         self, parts: tuple[str, ...], tensors: float, nbytes: float, dtensors: float = 0.0
     ) -> float:

@@ -52,6 +52,16 @@ def zero_step(
         env.collective_s("reduce_scatter", b, dp, stride) if scatter else 0.0 for b in param_bytes
     ]
     if env.cluster.device.key == "cpu":  # [Note: FSDP2 on a CPU host]: nothing overlaps
+        # inside a step a unit's collectives cost what the two-rank probe measured ([Note:
+        # FSDP2 collectives in a step]), shared between them as the isolated curves share it
+        for k, b in enumerate(param_bytes):
+            in_step = env.fsdp_in_step_s(stage, b, dp, stride)
+            rs = scatter_s[k] if scatter else env.collective_s("reduce_scatter", b, dp, stride)
+            isolated = gather[k] * (2 if stage == 3 else 1) + rs
+            if in_step is not None and isolated > 0:
+                factor = in_step / isolated
+                gather[k] *= factor
+                scatter_s[k] *= factor
         f_comm = sum(gather)
         b_comm = sum(scatter_s) + (sum(gather) if stage == 3 else 0.0)
         return sum(fwd_s) + f_comm, sum(bwd_s) + b_comm, f_comm + b_comm
