@@ -1,8 +1,9 @@
 """`polytrain calibrate`'s probes of per-tensor and per-module costs (torch-facing).
 
 The end of a step over plain and over DTensor parameters ([Note: per-step costs], [Note:
-DTensor end of step]) and tensor parallelism's per-module dispatch ([Note: DTensor module
-overhead]); `planner.calibrate` runs them and keeps their figures in the `HostProfile`.
+DTensor end of step]), tensor parallelism's per-module dispatch ([Note: DTensor module
+overhead]) and FSDP2's collectives inside a step on two ranks ([Note: FSDP2 collectives in a
+step]); `planner.calibrate` runs them and keeps their figures in the `HostProfile`.
 """
 
 from __future__ import annotations
