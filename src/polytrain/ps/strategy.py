@@ -476,10 +476,7 @@ class PSStrategy(Strategy):
         with self.tracer.span("push", cat="communication", step=step):
             if self.pusher is not None:  # chunks and CLOCK are posted (`_post_clock`)
                 assert self.client is not None
-                # The next step's pull, unless this is the last step or a stop is coming.
-                stopping = poison and self.rules.on_nonfinite == "stop"
-                if step + 1 < self.job.train.steps and not stopping:
-                    self.next_pull = self.client.post_pull(step + 1)
+                self._post_next_pull(step, poison)
                 self.client.wait_chunks()
             else:
                 grads = {
@@ -491,12 +488,17 @@ class PSStrategy(Strategy):
                     flats = [torch.full_like(f, math.nan) for f in flats]
                 self._send(step, flats)
                 if not self.sync and self.is_pusher:  # [Note: pull with the clock], async/ssp
-                    stopping = poison and self.rules.on_nonfinite == "stop"
-                    if step + 1 < self.job.train.steps and not stopping:
-                        assert self.client is not None
-                        self.next_pull = self.client.post_pull(step + 1)
+                    self._post_next_pull(step, poison)
             if poison and self.colocated is not None:
                 self.colocated.wait_handled(step)  # see ColocatedServer.wait_handled
+
+    def _post_next_pull(self, step: int, poison: bool) -> None:
+        """Post the next step's pull with this push ([Note: pull with the clock]), unless this
+        is the last step or a stop is coming."""
+        stopping = poison and self.rules.on_nonfinite == "stop"
+        if step + 1 < self.job.train.steps and not stopping:
+            assert self.client is not None
+            self.next_pull = self.client.post_pull(step + 1)
 
     def _send(self, step: int, flats: list[torch.Tensor]) -> None:
         if self.host_group is not None:
