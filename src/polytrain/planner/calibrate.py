@@ -26,14 +26,10 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import polytrain.parallel
 import polytrain.pipeline
 import polytrain.ps  # noqa: F401  (with the two above: what a worker imports, for its baseline)
-from polytrain._torch_private import replicate
 from polytrain.comm.collectives import barrier
 from polytrain.comm.init import init_distributed
 from polytrain.comm.probe import COLLECTIVES, time_collective
@@ -59,6 +55,7 @@ from polytrain.planner.kernels import OpCounter, kernel_rates
 from polytrain.planner.probes import (
     rank_dtensor_step_costs,
     rank_fsdp_in_step,
+    rank_fsdp_unit_s,
     rank_tp_module_s,
     step_costs,
 )
@@ -222,43 +219,6 @@ def _op_seconds(device: torch.device, budget_s: float) -> float:
     with counter:
         chain()
     return timed(chain, device, budget_s) / max(counter.ops, 1)
-
-
-def _rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float]:
-    """[Note: FSDP2 unit overhead] Seconds FSDP2 adds per wrapped module to one forward +
-    backward, by ZeRO stage (0: its ``replicate``, which the hybrid runs for dp x tp), on a
-    group of ONE rank: its collectives move nothing
-    there, so what is left is its hooks' Python and bookkeeping, which the collective model
-    does not price. The slope between 8 and 32 one-Linear units, each (FSDP2 minus the same
-    model unsharded); the root counts as one more unit."""
-    device = torch.device("cpu")
-    mesh = init_device_mesh("cpu", (1,))
-    x = torch.ones(4, 16)
-
-    def build(units: int) -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16)) for _ in range(units)])
-
-    def seconds(model: nn.Module) -> float:
-        return timed(lambda: model(x).sum().backward(), device, budget_s)
-
-    def wrap(model: nn.Sequential, stage: int) -> None:
-        for module in [*model, model]:  # every unit, then the root (as apply_zero does)
-            if stage == 0:  # FSDP2's replicate: data parallel over tensor-parallel ranks
-                replicate(module, mesh=mesh)
-            else:
-                fully_shard(module, mesh=mesh, reshard_after_forward=stage == 3)
-
-    out: dict[int, float] = {}
-    for stage in (0, 2, 3):
-        extra = []
-        for units in (8, 32):
-            plain = seconds(build(units))
-            model = build(units)
-            wrap(model, stage)
-            extra.append(seconds(model) - plain)
-        out[stage] = max((extra[1] - extra[0]) / 24, 0.0)
-    return out
 
 
 # [Note: loop overhead] The job whose step costs next to nothing: gpt's sibling mlp with one hidden
@@ -479,7 +439,7 @@ def calibrate(
     finally:
         torch.set_num_threads(old_threads)
     matmuls.round()
-    (fsdp_unit_s,) = run_distributed(_rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
+    (fsdp_unit_s,) = run_distributed(rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
     tell("FSDP2 overhead per unit")
     if device.type == "cpu":  # DTensor's dispatch: [Note: DTensor end of step], [Note: DTensor
         # module overhead] in planner/probes.py; an accelerator host: not measured yet

@@ -2,8 +2,9 @@
 
 The end of a step over plain and over DTensor parameters ([Note: per-step costs], [Note:
 DTensor end of step]), tensor parallelism's per-module dispatch ([Note: DTensor module
-overhead]) and FSDP2's collectives inside a step on two ranks ([Note: FSDP2 collectives in a
-step]); `planner.calibrate` runs them and keeps their figures in the `HostProfile`.
+overhead]), FSDP2's hooks per unit on one rank ([Note: FSDP2 unit overhead]) and its
+collectives inside a step on two ranks ([Note: FSDP2 collectives in a step]); `planner.calibrate`
+runs them and keeps their figures in the `HostProfile`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from polytrain._torch_private import replicate
 from polytrain.config.job import OptimConfig
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import GradNorm, clip_gradients_, nonfinite_flag
@@ -32,6 +34,7 @@ __all__ = [
     "fit_per_tensor_and_byte",
     "rank_dtensor_step_costs",
     "rank_fsdp_in_step",
+    "rank_fsdp_unit_s",
     "rank_tp_module_s",
     "step_costs",
 ]
@@ -166,44 +169,86 @@ _FSDP_PROBE_ROWS = 64
 _FSDP_PROBE_CALLS = 10  # timed steps per model (every rank the same count: they synchronise)
 
 
+def _linear_units(dim: int, units: int) -> nn.Sequential:
+    """The FSDP2 probes' model: ``units`` one-Linear units of width ``dim``, seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim)) for _ in range(units)])
+
+
+def _shard_units(model: nn.Sequential, mesh: DeviceMesh, stage: int) -> nn.Sequential:
+    """Wrap every unit, then the root (as apply_zero does): ZeRO-``stage`` (FSDP2's
+    ``fully_shard``), or stage 0, FSDP2's ``replicate`` (data parallel over tensor-parallel
+    ranks)."""
+    for module in [*model, model]:
+        if stage == 0:
+            replicate(module, mesh=mesh)
+        else:
+            fully_shard(module, mesh=mesh, reshard_after_forward=stage == 3)
+    return model
+
+
+def _per_unit(
+    seconds: Callable[[nn.Module], float],
+    dim: int,
+    counts: tuple[int, int],
+    stages: tuple[int, ...],
+    mesh: DeviceMesh,
+) -> dict[int, float]:
+    """Per stage, the seconds FSDP2 adds per unit of width ``dim``: the slope between the unit
+    ``counts`` of (the wrapped model minus the same model unsharded, timed once per count)."""
+    plain = {n: seconds(_linear_units(dim, n)) for n in counts}
+    out: dict[int, float] = {}
+    for stage in stages:
+        extra = [
+            seconds(_shard_units(_linear_units(dim, n), mesh, stage)) - plain[n] for n in counts
+        ]
+        out[stage] = max((extra[1] - extra[0]) / (counts[1] - counts[0]), 0.0)
+    return out
+
+
+def rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float]:
+    """[Note: FSDP2 unit overhead] Seconds FSDP2 adds per wrapped module to one forward +
+    backward, by ZeRO stage (0: its ``replicate``, which the hybrid runs for dp x tp), on a
+    group of ONE rank: its collectives move nothing there, so what is left is its hooks' Python
+    and bookkeeping, which the collective model does not price. The slope between 8 and 32
+    one-Linear units, each (FSDP2 minus the same model unsharded); the root counts as one more
+    unit."""
+    device = torch.device("cpu")
+    x = torch.ones(4, 16)
+
+    def seconds(model: nn.Module) -> float:
+        return timed(lambda: model(x).sum().backward(), device, budget_s)
+
+    return _per_unit(seconds, 16, (8, 32), (0, 2, 3), init_device_mesh("cpu", (1,)))
+
+
 def rank_fsdp_in_step(rank: int, world: int) -> dict[int, list[tuple[float, float]]]:
     """[Note: FSDP2 collectives in a step] Per ZeRO stage, (unit parameter bytes, seconds FSDP2
     adds per unit to one forward + backward) at each of `FSDP_PROBE_DIMS`, on ``world`` ranks
     (the slowest rank's figure)."""
-    device = torch.device("cpu")
     mesh = init_device_mesh("cpu", (world,))
     out: dict[int, list[tuple[float, float]]] = {}
+    for dim in FSDP_PROBE_DIMS:
+        x = torch.ones(_FSDP_PROBE_ROWS, dim)
 
-    def build(dim: int, units: int) -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim)) for _ in range(units)])
+        def seconds(model: nn.Module, x: torch.Tensor = x) -> float:
+            # a fixed count of calls, not `timed`'s budget: every rank must make the same calls
+            def step() -> None:
+                model(x).sum().backward()
 
-    def seconds(model: nn.Module, x: torch.Tensor) -> float:
-        def step() -> None:
-            model(x).sum().backward()
-
-        step()
-        step()
-        total = 0.0
-        for _ in range(_FSDP_PROBE_CALLS):
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
             step()
-            total += time.perf_counter() - t0
-        mean = torch.tensor([total / _FSDP_PROBE_CALLS])
-        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
-        return float(mean.item())
+            step()
+            total = 0.0
+            for _ in range(_FSDP_PROBE_CALLS):
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                step()
+                total += time.perf_counter() - t0
+            mean = torch.tensor([total / _FSDP_PROBE_CALLS])
+            torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
+            return float(mean.item())
 
-    for stage in (2, 3):
-        for dim in FSDP_PROBE_DIMS:
-            x = torch.ones(_FSDP_PROBE_ROWS, dim, device=device)
-            extra = []
-            for units in _FSDP_PROBE_UNITS:
-                plain = seconds(build(dim, units), x)
-                model = build(dim, units)
-                for module in [*model, model]:  # every unit, then the root (as apply_zero does)
-                    fully_shard(module, mesh=mesh, reshard_after_forward=stage == 3)
-                extra.append(seconds(model, x) - plain)
-            per_unit = (extra[1] - extra[0]) / (_FSDP_PROBE_UNITS[1] - _FSDP_PROBE_UNITS[0])
-            out.setdefault(stage, []).append((float((dim * dim + dim) * 4), max(per_unit, 0.0)))
+        nbytes = float((dim * dim + dim) * 4)
+        for stage, per_unit in _per_unit(seconds, dim, _FSDP_PROBE_UNITS, (2, 3), mesh).items():
+            out.setdefault(stage, []).append((nbytes, per_unit))
     return out

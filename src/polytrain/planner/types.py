@@ -223,7 +223,7 @@ class HostProfile:
     step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
     op_s: float = 0.0  # seconds per ATen operator call on tiny tensors (dispatch); 0 = unknown
     # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
-    # forward + backward ([Note: FSDP2 unit overhead] in planner/calibrate.py); {} = unknown
+    # forward + backward ([Note: FSDP2 unit overhead] in planner/probes.py); {} = unknown
     fsdp_unit_s: dict[int, float] = field(default_factory=dict)
     # ZeRO stage -> (a unit's parameter bytes, seconds its all-gathers and reduce-scatter take
     # inside a step on two ranks, FSDP2's copies and waits included, its hooks not): [Note: FSDP2
