@@ -18,11 +18,11 @@ measured counts (the server's one main thread serves its workers' messages in tu
 worker adds its share). Measured with the workers sharing the cores as they do in a job, so
 no shared-core slowdown is applied on top. Measured on the 2-core VM over nine calibrations
 (each the median of its launches, the host shared with other jobs): sync 1.9-7.2 ms with 1
-worker and 4.8-10.7 ms with 2; async 2.3-7.5 and 5.4-11.0 ms. Async does more per step than
-sync: it posts no pull with its CLOCK ([Note: pull with the clock] in ps/overlap.py is
-sync-only), so each step pays a blocking push and then a separate PULL request and reply,
-none of it overlapped with compute; in the quiet benchmark run the mlp's async step took 15.5
-ms against sync's 9.1.
+worker and 4.8-10.7 ms with 2; async 2.3-7.5 and 5.4-11.0 ms. Async did more per step than
+sync while it posted no pull with its push: each step paid a blocking push and then a separate
+PULL request and reply, none of it overlapped with compute (the mlp's async step took 15.5 ms
+against sync's 9.1 in a quiet benchmark run); since 2026-11-25 it posts its next pull right
+after its push ([Note: pull with the clock] in ps/overlap.py), and the probe measures that.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from polytrain.core.optim import lr_at
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.planner.stats import OpCounter
+from polytrain.planner.kernels import OpCounter
 from polytrain.planner.timing import median_and_spread
 from polytrain.ps.strategy import PSStrategy
 from polytrain.testing.harness import run_distributed
