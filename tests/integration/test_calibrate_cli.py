@@ -48,6 +48,14 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert set(profile.step_costs) == parts | fused | {f"dtensor {part}" for part in parts}
     assert profile.step_costs["dtensor adamw"][0] > 0  # DTensor's dispatch per tensor
     assert profile.tp_module_s >= 0  # [Note: DTensor module overhead]
+    # [Note: tensor-parallel collectives in a step]: groups of two, 2 ranks (quick plan), at the
+    # probe's two activation sizes
+    assert set(profile.tp_in_step) == {2}
+    assert [b for b, _ in profile.tp_in_step[2].points] == [32 * 128 * 4.0, 2048 * 128 * 4.0]
+    assert all(s >= 0 for _, s in profile.tp_in_step[2].points)
+    assert "tp all-reduce" in first.stdout
+    # [Note: shared cores, measured on a step]: two processes at once, a positive factor
+    assert set(profile.step_slowdown) == {2} and profile.step_slowdown[2] > 0
     assert all(a >= 0 and b >= 0 for a, b in profile.step_costs.values())
     assert any(a > 0 or b > 0 for a, b in profile.step_costs.values())
     assert profile.op_s > 0

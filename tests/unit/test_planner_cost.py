@@ -225,6 +225,26 @@ def test_cpu_ranks_compute_at_the_shared_core_rate() -> None:
     assert four.fwd_s(block, 2) == pytest.approx(2e-3 * 5)
 
 
+def test_a_measured_step_slowdown_decides_over_the_matmul_rates() -> None:
+    """[Note: shared cores, measured on a step]: with `step_slowdown` the cost model slows CPU
+    work by the factor measured on a transformer layer's step for that many processes
+    (interpolated between counts, shared evenly past the largest), not by the matmul rates'
+    ratio; a profile without it keeps the matmul rates."""
+    profile = _cpu_profile(step_slowdown={2: 1.1, 4: 2.4})
+    two = Env(parse_cluster("1x2xcpu"), profile=profile)
+    assert two.cpu_slowdown == pytest.approx(1.1)
+    assert two.flops_rate == pytest.approx(10e9 / 1.1)
+    assert Env(parse_cluster("1x4xcpu"), profile=profile).cpu_slowdown == pytest.approx(2.4)
+    assert Env(parse_cluster("1x8xcpu"), profile=profile).cpu_slowdown == pytest.approx(4.8)
+    three = Env(parse_cluster("1x3xcpu"), profile=profile).cpu_slowdown
+    assert 1.1 < three < 2.4
+    assert Env(parse_cluster("1x2xcpu"), profile=_cpu_profile()).cpu_slowdown == pytest.approx(
+        10 / 6
+    )
+    fast = _cpu_profile(step_slowdown={2: 0.9})  # faster beside another: noise, never < 1
+    assert Env(parse_cluster("1x2xcpu"), profile=fast).cpu_slowdown == 1.0
+
+
 def test_calibrated_end_of_step_costs_per_tensor_and_byte() -> None:
     """[Note: per-step costs]: check + clip + update, each a * tensors + b * bytes, summed and
     slowed by the shared cores; without them the memory-bound update alone."""

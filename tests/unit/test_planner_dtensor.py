@@ -197,3 +197,31 @@ def test_replicate_on_a_cpu_host_all_reduces_each_block_in_series() -> None:
     assert (end, exposed) == (pytest.approx(6e-2 + reduce), pytest.approx(reduce))
     block = BlockStats("b", 1, 4, 1.0, 0.0, 0.0)
     assert block.tp_applied(2) == ()  # unknown modules: nothing applied
+
+
+def test_tp_collectives_in_a_step_cost_the_probe_of_as_many_ranks_on_the_host() -> None:
+    """[Note: tensor-parallel collectives in a step]: a tp group of two on the calibrated CPU
+    host pays the in-step all-reduce probed with the nearest count of ranks on the host (tp2
+    alone: 2; dp2 x tp2: 4), an all-gather that price times the isolated curves' ratio; a
+    degree of four, a group across hosts and a profile without the curve keep the isolated
+    curves."""
+    from polytrain.planner.types import Curve
+
+    curves = {2: Curve(((1e4, 1e-3), (1e6, 2e-3))), 4: Curve(((1e4, 3e-3), (1e6, 5e-3)))}
+    iso = Env(parse_cluster("1x2xcpu"), profile=cpu_profile())
+    two = Env(parse_cluster("1x2xcpu"), profile=cpu_profile(tp_in_step=curves))
+    four = Env(parse_cluster("1x4xcpu"), profile=cpu_profile(tp_in_step=curves))
+    assert two.tp_collective_s("all_reduce", 1e6, 2) == pytest.approx(2e-3)
+    assert four.tp_collective_s("all_reduce", 1e6, 2) == pytest.approx(5e-3)
+    assert replace(four, computing=2).tp_collective_s("all_reduce", 1e4, 2) == pytest.approx(1e-3)
+    ratio = iso.collective_s("all_gather", 1e6, 2) / iso.collective_s("all_reduce", 1e6, 2)
+    assert two.tp_collective_s("all_gather", 1e6, 2) == pytest.approx(2e-3 * ratio)
+    assert four.tp_collective_s("all_reduce", 1e6, 4) == four.collective_s("all_reduce", 1e6, 4)
+    assert iso.tp_collective_s("all_reduce", 1e6, 2) == iso.collective_s("all_reduce", 1e6, 2)
+    across = Env(parse_cluster("2x1xcpu:eth10"), profile=cpu_profile(tp_in_step=curves))
+    assert across.tp_collective_s("all_reduce", 1e6, 2) == across.collective_s("all_reduce", 1e6, 2)
+    # in a block: each of the plan's collectives at the in-step price
+    layer = replace(STATS.blocks[1], tp_modules=_layer(samples_bytes=1e6))
+    fwd = tp_comm_s(two, layer, 1.0, 2, first=False, last=False)
+    bwd = tp_comm_s(two, layer, 1.0, 2, first=False, last=False, backward=True)
+    assert (fwd, bwd) == (pytest.approx(2 * 2e-3), pytest.approx(4 * 2e-3))

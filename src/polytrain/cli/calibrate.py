@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from polytrain.planner.calibrate import CalibrationPlan, cached_profile, steps_of
-from polytrain.planner.types import HostProfile
+from polytrain.planner.types import Curve, HostProfile
 
 __all__ = ["calibrate_command", "profile_table"]
 
@@ -30,6 +30,11 @@ def _spread(profile: HostProfile, what: str) -> str:
 
 def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B" if nbytes < 1024 else f"{nbytes / 1024:.0f} KiB"
+
+
+def _points(curve: Curve, what: str) -> str:
+    """``1.2 ms per 16 KiB unit, ...``: an in-step curve's measured points."""
+    return ", ".join(f"{t * 1e3:.1f} ms per {_size(b)} {what}" for b, t in sorted(curve.points))
 
 
 def profile_table(profile: HostProfile, path: Path) -> Table:
@@ -59,6 +64,8 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
         table.add_row(
             f"matmul fp32, {n} process(es) at once", f"{flops / 1e9:.1f} GFLOP/s each{where}"
         )
+    for n, factor in sorted(profile.step_slowdown.items()):  # in planner/probes.py
+        table.add_row(f"transformer layer step, {n} processes at once", f"{factor:.2f}x alone")
     if profile.op_s > 0:
         table.add_row("operator call (dispatch)", f"{profile.op_s * 1e6:.1f} us")
     for n, flops in sorted(profile.gemm_by_size.items()):  # [Note: cold operands]
@@ -80,6 +87,11 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
         table.add_row(
             "DTensor, tensor-parallel module", f"{profile.tp_module_s * 1e6:.0f} us per module"
         )
+    for stage, curve in sorted(profile.fsdp_in_step.items()):  # in planner/probes.py
+        table.add_row(f"FSDP2 zero {stage} collectives in a step, 2 ranks", _points(curve, "unit"))
+    for ranks, curve in sorted(profile.tp_in_step.items()):  # in planner/probes.py
+        what = f"tp all-reduce in a step, groups of 2, {ranks} ranks on the host"
+        table.add_row(what, _points(curve, "activation"))
     if profile.loop_step_s > 0 or profile.loop_microbatch_s > 0:
         table.add_row(
             "training loop's own Python",

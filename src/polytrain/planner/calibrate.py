@@ -50,12 +50,15 @@ from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.parallel.family import build_spmd
 from polytrain.planner.calibrate_wire import PS_PROBE_WORKERS, posted_p2p_curve, ps_exchange
+from polytrain.planner.cost.common import host_slowdown
 from polytrain.planner.host import host_identity, saved_profile
 from polytrain.planner.kernels import OpCounter, kernel_rates
 from polytrain.planner.probes import (
     rank_dtensor_step_costs,
     rank_fsdp_in_step,
     rank_fsdp_unit_s,
+    rank_step_slowdown,
+    rank_tp_in_step,
     rank_tp_module_s,
     step_costs,
 )
@@ -110,6 +113,9 @@ class CalibrationPlan:
     # FSDP2's collectives inside a step on two ranks ([Note: FSDP2 collectives in a step] in
     # planner/probes.py), ~10 s
     fsdp_in_step: bool = True
+    # tensor parallelism's all-reduces inside a step on tp groups of two, with each of these
+    # rank counts on the host ([Note: tensor-parallel collectives in a step]), ~4 s and ~6 s
+    tp_in_step_ranks: tuple[int, ...] = (2, 4)
 
     @staticmethod
     def quick() -> CalibrationPlan:
@@ -127,6 +133,7 @@ class CalibrationPlan:
             ps_workers=(1,),
             ps_rounds=1,
             fsdp_in_step=False,
+            tp_in_step_ranks=(2,),
         )
 
     @staticmethod
@@ -343,6 +350,7 @@ def _rank_collectives(
     rate, spread = matmul_rates(matmul)[("fp32", matmul_n)]
     out["matmul"] = [(float(matmul_n), rate)]
     out["matmul_spread"] = [(float(matmul_n), spread)]
+    out["step_slowdown"] = [(float(world), rank_step_slowdown(rank, world, budget_s / 2))]
     return out
 
 
@@ -486,6 +494,7 @@ def calibrate(
             fsdp_in_step = _fsdp_in_step(fsdp_unit_s)
         tell("posted p2p, parameter-server exchange, FSDP2 in a step")
     concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
+    slowdown: dict[int, float] = {}  # [Note: shared cores, measured on a step]
     for world in plan.world_sizes:
         ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
         results = run_distributed(
@@ -499,6 +508,9 @@ def calibrate(
             collective_timeout_s=600.0,
         )
         concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
+        slowdown[world] = results[0].pop("step_slowdown")[0][1]
+        for r in results[1:]:
+            r.pop("step_slowdown")
         spread[f"matmul fp32, {world} at once"] = max(r.pop("matmul_spread")[0][1] for r in results)
         for op in ops:
             collectives[op][world] = Curve(tuple(results[0][op]))
@@ -506,6 +518,11 @@ def calibrate(
             spreads = [s for _, s in results[0][f"{op} spread"]]
             spread[f"{op} world {world}"] = statistics.median(spreads)
         tell(f"collectives, world {world}")
+    tp_in_step: dict[int, Curve] = {}
+    if device.type == "cpu" and plan.tp_in_step_ranks:
+        slower = partial(host_slowdown, step=slowdown, matmul=concurrent)
+        tp_in_step = _tp_in_step(plan.tp_in_step_ranks, tp_module_s, slower)
+        tell("tensor-parallel collectives in a step")
 
     identity = host_identity(threads)
     largest = max(plan.matmul_sizes)
@@ -521,11 +538,13 @@ def calibrate(
         runtime_bytes=runtime_bytes,
         threads=threads,
         matmul_concurrent=concurrent,
+        step_slowdown=slowdown,
         step_costs=costs,
         op_s=op_s,
         fsdp_unit_s=fsdp_unit_s,
         fsdp_in_step=fsdp_in_step,
         tp_module_s=tp_module_s,
+        tp_in_step=tp_in_step,
         loop_step_s=loop_step_s,
         loop_microbatch_s=loop_micro_s,
         ps_exchange_s=ps_exchange_s,
@@ -547,10 +566,27 @@ def _fsdp_in_step(hooks: dict[int, float]) -> dict[int, Curve]:
     }
 
 
+def _tp_in_step(
+    ranks: tuple[int, ...], dispatch_s: float, slower: Callable[[int], float]
+) -> dict[int, Curve]:
+    """[Note: tensor-parallel collectives in a step] in planner/probes.py: per count of ranks
+    on the host, one tp all-reduce inside a step on groups of two by its bytes: half of what
+    tensor parallelism added per column- then row-wise pair there, less one module's DTensor
+    dispatch (``dispatch_s``: `tp_module_s`, one process alone, slowed as the cost model slows
+    it with that many processes computing: ``slower(n)``, [Note: shared cores])."""
+    out = {}
+    for n in ranks:
+        slowdown = slower(n)
+        (measured,) = run_distributed(rank_tp_in_step, n, timeout_s=300.0)[:1]
+        out[n] = Curve(tuple((b, max(t / 2 - dispatch_s * slowdown, 0.0)) for b, t in measured))
+    return out
+
+
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
     wire = 1 if 2 in plan.world_sizes and not torch.cuda.is_available() else 0
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 7 + len(plan.world_sizes) + wire
+    tp = 1 if plan.tp_in_step_ranks and not torch.cuda.is_available() else 0
+    return len(plan.dtypes) * len(plan.matmul_sizes) + 7 + len(plan.world_sizes) + wire + tp
 
 
 def cached_profile(

@@ -4,11 +4,14 @@ The end of a step over plain and over DTensor parameters ([Note: per-step costs]
 DTensor end of step]), tensor parallelism's per-module dispatch ([Note: DTensor module
 overhead]), FSDP2's hooks per unit on one rank ([Note: FSDP2 unit overhead]) and its
 collectives inside a step on two ranks ([Note: FSDP2 collectives in a step]); `planner.calibrate`
-runs them and keeps their figures in the `HostProfile`.
+runs them and keeps their figures in the `HostProfile`; tensor parallelism's collectives inside a
+step ([Note: tensor-parallel collectives in a step]) on two ranks and on two groups of two; how
+much a step slows with other processes computing ([Note: shared cores, measured on a step]).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -31,10 +34,13 @@ __all__ = [
     "DTENSOR",
     "FSDP_PROBE_DIMS",
     "STEP_PARTS",
+    "TP_PROBE_ROWS",
     "fit_per_tensor_and_byte",
     "rank_dtensor_step_costs",
     "rank_fsdp_in_step",
     "rank_fsdp_unit_s",
+    "rank_step_slowdown",
+    "rank_tp_in_step",
     "rank_tp_module_s",
     "step_costs",
 ]
@@ -166,7 +172,24 @@ def rank_tp_module_s(rank: int, world: int, budget_s: float) -> float:
 FSDP_PROBE_DIMS = (16, 448)  # Linear widths of the probe's units: ~1 KB and ~0.8 MB each
 _FSDP_PROBE_UNITS = (4, 12)  # the per-unit figure is the slope between these unit counts
 _FSDP_PROBE_ROWS = 64
-_FSDP_PROBE_CALLS = 10  # timed steps per model (every rank the same count: they synchronise)
+_PROBE_CALLS = 10  # timed steps per model (every rank the same count: they synchronise)
+
+
+def _synchronised_seconds(step: Callable[[], None]) -> float:
+    """Mean seconds of ``step`` over a fixed count of calls, after two untimed ones, each call
+    started together on every rank (a barrier); the slowest rank's figure. Every rank makes the
+    same calls: the distributed probes' collectives pair up."""
+    step()
+    step()
+    total = 0.0
+    for _ in range(_PROBE_CALLS):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        step()
+        total += time.perf_counter() - t0
+    mean = torch.tensor([total / _PROBE_CALLS])
+    torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
+    return float(mean.item())
 
 
 def _linear_units(dim: int, units: int) -> nn.Sequential:
@@ -233,22 +256,109 @@ def rank_fsdp_in_step(rank: int, world: int) -> dict[int, list[tuple[float, floa
 
         def seconds(model: nn.Module, x: torch.Tensor = x) -> float:
             # a fixed count of calls, not `timed`'s budget: every rank must make the same calls
-            def step() -> None:
-                model(x).sum().backward()
-
-            step()
-            step()
-            total = 0.0
-            for _ in range(_FSDP_PROBE_CALLS):
-                torch.distributed.barrier()
-                t0 = time.perf_counter()
-                step()
-                total += time.perf_counter() - t0
-            mean = torch.tensor([total / _FSDP_PROBE_CALLS])
-            torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
-            return float(mean.item())
+            return _synchronised_seconds(lambda: model(x).sum().backward())
 
         nbytes = float((dim * dim + dim) * 4)
         for stage, per_unit in _per_unit(seconds, dim, _FSDP_PROBE_UNITS, (2, 3), mesh).items():
             out.setdefault(stage, []).append((nbytes, per_unit))
     return out
+
+
+# [Note: tensor-parallel collectives in a step]
+# Tensor parallelism's all-reduces sit between dependent matmuls ([Note: tensor-parallel modules]
+# in cost/tp.py) and, on a CPU host, cost more inside a step than the isolated calls of the
+# collective curves: each waits for its peer's compute since the last one, DTensor copies around
+# it, and with more ranks than cores the group's two processes are not scheduled together. On
+# the 2-core VM gpt tiny's tp2 step measured 21% over its price at the isolated curves and
+# dp2 x tp2 (four processes, two tp groups) 34% over (2026-11-25, `benchmarks/planner`).
+# `rank_tp_in_step` runs column- then row-wise Linear pairs (one all-reduce of the activation in
+# each pass, as in a transformer's MLP) of width `_TP_PROBE_DIM` at each of `TP_PROBE_ROWS`
+# rows, on tp groups of two: alone (2 ranks) or two groups at once (4 ranks, as dp2 x tp2 runs);
+# per pair beyond the same pairs' local shards unsharded, the slope between `_TP_PROBE_PAIRS`.
+# `calibrate` keeps, per ranks on the host, half the pair's figure less one module's dispatch
+# (`tp_module_s`, slowed by the shared cores): the in-step price of one all-reduce of that
+# activation (`HostProfile.tp_in_step`), which `Env.tp_collective_s` uses for tp groups of two on
+# the calibrated CPU host, scaling an all-gather by the isolated curves' ratio.
+TP_PROBE_ROWS = (32, 2048)  # activations of 16 KB (mlp tiny) and 1 MiB (gpt tiny's 32 x 64)
+_TP_PROBE_DIM = 128
+_TP_PROBE_PAIRS = (4, 12)
+
+
+def _linear_pairs(dim: int, pairs: int, shard: int) -> nn.Sequential:
+    """``pairs`` (Linear(dim, dim / shard), Linear(dim / shard, dim)), seeded: the probe's
+    model (``shard`` 1, parallelized after) or its local shards (``shard`` = the degree)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(pairs):
+        layers += [nn.Linear(dim, dim // shard), nn.Linear(dim // shard, dim)]
+    return nn.Sequential(*layers)
+
+
+def rank_tp_in_step(rank: int, world: int) -> list[tuple[float, float]]:
+    """[Note: tensor-parallel collectives in a step] (activation bytes, seconds tensor
+    parallelism adds per column- then row-wise Linear pair to one forward + backward) at each of
+    `TP_PROBE_ROWS`, on tp groups of two: the world's ranks in groups of two neighbours (a
+    ``(world / 2, 2)`` mesh, tp last, as `topology.ParallelDims` lays them out); the slowest
+    rank's figure."""
+    tp = 2
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+    out = []
+    for rows in TP_PROBE_ROWS:
+        x = torch.ones(rows, _TP_PROBE_DIM)
+
+        def seconds(model: nn.Module, x: torch.Tensor = x) -> float:
+            return _synchronised_seconds(lambda: model(x).sum().backward())
+
+        extra = []
+        for pairs in _TP_PROBE_PAIRS:
+            local = seconds(_linear_pairs(_TP_PROBE_DIM, pairs, tp))
+            model = _linear_pairs(_TP_PROBE_DIM, pairs, 1)
+            styles = {
+                str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                for i in range(2 * pairs)
+            }
+            parallelize_module(model, mesh, styles)  # type: ignore[arg-type]
+            extra.append(seconds(model) - local)
+        slope = (extra[1] - extra[0]) / (_TP_PROBE_PAIRS[1] - _TP_PROBE_PAIRS[0])
+        out.append((float(rows * _TP_PROBE_DIM * 4), max(slope, 0.0)))
+    return out
+
+
+# [Note: shared cores, measured on a step]
+# The cost model slows every CPU-bound time by how much slower one process computes beside the
+# host's other computing ranks ([Note: shared cores] in cost/common.py). Measured with 1024-wide
+# fp32 matmuls (`HostProfile.matmul_concurrent`) that factor overstates what a training step
+# meets: on a 2-vCPU Xeon VM (2026-11-26) two processes at once slowed a 1024 matmul 1.35x (and
+# the calibration's reading was 1.7x, spread 38%) but a transformer layer's forward + backward
+# (width 128, 64 tokens: matmuls of 128 to 512, softmax, layer norms, the autograd engine) only
+# 1.09x; with four, 2.7x and 2.5x. Two-process layouts of gpt tiny were then predicted 25-50%
+# slow. `rank_step_slowdown` times such a layer alone on rank 0 and on every rank at once, in
+# paired rounds (each ratio from two measurements seconds apart, so drift in the host's speed
+# between them mostly cancels), and answers the median ratio; `calibrate` keeps it per rank
+# count (`HostProfile.step_slowdown`), which `Env.cpu_slowdown` prefers to the matmul rates.
+_SLOWDOWN_ROUNDS = 5
+
+
+def rank_step_slowdown(rank: int, world: int, budget_s: float) -> float:
+    """[Note: shared cores, measured on a step] How much longer one transformer layer's forward
+    + backward takes on the slowest of ``world`` processes running it at once than on one alone
+    (the median over paired rounds; rank 0's answer is the figure)."""
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
+    x = torch.randn(8, 64, 128)
+
+    def step() -> None:
+        layer(x).sum().backward()
+
+    step()
+    ratios = []
+    for _ in range(_SLOWDOWN_ROUNDS):
+        torch.distributed.barrier()
+        alone = timed(step, device, budget_s) if rank == 0 else 0.0
+        torch.distributed.barrier()
+        together = torch.tensor([timed(step, device, budget_s)])
+        torch.distributed.all_reduce(together, op=torch.distributed.ReduceOp.MAX)
+        if rank == 0:
+            ratios.append(float(together.item()) / alone)
+    return statistics.median(ratios) if ratios else 1.0

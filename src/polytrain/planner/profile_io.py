@@ -67,6 +67,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "runtime_bytes": profile.runtime_bytes,
         "threads": profile.threads,
         "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
+        "step_slowdown": {str(n): v for n, v in profile.step_slowdown.items()},
         "step_costs": {part: list(pair) for part, pair in profile.step_costs.items()},
         "op_s": profile.op_s,
         "fsdp_unit_s": {str(k): v for k, v in profile.fsdp_unit_s.items()},
@@ -74,6 +75,9 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
             str(k): [list(pt) for pt in curve.points] for k, curve in profile.fsdp_in_step.items()
         },
         "tp_module_s": profile.tp_module_s,
+        "tp_in_step": {
+            str(k): [list(pt) for pt in curve.points] for k, curve in profile.tp_in_step.items()
+        },
         "loop_step_s": profile.loop_step_s,
         "loop_microbatch_s": profile.loop_microbatch_s,
         "ps_exchange_s": {
@@ -112,6 +116,8 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         runtime_bytes=float(data.get("runtime_bytes", 0.0)),  # older profiles: unknown
         threads=int(data.get("threads", 1)),
         matmul_concurrent={int(n): float(v) for n, v in data.get("matmul_concurrent", {}).items()},
+        # older profiles: the slowdown from the matmul rates
+        step_slowdown={int(n): float(v) for n, v in data.get("step_slowdown", {}).items()},
         # absent in profiles saved before the per-step costs were calibrated: {} makes the
         # cost model use its memory-bound update (`Env.optimizer_s`), as it did then
         step_costs={
@@ -125,6 +131,10 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
             for k, pts in data.get("fsdp_in_step", {}).items()
         },
         tp_module_s=float(data.get("tp_module_s", 0.0)),  # older profiles: unpriced
+        tp_in_step={  # older profiles: tensor parallelism's collectives at the isolated curves
+            int(k): Curve(tuple(sorted((float(b), float(t)) for b, t in pts)))
+            for k, pts in data.get("tp_in_step", {}).items()
+        },
         # older profiles: the loop's own Python unpriced, no spreads recorded
         loop_step_s=float(data.get("loop_step_s", 0.0)),
         loop_microbatch_s=float(data.get("loop_microbatch_s", 0.0)),

@@ -215,6 +215,10 @@ class HostProfile:
     threads: int = 1  # intra-op threads per process the numbers were measured with
     # processes computing at once -> fp32 FLOP/s of each (cores are shared past the core count)
     matmul_concurrent: dict[int, float] = field(default_factory=dict)
+    # processes computing at once -> how much longer a transformer layer's forward + backward
+    # takes on each than on one alone ([Note: shared cores, measured on a step] in
+    # planner/probes.py); {} = not measured (the matmul rates above decide)
+    step_slowdown: dict[int, float] = field(default_factory=dict)
     # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
     # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
     # global-norm clip), "check" (the non-finite check); "dtensor <part>" the same on DTensor
@@ -232,6 +236,10 @@ class HostProfile:
     # [Note: DTensor module overhead] in planner/probes.py: seconds tensor parallelism's
     # DTensor dispatch adds per parallelized module to one forward + backward; 0 = unknown
     tp_module_s: float = 0.0
+    # ranks on the host -> (bytes, seconds one tensor-parallel all-reduce takes inside a step
+    # on tp groups of two, its DTensor dispatch not included): [Note: tensor-parallel
+    # collectives in a step] in planner/probes.py; {} = not measured (the isolated curves)
+    tp_in_step: dict[int, Curve] = field(default_factory=dict)
     # [Note: loop overhead] in planner/calibrate.py: seconds a training step spends in its own
     # Python beyond what the rest of the profile prices, once per step and once per micro-batch
     # (one process alone, a CPU host); 0 = not calibrated

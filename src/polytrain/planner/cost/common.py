@@ -21,7 +21,10 @@ prices compute at the rate for the number of ranks that compute at once on one h
 (`Env.computing`, default: the cluster's devices per host), interpolated linearly between
 measured counts and, past the largest, shared evenly (rate(n) = rate(k) k / n). Every other
 CPU-bound time measured in one process alone (measured block times, the per-step costs) slows
-by the same factor rate(1) / rate(n). Accelerators do not share: there it is 1.
+by the same factor rate(1) / rate(n). A profile that measured the slowdown on a transformer
+layer's step (`HostProfile.step_slowdown`, [Note: shared cores, measured on a step] in
+planner/probes.py) uses that instead of the matmul rates: `host_slowdown`. Accelerators do not
+share: there it is 1.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from polytrain.planner.catalog import Link
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.types import BlockStats, HostProfile
 
-__all__ = ["Env", "concurrent_rate", "grid_rate", "ring_factor", "size_rate"]
+__all__ = ["Env", "concurrent_rate", "grid_rate", "host_slowdown", "ring_factor", "size_rate"]
 
 
 def size_rate(by_size: dict[int, float], dim: float) -> float:
@@ -91,6 +94,20 @@ def concurrent_rate(measured: dict[int, float], n: int) -> float:
     return measured[lo] * (1 - w) + measured[hi] * w
 
 
+def host_slowdown(n: int, *, step: dict[int, float], matmul: dict[int, float]) -> float:
+    """How much slower one process computes with ``n`` computing at once than alone (>= 1): the
+    measured ``step`` slowdowns (count -> factor, [Note: shared cores, measured on a step] in
+    planner/probes.py) read as rates 1 / factor (shared evenly past the largest count), else
+    the concurrent ``matmul`` rates (count -> FLOP/s of each), else 1. [Note: shared cores]"""
+    rates = matmul
+    if step:
+        rates = {1: 1.0, **{k: 1.0 / v for k, v in step.items() if v > 0}}
+    if not rates:
+        return 1.0
+    shared = concurrent_rate(rates, n)
+    return max(concurrent_rate(rates, 1) / shared, 1.0) if shared > 0 else 1.0
+
+
 def ring_factor(op: str, n: int) -> float:
     """Bytes on the wire per byte of X, per rank, for a ring ``op`` on ``n`` ranks."""
     if n <= 1:
@@ -129,12 +146,10 @@ class Env:
         """How much slower one process computes beside the host's other computing ranks than
         alone (>= 1; 1 without a CPU profile with concurrent rates). [Note: shared cores]"""
         prof = self.profile
-        if prof is None or not prof.matmul_concurrent or self.cluster.device.key != "cpu":
+        if prof is None or self.cluster.device.key != "cpu":
             return 1.0
         n = self.computing or min(self.cluster.per_host, self.cluster.size)
-        alone = concurrent_rate(prof.matmul_concurrent, 1)
-        shared = concurrent_rate(prof.matmul_concurrent, n)
-        return max(alone / shared, 1.0) if shared > 0 else 1.0
+        return host_slowdown(n, step=prof.step_slowdown, matmul=prof.matmul_concurrent)
 
     @cached_property
     def flops_rate(self) -> float:
@@ -295,6 +310,24 @@ class Env:
         if curve is None or dp != 2 or self.link(stride, dp) is not self.cluster.intra:
             return None
         return curve.seconds(nbytes)
+
+    def tp_collective_s(self, op: str, nbytes: float, tp: int, stride: int = 1) -> float:
+        """Seconds of one tensor-parallel ``op`` of ``nbytes`` over ``tp`` ranks inside a step.
+        For a group of two on the calibrated CPU host with a profile that measured it, the
+        all-reduce the probe ran there with the nearest count of ranks on the host ([Note:
+        tensor-parallel collectives in a step] in planner/probes.py), another operation that
+        curve times the isolated curves' ratio; otherwise `collective_s`."""
+        isolated = self.collective_s(op, nbytes, tp, stride)
+        prof = self.profile
+        curves = prof.tp_in_step if prof is not None else {}
+        if not curves or tp != 2 or nbytes <= 0 or self.link(stride, tp) is not self.cluster.intra:
+            return isolated
+        ranks = self.computing or min(self.cluster.per_host, self.cluster.size)
+        in_step = curves[min(curves, key=lambda n: (abs(n - ranks), n))].seconds(nbytes)
+        if op == "all_reduce":
+            return in_step
+        reduce = self.collective_s("all_reduce", nbytes, tp, stride)
+        return in_step * isolated / reduce if reduce > 0 else isolated
 
     def step_cost_s(
         self, parts: tuple[str, ...], tensors: float, nbytes: float, dtensors: float = 0.0

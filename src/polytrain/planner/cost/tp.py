@@ -23,8 +23,10 @@ DTensor styles issue them, each of its own activation:
   forward, nothing in backward (ids take no gradient).
 
 A module whose divisor the degree does not divide is not parallelized (the plan's vocabulary
-rows), and costs nothing. Each module also pays DTensor's dispatch, calibrated per module
-([Note: DTensor module overhead] in planner/probes.py), half in each pass. Without the
+rows), and costs nothing. On a calibrated CPU host a group of two pays each collective's price
+inside a step ([Note: tensor-parallel collectives in a step] in planner/probes.py). Each
+module also pays DTensor's dispatch, calibrated per module ([Note: DTensor module overhead]
+in planner/probes.py), half in each pass. Without the
 modules (a model without a plan, `stats_pure`): the old count, two all-reduces of the
 block's output per pass (one at the ends: embedding, head).
 """
@@ -81,7 +83,7 @@ def tp_comm_s(
         return 0.0
     if block.tp_modules is not None:
         return sum(
-            env.collective_s(op, nbytes * samples, tp, 1)
+            env.tp_collective_s(op, nbytes * samples, tp)
             for module in block.tp_applied(tp)
             for op, nbytes in module_collectives(module, backward)
         )
@@ -89,7 +91,7 @@ def tp_comm_s(
     nbytes = block.output_bytes * samples
     if last:  # the head's collective moves the (small) input, not the vocabulary-wide logits
         nbytes = _input_bytes(block) * samples
-    return n * env.collective_s("all_reduce", nbytes, tp, 1)
+    return n * env.tp_collective_s("all_reduce", nbytes, tp)
 
 
 def tp_dispatch_s(env: Env, block: BlockStats, tp: int) -> float:
