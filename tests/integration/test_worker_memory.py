@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from polytrain.config.io import job_from_dict, save_job
-from polytrain.planner.calibrate import _WORKER_IMPORTS, _fresh_worker_memory
+from polytrain.planner.calibrate_worker import WORKER_IMPORTS, fresh_worker_memory
 from polytrain.planner.memory import memory_per_rank, process_bytes
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout
 
-# _WORKER_IMPORTS prints the peak after the imports; then the run, then the peak again
+# WORKER_IMPORTS prints the peak after the imports; then the run, then the peak again
 _TRAIN = (
-    _WORKER_IMPORTS + "; import sys; from polytrain.config.io import job_from_dict, load_job"
+    WORKER_IMPORTS + "; import sys; from polytrain.config.io import job_from_dict, load_job"
     "; from polytrain.trainer.loop import train"
     "; train(job_from_dict(load_job(sys.argv[1])))"
     "; print(peak_memory_mb(torch.device('cpu')))"
@@ -55,7 +55,7 @@ def test_a_worker_peak_is_its_model_plus_imports_runtime_and_data(tmp_path: Path
     stats = model_stats(job)
     # the pydoc corpus, one int64 per character (train and validation share its storage)
     assert 3 * 2**20 < stats.data_bytes < 5 * 2**20
-    _, runtime, _ = _fresh_worker_memory()
+    _, runtime, _ = fresh_worker_memory()
     assert runtime > 10 * 2**20  # torch._dynamo alone, imported by the first optimizer
     profile = HostProfile("x", "cpu", {}, 1.0, baseline_bytes=imported, runtime_bytes=runtime)
     model = memory_per_rank(stats, Layout(), [stats.blocks], 32.0).total

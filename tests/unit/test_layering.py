@@ -30,6 +30,7 @@ PURE_EXEMPT = {
     "planner/tp_stats.py",
     "planner/calibrate.py",
     "planner/calibrate_wire.py",
+    "planner/calibrate_worker.py",
     "planner/probes.py",
     "planner/timing.py",
     "planner/host.py",

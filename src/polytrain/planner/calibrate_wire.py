@@ -11,7 +11,7 @@ cost model cannot count those trips from the protocol: which of them overlap and
 depends on the threads' timing. So `polytrain calibrate` runs the real `PSStrategy` (one server,
 1 and 2 workers, sync and async) on `_PROBE_MODEL`, whose compute and bytes are negligible, and
 keeps each worker's seconds per step less what the cost model already prices for that step:
-the loop's own Python ([Note: loop overhead] in planner/calibrate.py) and its operator calls x
+the loop's own Python ([Note: loop overhead] in planner/calibrate_worker.py) and its operator calls x
 ``op_s``. What is left is the exchange's fixed seconds with N workers at one server
 (`HostProfile.ps_exchange_s`); `Env.ps_exchange_s` reads it at N, linear between and past the
 measured counts (the server's one main thread serves its workers' messages in turn, so each

@@ -103,7 +103,7 @@ def process_bytes(stats: ModelStats, profile: HostProfile) -> float:
       (``torch._compile._disable_dynamo``: ~220 modules, ~23 MiB of Python objects), and the
       first forward, backward and update touch the pages of the kernels they run (~13 MiB of
       libtorch's code). Calibrated by a fresh worker that builds the library's optimizer and runs
-      two steps of a miniature of the default model (`planner.calibrate._fresh_worker_memory`;
+      two steps of a miniature of the default model (`planner.calibrate_worker.fresh_worker_memory`;
       44 MiB on the development host);
     * ``stats.data_bytes``: the token stream or (inputs, targets) tensors of the job's data set,
       which every worker loads whole (`data.datasets.build_datasets`; the pydoc corpus: 465k

@@ -240,7 +240,7 @@ class HostProfile:
     # on tp groups of two, its DTensor dispatch not included): [Note: tensor-parallel
     # collectives in a step] in planner/probes.py; {} = not measured (the isolated curves)
     tp_in_step: dict[int, Curve] = field(default_factory=dict)
-    # [Note: loop overhead] in planner/calibrate.py: seconds a training step spends in its own
+    # [Note: loop overhead] in planner/calibrate_worker.py: seconds a training step spends in its own
     # Python beyond what the rest of the profile prices, once per step and once per micro-batch
     # (one process alone, a CPU host); 0 = not calibrated
     loop_step_s: float = 0.0

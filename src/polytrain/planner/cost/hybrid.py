@@ -131,7 +131,7 @@ def _step_reduce_s(layout: Layout, stats: ModelStats, env: Env) -> float:
 
 def _loop(env: Env) -> tuple[float, float]:
     """(seconds per step, seconds per micro-batch) of the training step's own Python, as
-    calibrated ([Note: loop overhead] in planner/calibrate.py), slowed like all CPU work by
+    calibrated ([Note: loop overhead] in planner/calibrate_worker.py), slowed like all CPU work by
     shared cores; (0, 0) without a profile that measured it."""
     prof = env.profile
     if prof is None:
