@@ -256,7 +256,7 @@ def _rank_collectives(
     rate, spread = matmul_rates(matmul)[("fp32", matmul_n)]
     out["matmul"] = [(float(matmul_n), rate)]
     out["matmul_spread"] = [(float(matmul_n), spread)]
-    out["step_slowdown"] = [(float(world), rank_step_slowdown(rank, world, budget_s / 2))]
+    out["step_slowdown"] = [(float(world), rank_step_slowdown(rank, world, budget_s / 4))]
     return out
 
 

@@ -11,7 +11,7 @@ much a step slows with other processes computing ([Note: shared cores, measured 
 
 from __future__ import annotations
 
-import statistics
+import math
 import time
 from collections.abc import Callable
 from functools import partial
@@ -333,16 +333,19 @@ def rank_tp_in_step(rank: int, world: int) -> list[tuple[float, float]]:
 # (width 128, 64 tokens: matmuls of 128 to 512, softmax, layer norms, the autograd engine) only
 # 1.09x; with four, 2.7x and 2.5x. Two-process layouts of gpt tiny were then predicted 25-50%
 # slow. `rank_step_slowdown` times such a layer alone on rank 0 and on every rank at once, in
-# paired rounds (each ratio from two measurements seconds apart, so drift in the host's speed
-# between them mostly cancels), and answers the median ratio; `calibrate` keeps it per rank
-# count (`HostProfile.step_slowdown`), which `Env.cpu_slowdown` prefers to the matmul rates.
-_SLOWDOWN_ROUNDS = 5
+# alternating rounds, and answers the fastest "at once" round over the fastest "alone" one;
+# `calibrate` keeps it per rank count (`HostProfile.step_slowdown`), which `Env.cpu_slowdown`
+# prefers to the matmul rates. The fastest rounds, not the median of paired ratios (the first
+# version): a burst of the host's other load lands on some rounds and only ever adds time, and
+# one calibration at 11:51 whose rounds met such bursts read 1.64x for two processes where the
+# quiet ones read 1.03 and 1.09 (every two-process gpt tiny layout then predicted 30-70% slow).
+_SLOWDOWN_ROUNDS = 8
 
 
 def rank_step_slowdown(rank: int, world: int, budget_s: float) -> float:
     """[Note: shared cores, measured on a step] How much longer one transformer layer's forward
     + backward takes on the slowest of ``world`` processes running it at once than on one alone
-    (the median over paired rounds; rank 0's answer is the figure)."""
+    (the fastest round of each; rank 0's answer is the figure)."""
     device = torch.device("cpu")
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
@@ -352,13 +355,13 @@ def rank_step_slowdown(rank: int, world: int, budget_s: float) -> float:
         layer(x).sum().backward()
 
     step()
-    ratios = []
+    alone, together = math.inf, math.inf
     for _ in range(_SLOWDOWN_ROUNDS):
         torch.distributed.barrier()
-        alone = timed(step, device, budget_s) if rank == 0 else 0.0
-        torch.distributed.barrier()
-        together = torch.tensor([timed(step, device, budget_s)])
-        torch.distributed.all_reduce(together, op=torch.distributed.ReduceOp.MAX)
         if rank == 0:
-            ratios.append(float(together.item()) / alone)
-    return statistics.median(ratios) if ratios else 1.0
+            alone = min(alone, timed(step, device, budget_s))
+        torch.distributed.barrier()
+        slowest = torch.tensor([timed(step, device, budget_s)])
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        together = min(together, float(slowest.item()))
+    return together / alone if rank == 0 else 1.0
