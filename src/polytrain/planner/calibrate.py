@@ -227,8 +227,9 @@ def _rank_collectives(
     (n, its spread). [Note: timing rounds]: every (op, size) is timed once in each of
     `COLLECTIVE_ROUNDS` sweeps over all of them (one call each, after a warm-up call in the
     first sweep: 4 calls where the single run of before made 3 to 6), and its seconds are the
-    median of the sweeps; the matmul's
-    rounds run between the sweeps, every rank's after a barrier."""
+    median of the sweeps; the matmul's rounds run between the sweeps, every rank's after a
+    barrier. Under "step_slowdown" (world, rank 0's `rank_step_slowdown`: [Note: shared cores,
+    measured on a step] in planner/probes.py)."""
     cpu = torch.device("cpu")
     matmul = _matmul_rounds((matmul_n,), ("fp32",), cpu, max(budget_s, 0.2))
     sweeps: dict[tuple[str, int], list[float]] = {(op, n): [] for op in ops for n in sizes}
@@ -359,9 +360,7 @@ def calibrate(
             collective_timeout_s=600.0,
         )
         concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
-        slowdown[world] = results[0].pop("step_slowdown")[0][1]
-        for r in results[1:]:
-            r.pop("step_slowdown")
+        slowdown[world] = results[0]["step_slowdown"][0][1]  # rank 0's: the figure
         spread[f"matmul fp32, {world} at once"] = max(r.pop("matmul_spread")[0][1] for r in results)
         for op in ops:
             collectives[op][world] = Curve(tuple(results[0][op]))

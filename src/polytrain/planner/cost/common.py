@@ -148,8 +148,15 @@ class Env:
         prof = self.profile
         if prof is None or self.cluster.device.key != "cpu":
             return 1.0
-        n = self.computing or min(self.cluster.per_host, self.cluster.size)
-        return host_slowdown(n, step=prof.step_slowdown, matmul=prof.matmul_concurrent)
+        return host_slowdown(
+            self.host_ranks, step=prof.step_slowdown, matmul=prof.matmul_concurrent
+        )
+
+    @property
+    def host_ranks(self) -> int:
+        """Ranks computing at once on one host: `computing`, else every device of a host the
+        cluster uses. [Note: shared cores]"""
+        return self.computing or min(self.cluster.per_host, self.cluster.size)
 
     @cached_property
     def flops_rate(self) -> float:
@@ -317,15 +324,15 @@ class Env:
         all-reduce the probe ran there with the nearest count of ranks on the host ([Note:
         tensor-parallel collectives in a step] in planner/probes.py), another operation that
         curve times the isolated curves' ratio; otherwise `collective_s`."""
-        isolated = self.collective_s(op, nbytes, tp, stride)
         prof = self.profile
         curves = prof.tp_in_step if prof is not None else {}
         if not curves or tp != 2 or nbytes <= 0 or self.link(stride, tp) is not self.cluster.intra:
-            return isolated
-        ranks = self.computing or min(self.cluster.per_host, self.cluster.size)
+            return self.collective_s(op, nbytes, tp, stride)
+        ranks = self.host_ranks
         in_step = curves[min(curves, key=lambda n: (abs(n - ranks), n))].seconds(nbytes)
         if op == "all_reduce":
             return in_step
+        isolated = self.collective_s(op, nbytes, tp, stride)
         reduce = self.collective_s("all_reduce", nbytes, tp, stride)
         return in_step * isolated / reduce if reduce > 0 else isolated
 
