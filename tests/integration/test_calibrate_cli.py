@@ -69,6 +69,10 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     )
     # [Note: loop overhead] and [Note: timing rounds]: measured, and the table shows them
     assert profile.loop_step_s >= 0 and profile.loop_microbatch_s >= 0
+    # [Note: pipeline runtime overhead]: the quick plan's one schedule, fitted, shown
+    assert set(profile.pipe_action_s) == set(profile.pipe_flush_s) == {"1f1b"}
+    assert profile.pipe_action_s["1f1b"] >= 0 and profile.pipe_flush_s["1f1b"] >= 0
+    assert "pipeline runtime" in first.stdout and "pipeline runtime 1f1b" in profile.spread
     # [Note: parameter-server exchange]: one worker at one server, both modes (quick plan)
     assert {m: set(by_n) for m, by_n in profile.ps_exchange_s.items()} == {
         "sync": {1},

@@ -39,6 +39,8 @@ def _profile() -> HostProfile:
         tp_in_step={2: Curve(((1.6e4, 1.7e-3), (2**20, 2.3e-3)))},
         loop_step_s=3e-4,
         loop_microbatch_s=2e-4,
+        pipe_action_s={"gpipe": 2e-4, "1f1b": 8e-5},
+        pipe_flush_s={"gpipe": 0.0, "1f1b": 3e-4},
         ps_exchange_s={"sync": {1: 2e-3, 2: 8e-3}, "async": {1: 3e-3}},
         spread={"matmul fp32 512": 0.04, "training loop": 0.1},
         gemm_by_size={32: 6e10, 512: 9e10},
@@ -81,7 +83,7 @@ def test_a_profile_saved_before_step_costs_loads_without_them(tmp_path: Path) ->
     data = json.loads(path.read_text())
     del data["step_costs"], data["op_s"], data["fsdp_unit_s"]  # as written before them
     del data["loop_step_s"], data["loop_microbatch_s"], data["spread"], data["tp_module_s"]
-    del data["ps_exchange_s"]
+    del data["ps_exchange_s"], data["pipe_action_s"], data["pipe_flush_s"]
     del data["gemm_by_size"], data["attention_rates"], data["elementwise_s"]
     path.write_text(json.dumps(data))
     old = load_profile(path)
@@ -89,6 +91,7 @@ def test_a_profile_saved_before_step_costs_loads_without_them(tmp_path: Path) ->
     assert old.step_costs == {} and old.op_s == 0.0 and old.fsdp_unit_s == {}
     assert old.loop_step_s == old.loop_microbatch_s == 0.0 and old.spread == {}
     assert old.ps_exchange_s == {}
+    assert old.pipe_action_s == old.pipe_flush_s == {}  # [Note: pipeline runtime overhead]
     assert old.gemm_by_size == {} and old.attention_rates == {}  # [Note: attention kernels]
     assert old.elementwise_s == {}  # [Note: elementwise kernels]
     assert old.matmul_concurrent == _profile().matmul_concurrent

@@ -99,6 +99,13 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
             f"{profile.loop_microbatch_s * 1e6:.0f} us per micro-batch"
             f"{_spread(profile, 'training loop')}",
         )
+    for schedule, action in sorted(profile.pipe_action_s.items()):  # planner/calibrate_worker.py
+        flush = profile.pipe_flush_s.get(schedule, 0.0)
+        table.add_row(
+            f"pipeline runtime, {schedule}, 2 stages",
+            f"{action * 1e6:.0f} us per F and per B + {flush * 1e6:.0f} us per flush"
+            f"{_spread(profile, f'pipeline runtime {schedule}')}",
+        )
     for part, (per_tensor, per_byte) in profile.step_costs.items():
         rate = f"{1 / per_byte / 1e9:.2f} GB/s" if per_byte > 0 else "no per-byte term"
         table.add_row(f"end of step: {part}", f"{per_tensor * 1e6:.1f} us per tensor + {rate}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -29,11 +29,14 @@ import torch
 from polytrain.comm.collectives import barrier
 from polytrain.comm.probe import COLLECTIVES, time_collective
 from polytrain.errors import PlanError
+from polytrain.pipeline.schedule import SCHEDULE_NAMES
 from polytrain.planner.calibrate_wire import PS_PROBE_WORKERS, posted_p2p_curve, ps_exchange
 from polytrain.planner.calibrate_worker import (
+    fit_pipeline_runtime,
     fresh_worker_memory,
     rank_baseline,
     rank_loop_overhead,
+    rank_pipeline_steps,
 )
 from polytrain.planner.cost.common import host_slowdown
 from polytrain.planner.host import host_identity, saved_profile
@@ -101,6 +104,9 @@ class CalibrationPlan:
     # tensor parallelism's all-reduces inside a step on tp groups of two, with each of these
     # rank counts on the host ([Note: tensor-parallel collectives in a step]), ~4 s and ~6 s
     tp_in_step_ranks: tuple[int, ...] = (2, 4)
+    # the pipeline runtime's own cost per action and per flush, by schedule, on two stages
+    # ([Note: pipeline runtime overhead] in planner/calibrate_worker.py), ~3 s each
+    pipeline_schedules: tuple[str, ...] = SCHEDULE_NAMES
 
     @staticmethod
     def quick() -> CalibrationPlan:
@@ -119,6 +125,7 @@ class CalibrationPlan:
             ps_rounds=1,
             fsdp_in_step=False,
             tp_in_step_ranks=(2,),
+            pipeline_schedules=("1f1b",),
         )
 
     @staticmethod
@@ -376,7 +383,7 @@ def calibrate(
 
     identity = host_identity(threads)
     largest = max(plan.matmul_sizes)
-    return HostProfile(
+    profile = HostProfile(
         fingerprint=fingerprint(identity),
         device=identity["gpu"] if device.type == "cuda" else "cpu",
         matmul_flops={dtype: sizes[largest] for dtype, sizes in by_size.items()},
@@ -403,6 +410,19 @@ def calibrate(
         attention_rates=attention,
         elementwise_s=elementwise,
     )
+    if device.type == "cpu" and plan.pipeline_schedules:  # priced by the profile so far
+        measured = run_distributed(
+            rank_pipeline_steps, 2, plan.pipeline_schedules, timeout_s=300.0
+        )[0]
+        actions, flushes, pipe_spreads = fit_pipeline_runtime(profile, measured)
+        profile = replace(
+            profile,
+            pipe_action_s=actions,
+            pipe_flush_s=flushes,
+            spread={**profile.spread, **pipe_spreads},
+        )
+        tell("pipeline runtime per action and per flush")
+    return profile
 
 
 def _fsdp_in_step(hooks: dict[int, float]) -> dict[int, Curve]:
@@ -435,8 +455,11 @@ def _tp_in_step(
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
     wire = 1 if 2 in plan.world_sizes and not torch.cuda.is_available() else 0
-    tp = 1 if plan.tp_in_step_ranks and not torch.cuda.is_available() else 0
-    return len(plan.dtypes) * len(plan.matmul_sizes) + 7 + len(plan.world_sizes) + wire + tp
+    cpu = not torch.cuda.is_available()
+    tp = 1 if plan.tp_in_step_ranks and cpu else 0
+    pipe = 1 if plan.pipeline_schedules and cpu else 0
+    fixed = 7 + wire + tp + pipe
+    return len(plan.dtypes) * len(plan.matmul_sizes) + len(plan.world_sizes) + fixed
 
 
 def cached_profile(

@@ -1,7 +1,8 @@
 """What a training worker itself costs, for `polytrain calibrate`: its loop's own Python per step
-and per micro-batch ([Note: loop overhead]) and the memory it holds before it builds a model
-([Note: a worker's own memory] in planner/memory.py). Moved out of `planner.calibrate`, which
-runs them and keeps their figures in the `HostProfile`.
+and per micro-batch ([Note: loop overhead]), the pipeline runtime's per action and per flush
+([Note: pipeline runtime overhead]) and the memory it holds before it builds a model ([Note: a
+worker's own memory] in planner/memory.py). Moved out of `planner.calibrate`, which runs them
+and keeps their figures in the `HostProfile`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import itertools
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 
@@ -24,20 +27,35 @@ from polytrain.config.job import (
     ModelConfig,
     ObserveConfig,
     ParallelConfig,
+    PipelineConfig,
     TrainConfig,
 )
 from polytrain.core.optim import lr_at
-from polytrain.core.strategy import Strategy
+from polytrain.core.strategy import Strategy, step_result
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
 from polytrain.errors import PlanError
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.parallel.family import build_spmd
+from polytrain.pipeline.family import build_pipeline
+from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.cost import Env, predict
 from polytrain.planner.kernels import OpCounter
-from polytrain.planner.timing import Rounds
+from polytrain.planner.stats import model_stats
+from polytrain.planner.timing import Rounds, median_and_spread
+from polytrain.planner.types import HostProfile, Layout
 
-__all__ = ["WORKER_IMPORTS", "fresh_worker_memory", "rank_baseline", "rank_loop_overhead"]
+__all__ = [
+    "PIPE_MICROBATCHES",
+    "WORKER_IMPORTS",
+    "fit_pipeline_runtime",
+    "fresh_worker_memory",
+    "pipeline_probe_job",
+    "rank_baseline",
+    "rank_loop_overhead",
+    "rank_pipeline_steps",
+]
 
 
 # [Note: loop overhead] The job whose step costs next to nothing: gpt's sibling mlp with one hidden
@@ -117,6 +135,115 @@ def rank_loop_overhead(
         max(statistics.median(per_micro), 0.0),
         spread,
     )
+
+
+# [Note: pipeline runtime overhead] A pipeline stage runs every F and B through its runtime
+# (pipeline/runtime.py): the action's span, the stage's call, the received activation's
+# ``requires_grad_``, the backward with its incoming gradient, the sends it posts and the
+# receives it takes; and a rank that blocks on a message must be woken when it arrives, which on
+# the 2-core VM is bimodal (a posted ping-pong: median 0.07 ms a round trip, 7% of them ~4 ms).
+# None of it is the model's compute or the loop's per-micro-batch Python ([Note: loop
+# overhead]). Measured on that VM (2026-11-26) with the negligible model below on two stages, a
+# GPipe step took 3.7-4.1 ms at 2 micro-batches and 9.4-10.6 ms at 8, 1F1B 3.8 and 8.1 ms, where
+# the runtime's own trace showed each F and B at 0.2-0.3 ms: the cost model without these terms
+# priced the mlp tiny's pipelines 15-42% low. The probe runs the runtime's real ``train_step``
+# (after ``set_lr``, as the loop does) of that model on two stages, every schedule at 2 and 8
+# micro-batches, in rounds (each round the mean of its steps, as a trial measures a run), and
+# fits, round by round, what is left beyond the cost model's price of that very job p(m):
+#     t(m) - p(m) = a(m) x action + f(m) x flush
+# with a(m), f(m) the simulation's own sensitivity to seconds added to every F and B and to
+# every flush (the figures enter the model exactly so). Two micro-batch counts give both; the
+# figures are their medians over the rounds, at least 0 (a negative action refits the flush).
+PIPE_MICROBATCHES = (2, 8)
+_PIPE_ROUNDS, _PIPE_STEPS = 6, 10  # after one round of warm-up
+
+
+def pipeline_probe_job(schedule: str, microbatches: int) -> JobConfig:
+    """[Note: pipeline runtime overhead]: the negligible model (gpt's sibling mlp, two layers of
+    one unit on one-token windows) on two stages."""
+    return JobConfig(
+        model=ModelConfig(name="mlp", n_layer=2, n_embd=1, block_size=1),
+        train=TrainConfig(steps=(_PIPE_ROUNDS + 1) * _PIPE_STEPS, sample_tokens=0, eval_every=0),
+        parallel=ParallelConfig(pp=2),
+        pipeline=PipelineConfig(schedule=schedule, microbatches=microbatches),  # type: ignore[arg-type]  # a name of SCHEDULE_NAMES
+        observe=ObserveConfig(progress=False),
+        launch=LaunchConfig(nproc=2),
+    )
+
+
+def rank_pipeline_steps(
+    rank: int, world: int, schedules: tuple[str, ...]
+) -> dict[tuple[str, int], list[float]]:
+    """[Note: pipeline runtime overhead] (schedule, micro-batches) -> mean seconds of a step, per
+    round. Every rank runs the same steps in the same order; a PipeDream stream left open between
+    rounds stays on its own process groups (`comm.p2p.new_group_of`)."""
+    ctx = init_distributed()
+    torch.manual_seed(0)
+    runs: dict[tuple[str, int], tuple[Strategy, JobConfig]] = {}
+    for schedule in schedules:
+        for m in PIPE_MICROBATCHES:
+            job = pipeline_probe_job(schedule, m)
+            train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
+            batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
+            model = build_model(job.model, spec, job.train.seed)
+            runs[(schedule, m)] = (build_pipeline(job, ctx, model, batches), job)
+    per_round: dict[tuple[str, int], list[float]] = {key: [] for key in runs}
+    for r in range(_PIPE_ROUNDS + 1):
+        for key, (strategy, job) in runs.items():
+            total = 0.0
+            for n in range(r * _PIPE_STEPS, (r + 1) * _PIPE_STEPS):
+                t0 = time.perf_counter()
+                strategy.set_lr(lr_at(n, job.optim, job.train.steps))
+                out = strategy.train_step(n)
+                total += time.perf_counter() - t0
+                step_result(out)  # PipeDream's deferred loss (the loop waits a step later)
+            if r:
+                per_round[key].append(total / _PIPE_STEPS)
+    return per_round
+
+
+def fit_pipeline_runtime(
+    profile: HostProfile, measured: dict[tuple[str, int], list[float]]
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """[Note: pipeline runtime overhead] (schedule -> seconds per F and B, schedule -> seconds
+    per flush, "pipeline runtime <schedule>" -> spread of the per-action figure's rounds)."""
+    host = parse_cluster("1x2xcpu")
+    lo, hi = PIPE_MICROBATCHES
+    actions: dict[str, float] = {}
+    flushes: dict[str, float] = {}
+    spreads: dict[str, float] = {}
+    stats = model_stats(pipeline_probe_job("1f1b", lo), device="cpu")
+    eps = 1e-3
+    for schedule in sorted({s for s, _ in measured}):
+
+        def price(m: int, action: float, flush: float, schedule: str = schedule) -> float:
+            job = pipeline_probe_job(schedule, m)
+            prof = replace(
+                profile, pipe_action_s={schedule: action}, pipe_flush_s={schedule: flush}
+            )
+            env = Env(host, job.train.dtype, prof, job.parallel.bucket_mb * 2**20)
+            layout = Layout(pp=2, schedule=schedule, microbatches=m)
+            return predict(layout, stats, env, job.train.global_batch_size).step_s
+
+        base = {m: price(m, 0.0, 0.0) for m in (lo, hi)}
+        a = {m: (price(m, eps, 0.0) - base[m]) / eps for m in (lo, hi)}
+        f = {m: (price(m, 0.0, eps) - base[m]) / eps for m in (lo, hi)}
+        rounds = list(zip(measured[(schedule, lo)], measured[(schedule, hi)], strict=True))
+        per_action = [
+            ((t_hi - base[hi]) / f[hi] - (t_lo - base[lo]) / f[lo])
+            / (a[hi] / f[hi] - a[lo] / f[lo])
+            for t_lo, t_hi in rounds
+        ]
+        action, spreads[f"pipeline runtime {schedule}"] = median_and_spread(per_action)
+        action = max(action, 0.0)
+        per_flush = [
+            (t - base[m] - a[m] * action) / f[m]
+            for pair in rounds
+            for m, t in zip((lo, hi), pair, strict=True)
+        ]
+        actions[schedule] = action
+        flushes[schedule] = max(statistics.median(per_flush), 0.0)
+    return actions, flushes, spreads
 
 
 WORKER_IMPORTS = (

@@ -80,6 +80,8 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         },
         "loop_step_s": profile.loop_step_s,
         "loop_microbatch_s": profile.loop_microbatch_s,
+        "pipe_action_s": profile.pipe_action_s,
+        "pipe_flush_s": profile.pipe_flush_s,
         "ps_exchange_s": {
             mode: {str(n): v for n, v in by_n.items()}
             for mode, by_n in profile.ps_exchange_s.items()
@@ -138,6 +140,9 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         # older profiles: the loop's own Python unpriced, no spreads recorded
         loop_step_s=float(data.get("loop_step_s", 0.0)),
         loop_microbatch_s=float(data.get("loop_microbatch_s", 0.0)),
+        # older profiles: the pipeline runtime's own Python and waits unpriced
+        pipe_action_s={k: float(v) for k, v in data.get("pipe_action_s", {}).items()},
+        pipe_flush_s={k: float(v) for k, v in data.get("pipe_flush_s", {}).items()},
         # older profiles: the parameter server's fixed exchange unpriced (the link's latency)
         ps_exchange_s={
             str(mode): {int(n): float(v) for n, v in by_n.items()}

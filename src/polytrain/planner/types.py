@@ -245,6 +245,12 @@ class HostProfile:
     # (one process alone, a CPU host); 0 = not calibrated
     loop_step_s: float = 0.0
     loop_microbatch_s: float = 0.0
+    # [Note: pipeline runtime overhead] in planner/calibrate_worker.py: pipeline schedule ->
+    # seconds the pipeline runtime adds to every F and every B of a stage beyond the loop's
+    # share, and seconds it adds once per flush (PipeDream: per step), two stages on one host
+    # (one process's figures: slowed by shared cores like all CPU work); {} = not calibrated
+    pipe_action_s: dict[str, float] = field(default_factory=dict)
+    pipe_flush_s: dict[str, float] = field(default_factory=dict)
     # [Note: parameter-server exchange] in planner/calibrate_wire.py: mode ("sync", "async") ->
     # workers at one server -> fixed seconds per step of the exchange; {} = not calibrated
     ps_exchange_s: dict[str, dict[int, float]] = field(default_factory=dict)

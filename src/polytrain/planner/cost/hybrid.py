@@ -139,6 +139,18 @@ def _loop(env: Env) -> tuple[float, float]:
     return prof.loop_step_s * env.cpu_slowdown, prof.loop_microbatch_s * env.cpu_slowdown
 
 
+def _pipeline_runtime(env: Env, schedule: str) -> tuple[float, float]:
+    """(seconds per F and per B, seconds per flush) the pipeline runtime adds beyond the loop's
+    share, as calibrated for ``schedule`` ([Note: pipeline runtime overhead] in
+    planner/calibrate_worker.py), slowed like all CPU work by shared cores; (0, 0) without a
+    profile that measured it."""
+    prof = env.profile
+    if prof is None:
+        return 0.0, 0.0
+    action = prof.pipe_action_s.get(schedule, 0.0)
+    return action * env.cpu_slowdown, prof.pipe_flush_s.get(schedule, 0.0) * env.cpu_slowdown
+
+
 def _spmd(
     layout: Layout, stats: ModelStats, env: Env, mb_samples: float
 ) -> tuple[float, dict[str, float]]:
@@ -208,14 +220,15 @@ def _pipeline(
     # (the first fetches its inputs, the last its targets), so a micro-batch's share of the
     # loop's Python goes half into each F and B of every stage, through the simulation
     per_step, per_micro = _loop(env)
+    action_s, flush_s = _pipeline_runtime(env, layout.schedule)
     pp_stride = layout.dp * layout.tp  # pp is the outermost mesh axis
     for blocks in stages:
         f, b, tp_s = _block_times(
             env, blocks, mb_samples, layout.tp, layout.recompute, first=-start, last=n - 1 - start
         )
         start += len(blocks)
-        fwd_s.append(sum(f) + per_micro / 2)
-        bwd_s.append(sum(b) + per_micro / 2)
+        fwd_s.append(sum(f) + per_micro / 2 + action_s)
+        bwd_s.append(sum(b) + per_micro / 2 + action_s)
         tp_total = max(tp_total, tp_s)
         out = blocks[-1].output_bytes * mb_samples / layout.tp
         # the runtime posts its receives ahead: [Note: posted receives] in comm/probe.py
@@ -238,16 +251,19 @@ def _pipeline(
     if layout.schedule == "pipedream":
         dp_s = max(0.0, dp_s - timing.per_step)
     opt = max(_optimizer(layout, stats, env, blocks) for blocks in stages)
-    step = timing.per_step * runs + dp_s + opt + per_step
+    step = (timing.per_step + flush_s) * runs + dp_s + opt + per_step
     tp_s = tp_total * layout.microbatches * runs
     loop = per_step + per_micro * layout.microbatches * runs
+    # the runtime's share of the busiest stage: its F and B, and the flush's own cost
+    runtime = (2 * action_s * layout.microbatches + flush_s) * runs
     return step, {
-        "compute": max(timing.busy) * runs - tp_s - (loop - per_step),
+        "compute": max(timing.busy) * runs - tp_s - (loop - per_step) - (runtime - flush_s * runs),
         "tp_comm": tp_s,
         "dp_comm": dp_s,
         "bubble": timing.bubble * runs,
         "optimizer": opt,
         "loop": loop,
+        "pipeline_runtime": runtime,
     }
 
 
