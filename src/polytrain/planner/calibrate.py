@@ -105,8 +105,9 @@ class CalibrationPlan:
     # rank counts on the host ([Note: tensor-parallel collectives in a step]), ~4 s and ~6 s
     tp_in_step_ranks: tuple[int, ...] = (2, 4)
     # the pipeline runtime's own cost per action and per flush, by schedule, on two stages
-    # ([Note: pipeline runtime overhead] in planner/calibrate_worker.py), ~3 s each
+    # ([Note: pipeline runtime overhead] in planner/calibrate_worker.py)
     pipeline_schedules: tuple[str, ...] = SCHEDULE_NAMES
+    pipeline_steps: int = 40  # per round (6 rounds): ~25 s for the three schedules
 
     @staticmethod
     def quick() -> CalibrationPlan:
@@ -126,6 +127,7 @@ class CalibrationPlan:
             fsdp_in_step=False,
             tp_in_step_ranks=(2,),
             pipeline_schedules=("1f1b",),
+            pipeline_steps=10,
         )
 
     @staticmethod
@@ -412,7 +414,7 @@ def calibrate(
     )
     if device.type == "cpu" and plan.pipeline_schedules:  # priced by the profile so far
         measured = run_distributed(
-            rank_pipeline_steps, 2, plan.pipeline_schedules, timeout_s=300.0
+            rank_pipeline_steps, 2, plan.pipeline_schedules, plan.pipeline_steps, timeout_s=300.0
         )[0]
         actions, flushes, pipe_spreads = fit_pipeline_runtime(profile, measured)
         profile = replace(

@@ -144,45 +144,54 @@ def rank_loop_overhead(
 # the 2-core VM is bimodal (a posted ping-pong: median 0.07 ms a round trip, 7% of them ~4 ms).
 # None of it is the model's compute or the loop's per-micro-batch Python ([Note: loop
 # overhead]). Measured on that VM (2026-11-26) with the negligible model below on two stages, a
-# GPipe step took 3.7-4.1 ms at 2 micro-batches and 9.4-10.6 ms at 8, 1F1B 3.8 and 8.1 ms, where
-# the runtime's own trace showed each F and B at 0.2-0.3 ms: the cost model without these terms
-# priced the mlp tiny's pipelines 15-42% low. The probe runs the runtime's real ``train_step``
-# (after ``set_lr``, as the loop does) of that model on two stages, every schedule at 2 and 8
-# micro-batches, in rounds (each round the mean of its steps, as a trial measures a run), and
-# fits, round by round, what is left beyond the cost model's price of that very job p(m):
+# GPipe step took 3.1-4.1 ms at 2 micro-batches and 7.5-10.6 ms at 8, 1F1B 2.8-4.1 and 6.2-8.1,
+# where the runtime's own trace showed each F and B at 0.2-0.3 ms: the cost model without these
+# terms priced the mlp tiny's pipelines 15-42% low. The probe runs the runtime's real
+# ``train_step`` (after ``set_lr``, as the loop does) of that model on two stages, every schedule
+# at 2 and 8 micro-batches, in rounds (each round the mean of its steps, as a trial measures a
+# run: a stall of a few ms is part of the price), and fits, round by round, what is left beyond
+# the cost model's price of that very job p(m):
 #     t(m) - p(m) = a(m) x action + f(m) x flush
 # with a(m), f(m) the simulation's own sensitivity to seconds added to every F and B and to
 # every flush (the figures enter the model exactly so). Two micro-batch counts give both; the
 # figures are their medians over the rounds, at least 0 (a negative action refits the flush).
+# They are priced as measured, not slowed by the shared cores: most of a negligible stage's
+# action is waiting, and with the factor on, one calibration's figures priced mlp tiny's
+# 4-process pipelines (pp4, dp2 x pp2) 56-75% high, without it 33-34%. The figure moves with
+# the host: 81-197 us per action one calibration, 213-286 us another an hour later (same VM,
+# nothing else running; the rounds' spread 45-58%).
 PIPE_MICROBATCHES = (2, 8)
-_PIPE_ROUNDS, _PIPE_STEPS = 6, 10  # after one round of warm-up
+_PIPE_ROUNDS = 6  # after one round of warm-up
 
 
-def pipeline_probe_job(schedule: str, microbatches: int) -> JobConfig:
+def pipeline_probe_job(schedule: str, microbatches: int, steps_per_round: int = 1) -> JobConfig:
     """[Note: pipeline runtime overhead]: the negligible model (gpt's sibling mlp, two layers of
-    one unit on one-token windows) on two stages."""
+    one unit on one-token windows) on two stages, as many steps as the probe's rounds take."""
     return JobConfig(
         model=ModelConfig(name="mlp", n_layer=2, n_embd=1, block_size=1),
-        train=TrainConfig(steps=(_PIPE_ROUNDS + 1) * _PIPE_STEPS, sample_tokens=0, eval_every=0),
+        train=TrainConfig(
+            steps=(_PIPE_ROUNDS + 1) * steps_per_round, sample_tokens=0, eval_every=0
+        ),
         parallel=ParallelConfig(pp=2),
-        pipeline=PipelineConfig(schedule=schedule, microbatches=microbatches),  # type: ignore[arg-type]  # a name of SCHEDULE_NAMES
+        pipeline=PipelineConfig(schedule=schedule, microbatches=microbatches),  # type: ignore[arg-type]  # SCHEDULE_NAMES
         observe=ObserveConfig(progress=False),
         launch=LaunchConfig(nproc=2),
     )
 
 
 def rank_pipeline_steps(
-    rank: int, world: int, schedules: tuple[str, ...]
+    rank: int, world: int, schedules: tuple[str, ...], steps_per_round: int
 ) -> dict[tuple[str, int], list[float]]:
     """[Note: pipeline runtime overhead] (schedule, micro-batches) -> mean seconds of a step, per
-    round. Every rank runs the same steps in the same order; a PipeDream stream left open between
-    rounds stays on its own process groups (`comm.p2p.new_group_of`)."""
+    round of ``steps_per_round`` steps. Every rank runs the same steps in the same order; a
+    PipeDream stream left open between rounds stays on its own process groups
+    (`comm.p2p.new_group_of`)."""
     ctx = init_distributed()
     torch.manual_seed(0)
     runs: dict[tuple[str, int], tuple[Strategy, JobConfig]] = {}
     for schedule in schedules:
         for m in PIPE_MICROBATCHES:
-            job = pipeline_probe_job(schedule, m)
+            job = pipeline_probe_job(schedule, m, steps_per_round)
             train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
             batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
             model = build_model(job.model, spec, job.train.seed)
@@ -191,14 +200,14 @@ def rank_pipeline_steps(
     for r in range(_PIPE_ROUNDS + 1):
         for key, (strategy, job) in runs.items():
             total = 0.0
-            for n in range(r * _PIPE_STEPS, (r + 1) * _PIPE_STEPS):
+            for n in range(r * steps_per_round, (r + 1) * steps_per_round):
                 t0 = time.perf_counter()
                 strategy.set_lr(lr_at(n, job.optim, job.train.steps))
                 out = strategy.train_step(n)
                 total += time.perf_counter() - t0
                 step_result(out)  # PipeDream's deferred loss (the loop waits a step later)
             if r:
-                per_round[key].append(total / _PIPE_STEPS)
+                per_round[key].append(total / steps_per_round)
     return per_round
 
 
@@ -212,7 +221,7 @@ def fit_pipeline_runtime(
     actions: dict[str, float] = {}
     flushes: dict[str, float] = {}
     spreads: dict[str, float] = {}
-    stats = model_stats(pipeline_probe_job("1f1b", lo), device="cpu")
+    stats = model_stats(pipeline_probe_job("1f1b", lo), device="cpu")  # any schedule's: one model
     eps = 1e-3
     for schedule in sorted({s for s, _ in measured}):
 

@@ -248,7 +248,7 @@ class HostProfile:
     # [Note: pipeline runtime overhead] in planner/calibrate_worker.py: pipeline schedule ->
     # seconds the pipeline runtime adds to every F and every B of a stage beyond the loop's
     # share, and seconds it adds once per flush (PipeDream: per step), two stages on one host
-    # (one process's figures: slowed by shared cores like all CPU work); {} = not calibrated
+    # (priced as measured, whatever the ranks on the host); {} = not calibrated
     pipe_action_s: dict[str, float] = field(default_factory=dict)
     pipe_flush_s: dict[str, float] = field(default_factory=dict)
     # [Note: parameter-server exchange] in planner/calibrate_wire.py: mode ("sync", "async") ->

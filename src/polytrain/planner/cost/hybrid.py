@@ -141,14 +141,13 @@ def _loop(env: Env) -> tuple[float, float]:
 
 def _pipeline_runtime(env: Env, schedule: str) -> tuple[float, float]:
     """(seconds per F and per B, seconds per flush) the pipeline runtime adds beyond the loop's
-    share, as calibrated for ``schedule`` ([Note: pipeline runtime overhead] in
-    planner/calibrate_worker.py), slowed like all CPU work by shared cores; (0, 0) without a
-    profile that measured it."""
+    share, as calibrated for ``schedule`` on two stages ([Note: pipeline runtime overhead] in
+    planner/calibrate_worker.py: mostly waiting, so not slowed by the shared cores); (0, 0)
+    without a profile that measured it."""
     prof = env.profile
     if prof is None:
         return 0.0, 0.0
-    action = prof.pipe_action_s.get(schedule, 0.0)
-    return action * env.cpu_slowdown, prof.pipe_flush_s.get(schedule, 0.0) * env.cpu_slowdown
+    return prof.pipe_action_s.get(schedule, 0.0), prof.pipe_flush_s.get(schedule, 0.0)
 
 
 def _spmd(
