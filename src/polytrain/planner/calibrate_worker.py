@@ -149,12 +149,14 @@ def rank_loop_overhead(
 # terms priced the mlp tiny's pipelines 15-42% low. The probe runs the runtime's real
 # ``train_step`` (after ``set_lr``, as the loop does) of that model on two stages, every schedule
 # at 2 and 8 micro-batches, in rounds (each round the mean of its steps, as a trial measures a
-# run: a stall of a few ms is part of the price), and fits, round by round, what is left beyond
-# the cost model's price of that very job p(m):
-#     t(m) - p(m) = a(m) x action + f(m) x flush
-# with a(m), f(m) the simulation's own sensitivity to seconds added to every F and B and to
-# every flush (the figures enter the model exactly so). Two micro-batch counts give both; the
-# figures are their medians over the rounds, at least 0 (a negative action refits the flush).
+# run: a stall of a few ms is part of the price), and solves, round by round, for the seconds
+# added to every F and B (action) and to every flush (flush) that make the cost model's own
+# price of that very job equal what was measured at both counts:
+#     price(m; action, flush) = t(m),  m = 2, 8
+# (the figures enter the model exactly so; the price is linear in both but for the ranks'
+# utilization, [Note: a pipeline's shared cores] in cost/hybrid.py, so Newton's method on finite
+# differences). The figures are their medians over the rounds, at least 0 (a negative action
+# refits the flush alone).
 # They are priced as measured, not slowed by the shared cores: most of a negligible stage's
 # action is waiting, and with the factor on, one calibration's figures priced mlp tiny's
 # 4-process pipelines (pp4, dp2 x pp2) 56-75% high, without it 33-34%. The figure moves with
@@ -217,12 +219,10 @@ def fit_pipeline_runtime(
     """[Note: pipeline runtime overhead] (schedule -> seconds per F and B, schedule -> seconds
     per flush, "pipeline runtime <schedule>" -> spread of the per-action figure's rounds)."""
     host = parse_cluster("1x2xcpu")
-    lo, hi = PIPE_MICROBATCHES
     actions: dict[str, float] = {}
     flushes: dict[str, float] = {}
     spreads: dict[str, float] = {}
-    stats = model_stats(pipeline_probe_job("1f1b", lo), device="cpu")  # any schedule's: one model
-    eps = 1e-3
+    stats = model_stats(pipeline_probe_job("1f1b", 2), device="cpu")  # one model for all
     for schedule in sorted({s for s, _ in measured}):
 
         def price(m: int, action: float, flush: float, schedule: str = schedule) -> float:
@@ -234,25 +234,54 @@ def fit_pipeline_runtime(
             layout = Layout(pp=2, schedule=schedule, microbatches=m)
             return predict(layout, stats, env, job.train.global_batch_size).step_s
 
-        base = {m: price(m, 0.0, 0.0) for m in (lo, hi)}
-        a = {m: (price(m, eps, 0.0) - base[m]) / eps for m in (lo, hi)}
-        f = {m: (price(m, 0.0, eps) - base[m]) / eps for m in (lo, hi)}
-        rounds = list(zip(measured[(schedule, lo)], measured[(schedule, hi)], strict=True))
-        per_action = [
-            ((t_hi - base[hi]) / f[hi] - (t_lo - base[lo]) / f[lo])
-            / (a[hi] / f[hi] - a[lo] / f[lo])
-            for t_lo, t_hi in rounds
-        ]
-        action, spreads[f"pipeline runtime {schedule}"] = median_and_spread(per_action)
-        action = max(action, 0.0)
-        per_flush = [
-            (t - base[m] - a[m] * action) / f[m]
-            for pair in rounds
-            for m, t in zip((lo, hi), pair, strict=True)
-        ]
-        actions[schedule] = action
-        flushes[schedule] = max(statistics.median(per_flush), 0.0)
+        rounds = zip(*(measured[(schedule, m)] for m in PIPE_MICROBATCHES), strict=True)
+        fits = [_solve(price, dict(zip(PIPE_MICROBATCHES, r, strict=True))) for r in rounds]
+        action, spreads[f"pipeline runtime {schedule}"] = median_and_spread([a for a, _ in fits])
+        actions[schedule] = max(action, 0.0)
+        if action < 0:  # no action: the flush alone, from every round and count
+            fits = [
+                _solve(price, {m: t}, action=0.0)
+                for m in PIPE_MICROBATCHES
+                for t in measured[(schedule, m)]
+            ]
+        flushes[schedule] = max(statistics.median(f for _, f in fits), 0.0)
     return actions, flushes, spreads
+
+
+def _solve(
+    price: Callable[[int, float, float], float],
+    seconds: dict[int, float],
+    action: float | None = None,
+) -> tuple[float, float]:
+    """(action, flush) with ``price(m, action, flush) == seconds[m]`` for each micro-batch count
+    m: Newton's method from (0, 0) on finite differences (the price is nearly linear in both:
+    on shared cores the ranks' utilization moves with the runtime's share); it stops at a
+    negative action. With ``action`` given, the flush alone from one count."""
+    eps, a, f = 1e-6, action or 0.0, 0.0
+    for _ in range(6):
+        rows = []
+        for m, t in seconds.items():
+            base = price(m, a, f)
+            rows.append(
+                (
+                    (price(m, a + eps, f) - base) / eps,
+                    (price(m, a, f + eps) - base) / eps,
+                    t - base,
+                )
+            )
+        if action is not None:
+            _, df, r = rows[0]
+            f += r / df
+            continue
+        (a1, f1, r1), (a2, f2, r2) = rows
+        det = a1 * f2 - a2 * f1
+        if det == 0:
+            break
+        a += (r1 * f2 - r2 * f1) / det
+        f += (a1 * r2 - a2 * r1) / det
+        if a < 0:  # no runtime cost to add: the caller refits the flush alone
+            break
+    return a, f
 
 
 WORKER_IMPORTS = (

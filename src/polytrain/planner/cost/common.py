@@ -75,15 +75,15 @@ def grid_rate(grid: dict[tuple[int, int], float], t: float, d: float) -> float:
     return math.exp(log)
 
 
-def concurrent_rate(measured: dict[int, float], n: int) -> float:
+def concurrent_rate(measured: dict[int, float], n: float) -> float:
     """Per-process FLOP/s with ``n`` processes computing at once, from ``measured`` (process
     count -> per-process rate); see [Note: shared cores]."""
     if not measured:
         raise ValueError("no concurrent matmul rates measured")
     counts = sorted(measured)
     n = max(n, 1)
-    if n in measured:
-        return measured[n]
+    if n == int(n) and int(n) in measured:
+        return measured[int(n)]
     if n > counts[-1]:
         return measured[counts[-1]] * counts[-1] / n
     if n < counts[0]:
@@ -94,7 +94,7 @@ def concurrent_rate(measured: dict[int, float], n: int) -> float:
     return measured[lo] * (1 - w) + measured[hi] * w
 
 
-def host_slowdown(n: int, *, step: dict[int, float], matmul: dict[int, float]) -> float:
+def host_slowdown(n: float, *, step: dict[int, float], matmul: dict[int, float]) -> float:
     """How much slower one process computes with ``n`` computing at once than alone (>= 1): the
     measured ``step`` slowdowns (count -> factor, [Note: shared cores, measured on a step] in
     planner/probes.py) read as rates 1 / factor (shared evenly past the largest count), else
@@ -137,8 +137,9 @@ class Env:
     bucket_bytes: float = 25.0 * 2**20  # parallel.bucket_mb
     ps_chunk_bytes: float = 256.0 * 1024  # ps.chunk_kb
     straggler_s: float = 0.0  # extra seconds the slowest worker takes per step
-    # ranks computing at once on one host (0 = every device of a host); [Note: shared cores]
-    computing: int = 0
+    # ranks computing at once on one host, on average (0 = every device of a host); [Note:
+    # shared cores], [Note: a pipeline's shared cores] in cost/hybrid.py
+    computing: float = 0
 
     # -- compute -------------------------------------------------------------------------
     @cached_property
@@ -153,7 +154,7 @@ class Env:
         )
 
     @property
-    def host_ranks(self) -> int:
+    def host_ranks(self) -> float:
         """Ranks computing at once on one host: `computing`, else every device of a host the
         cluster uses. [Note: shared cores]"""
         return self.computing or min(self.cluster.per_host, self.cluster.size)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.decentralized import gossip_exchange_s, localsgd_average_s
 from polytrain.planner.cost.dp import dp_backward, replicate_backward
-from polytrain.planner.cost.pipeline import pipeline_step
+from polytrain.planner.cost.pipeline import PipelineTiming, pipeline_step
 from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.sufficient_factor import sf_block_s
 from polytrain.planner.cost.tp import tp_comm_s, tp_dispatch_s
@@ -205,6 +205,18 @@ def _spmd(
     }
 
 
+# [Note: a pipeline's shared cores] A pipeline's ranks do not all compute at once: a stage
+# idles in its bubble and while it waits for a message. On a host with more ranks than cores
+# ([Note: shared cores] in cost/common.py) the slowdown a stage's compute meets is the one for
+# the ranks that compute beside it on average, not for every rank on the host: the simulation
+# is run once at the full count, its utilization u (busy stage-seconds over stages x step) gives
+# u x ranks computing at once, and the stages are priced and simulated again at that count.
+# The step's end (optimizer, dp all-reduce, the loop's per-step Python), which every rank
+# runs at once, keeps the full count. Measured on the 2-core VM (2026-11-26, one calibration
+# reading 2.66x for four processes at once): gpt tiny pp4 1F1B m8 was priced 160 ms and dp2 x
+# pp2 143 ms against 115 and 98 measured, the ranks being busy about 70-80% of the step.
+
+
 def _pipeline(
     layout: Layout,
     stats: ModelStats,
@@ -212,13 +224,61 @@ def _pipeline(
     stages: Sequence[Sequence[BlockStats]],
     mb_samples: float,
 ) -> tuple[float, dict[str, float]]:
+    timing, parts = _pipeline_stages(layout, stats, env, stages, mb_samples)
+    if env.cpu_slowdown > 1.0:  # [Note: a pipeline's shared cores]
+        stage_seconds = len(timing.busy) * timing.per_step
+        # the runtime's own per-action figure is mostly waiting: not computing
+        computed = sum(timing.busy) - len(timing.busy) * parts["runtime"] / parts["runs"]
+        busy = min(computed / stage_seconds, 1.0) if stage_seconds > 0 else 1.0
+        computing = max(env.host_ranks * busy, 1.0)
+        timing, parts = _pipeline_stages(
+            layout, stats, replace(env, computing=computing), stages, mb_samples
+        )
+    runs, flush_s = parts["runs"], parts["flush"]
+    # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, stage by stage in
+    # parallel: the slowest stage's is on the critical path. PipeDream's is deferred into
+    # the next step (StepOutput.complete) and hides behind it.
+    dp_s = max(
+        env.collective_s(
+            "all_reduce", sum(b.bytes_per_tp_rank(layout.tp) for b in blocks), layout.dp, layout.tp
+        )
+        for blocks in stages
+    )
+    if layout.schedule == "pipedream":
+        dp_s = max(0.0, dp_s - timing.per_step)
+    opt = max(_optimizer(layout, stats, env, blocks) for blocks in stages)
+    per_step = _loop(env)[0]
+    step = (timing.per_step + flush_s) * runs + dp_s + opt + per_step
+    loop = per_step + parts["loop_micro"]
+    runtime = parts["runtime"]
+    return step, {
+        "compute": max(timing.busy) * runs - parts["tp_comm"] - (loop - per_step) - runtime,
+        "tp_comm": parts["tp_comm"],
+        "dp_comm": dp_s,
+        "bubble": timing.bubble * runs,
+        "optimizer": opt,
+        "loop": loop,
+        "pipeline_runtime": runtime + flush_s * runs,
+    }
+
+
+def _pipeline_stages(
+    layout: Layout,
+    stats: ModelStats,
+    env: Env,
+    stages: Sequence[Sequence[BlockStats]],
+    mb_samples: float,
+) -> tuple[PipelineTiming, dict[str, float]]:
+    """The simulated pipeline of ``stages`` with compute priced by ``env`` and the parts of the
+    busiest stage: tensor-parallel comm, the loop's micro-batch share and the runtime's actions
+    over the step; the program runs, the flush's seconds."""
     n = len(stats.blocks)
     fwd_s, bwd_s, send_f, send_b, tp_total = [], [], [], [], 0.0
     start = 0
     # [Note: loop overhead]: every stage calls its module and runs a backward per micro-batch
     # (the first fetches its inputs, the last its targets), so a micro-batch's share of the
     # loop's Python goes half into each F and B of every stage, through the simulation
-    per_step, per_micro = _loop(env)
+    per_micro = _loop(env)[1]
     action_s, flush_s = _pipeline_runtime(env, layout.schedule)
     pp_stride = layout.dp * layout.tp  # pp is the outermost mesh axis
     for blocks in stages:
@@ -238,31 +298,13 @@ def _pipeline(
     # PipelineStrategy.train_step runs the m-micro-batch program once per accumulation
     # micro-step, each with its flush (PipeDream streams instead and ignores accumulation).
     runs = 1 if layout.schedule == "pipedream" else layout.grad_accum
-    # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, stage by stage in
-    # parallel: the slowest stage's is on the critical path. PipeDream's is deferred into
-    # the next step (StepOutput.complete) and hides behind it.
-    dp_s = max(
-        env.collective_s(
-            "all_reduce", sum(b.bytes_per_tp_rank(layout.tp) for b in blocks), layout.dp, layout.tp
-        )
-        for blocks in stages
-    )
-    if layout.schedule == "pipedream":
-        dp_s = max(0.0, dp_s - timing.per_step)
-    opt = max(_optimizer(layout, stats, env, blocks) for blocks in stages)
-    step = (timing.per_step + flush_s) * runs + dp_s + opt + per_step
-    tp_s = tp_total * layout.microbatches * runs
-    loop = per_step + per_micro * layout.microbatches * runs
-    # the runtime's share of the busiest stage: its F and B, and the flush's own cost
-    runtime = (2 * action_s * layout.microbatches + flush_s) * runs
-    return step, {
-        "compute": max(timing.busy) * runs - tp_s - (loop - per_step) - (runtime - flush_s * runs),
-        "tp_comm": tp_s,
-        "dp_comm": dp_s,
-        "bubble": timing.bubble * runs,
-        "optimizer": opt,
-        "loop": loop,
-        "pipeline_runtime": runtime,
+    m = layout.microbatches * runs
+    return timing, {
+        "runs": float(runs),
+        "flush": flush_s,
+        "tp_comm": tp_total * m,
+        "loop_micro": per_micro * m,
+        "runtime": 2 * action_s * m,  # the busiest stage's F and B
     }
 
 
