@@ -140,8 +140,8 @@ def rank_loop_overhead(
 # [Note: pipeline runtime overhead] A pipeline stage runs every F and B through its runtime
 # (pipeline/runtime.py): the action's span, the stage's call, the received activation's
 # ``requires_grad_``, the backward with its incoming gradient, the sends it posts and the
-# receives it takes; and a rank that blocks on a message must be woken when it arrives, which on
-# the 2-core VM is bimodal (a posted ping-pong: median 0.07 ms a round trip, 7% of them ~4 ms).
+# receives it takes; and a rank that blocks on a message must be woken when it arrives, and on
+# the 2-core VM some messages come 2-4 ms late (docs/planner.md "Pipeline").
 # None of it is the model's compute or the loop's per-micro-batch Python ([Note: loop
 # overhead]). Measured on that VM (2026-11-26) with the negligible model below on two stages, a
 # GPipe step took 3.1-4.1 ms at 2 micro-batches and 7.5-10.6 ms at 8, 1F1B 2.8-4.1 and 6.2-8.1,
