@@ -15,7 +15,7 @@ Questions, all on the same model, stages, micro-batches and processes:
 The partition part (auto vs uniform vs brute force) is a separate script, ``partition.py``.
 
 Run: python benchmarks/pipeline/main.py [--world 2] [--microbatches 8] [--steps 12] [--reps 6]
-     [--convergence-steps 300]
+     [--convergence-steps 300] [--model gpt|mlp]
 
 Throughput is reported two ways: from the median step time (all timed steps), and from the best
 repetition (each repetition times ``--steps`` consecutive steps; the repetitions of all five
@@ -36,11 +36,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
-def _job(world: int, schedule: str, m: int, steps: int, **extra: Any) -> Any:
+def _job(world: int, schedule: str, m: int, steps: int, model: str, **extra: Any) -> Any:
     from polytrain.config import job_from_dict
 
     data: dict[str, Any] = {
-        "model": {"name": "gpt", "size": "tiny"},
+        "model": {"name": model, "size": "tiny"},
         "train": {"steps": steps, "global_batch_size": 32, "eval_every": 0, "sample_tokens": 0},
         "optim": {"grad_clip": 0.0},  # torch's schedules do not clip; neither do we here
         "parallel": {"pp": world},
@@ -72,13 +72,13 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     m, steps, reps = args["microbatches"], args["steps"], args["reps"]
     ctx = init_distributed()
     total_steps = (reps + 1) * steps
-    base = _job(world, "1f1b", m, total_steps)
+    base = _job(world, "1f1b", m, total_steps, args["model"])
     train_set, val_set, spec = build_datasets(base.data, block_size_of(base.model))
     batches = Batches(train_set, val_set, base.train.global_batch_size, base.train.seed)
     dims = ParallelDims(pp=world)
 
     def ours(schedule: str, track: bool = False) -> PipelineStrategy:
-        job = _job(world, schedule, m, total_steps)
+        job = _job(world, schedule, m, total_steps, args["model"])
         model = build_model(job.model, spec, job.train.seed)
         strategy = pipeline_strategy(job, model, build_mesh(dims), batches, ctx.device)
         strategy.runtime.track_activations = track
@@ -192,6 +192,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 schedule,
                 m,
                 args["convergence_steps"],
+                args["model"],
                 optim={"grad_clip": 1.0},
                 observe={"trace": ""},
             )
@@ -222,6 +223,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="steps per timed repetition")
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--convergence-steps", type=int, default=300)
+    parser.add_argument(
+        "--model",
+        choices=("gpt", "mlp"),
+        default="gpt",
+        help="tiny size; mlp: ms-scale steps, where the messages' latency decides "
+        "(writes results_mlp.json)",
+    )
     args = parser.parse_args()
 
     from polytrain.pipeline.schedule import bubble_fraction
@@ -239,7 +247,7 @@ def main() -> None:
     out: dict[str, Any] = {
         "stages": p,
         "microbatches": m,
-        "model": "gpt-tiny (6 blocks), global batch 32, AdamW, gloo, 1 thread per rank",
+        "model": f"{args.model}-tiny, global batch 32, AdamW, gloo, 1 thread per rank",
         "partition": r0["ranges"],
         "cpu_count": os.cpu_count(),
         "throughput_ratio_vs_torch_gpipe": sps["ours_gpipe"] / sps["torch_gpipe"],
@@ -271,7 +279,8 @@ def main() -> None:
         }
     text = json.dumps(out, indent=2)
     print(text)
-    (HERE / "results.json").write_text(text + "\n")
+    name = "results.json" if args.model == "gpt" else f"results_{args.model}.json"
+    (HERE / name).write_text(text + "\n")
 
 
 if __name__ == "__main__":

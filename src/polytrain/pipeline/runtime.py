@@ -152,14 +152,24 @@ class WeightStash:
 
 
 class _Receives:
-    """Receives posted one message ahead on each channel ([Note: early receives]).
+    """Receives posted ahead on each channel, as many as the stage holds micro-batches in flight
+    ([Note: early receives]).
 
-    [Note: early receives] As soon as a receive completes, the next receive of the same kind
-    in ``actions`` is posted, so its message travels while this stage computes instead of
-    when the stage reaches it (torch.distributed.pipelining posts each receive just before it
-    is needed). Receives on a channel are posted in program order, which is the sender's order,
-    so matching is unchanged. A channel whose shape handshake has not happened yet is never
-    posted early: its header receive blocks, and blocking ahead of program order could
+    [Note: early receives] A receive is posted before the stage reaches it, so its message
+    travels while this stage computes instead of when the stage gets there
+    (torch.distributed.pipelining posts each receive just before it is needed), and the sender
+    finds it posted: gloo moves a message whose receive is not posted only after the receiver's
+    "ready" notice, one more trip between processes ([Note: posted receives] in comm/probe.py).
+    Each channel keeps ``depth`` receives posted, the most micro-batches this stage's program
+    holds between a forward and its backward: GPipe's m, so its stage takes its neighbour's
+    burst of m sends as they come, and 1F1B's at most p - s, so its buffers stay within the
+    activations it holds anyway. One ahead (what this was before) let GPipe's later sends meet
+    receives not yet posted: mlp tiny's pp2 GPipe m4 step took 9.0-11.0 ms, with all four
+    posted 5.0-7.8 (3 rounds each, `benchmarks/planner/main.py --models mlp --layouts
+    pp2-gpipe-m4`, 2026-11-26; 1F1B and PipeDream, 6.1-7.9 and 4.8-6.7 before, unchanged
+    within the noise). Receives on a channel are posted in program order, which is the sender's
+    order, so matching is unchanged. A channel whose shape handshake has not happened yet is
+    never posted early: its header receive blocks, and blocking ahead of program order could
     deadlock. Only receives of ``actions`` are posted, so none is left over at the end.
     """
 
@@ -169,6 +179,7 @@ class _Receives:
         for action in actions:
             if action.kind in self.order:
                 self.order[action.kind].append(action)
+        self.depth = max(_most_in_flight(actions), 1)
         self.cursor = {kind: 0 for kind in self.order}
         self.posted: dict[Action, tuple[torch.Tensor, Work | None]] = {}
         for kind in self.order:
@@ -180,11 +191,15 @@ class _Receives:
         return peer, ACT if kind is ActionKind.RECV_F else GRAD
 
     def _post_next(self, kind: ActionKind) -> None:
+        """Post the channel's next receives not yet posted, up to ``depth`` ahead."""
         queue, n = self.order[kind], self.cursor[kind]
-        if n < len(queue) and queue[n] not in self.posted:
-            peer, channel = self._peer(kind)
-            if self.runtime.p2p.knows(peer, channel):
-                self.posted[queue[n]] = self.runtime.p2p.irecv(peer, channel)
+        peer, channel = self._peer(kind) if n < len(queue) else (0, "")
+        for action in queue[n : n + self.depth]:
+            if action in self.posted:
+                continue
+            if not self.runtime.p2p.knows(peer, channel):
+                return
+            self.posted[action] = self.runtime.p2p.irecv(peer, channel)
 
     def take(self, action: Action) -> torch.Tensor:
         kind = action.kind
@@ -201,6 +216,18 @@ class _Receives:
 
     def check_drained(self) -> None:
         assert not self.posted, f"receives posted but never taken: {sorted(map(str, self.posted))}"
+
+
+def _most_in_flight(actions: Sequence[Action]) -> int:
+    """The most micro-batches between their forward and their backward at once in ``actions``."""
+    live = most = 0
+    for action in actions:
+        if action.kind is ActionKind.F:
+            live += 1
+            most = max(most, live)
+        elif action.kind is ActionKind.B:
+            live -= 1
+    return most
 
 
 @dataclass

@@ -184,7 +184,9 @@ def _stage(
         buffers += p_bytes  # all blocks' gathered parameters, kept from forward to backward
     if layout.pp > 1:
         out = max(b.output_bytes for b in blocks) * mb_samples
-        buffers += 2 * out  # a received activation and a received gradient
+        # a received activation and a received gradient per micro-batch in flight: the runtime
+        # posts as many receives ahead ([Note: early receives] in pipeline/runtime.py)
+        buffers += 2 * out * in_flight
     if layout.sync == "gossip":
         # the flat model, its weighted copy and one receive buffer per in-neighbour
         graph = graph_for_round(layout.topology, layout.dp, 0)
