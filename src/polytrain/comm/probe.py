@@ -10,9 +10,9 @@ times the same bounce with every receive posted before its message is sent.
 whose receive is not posted yet waits for the receiver's "ready" notice, one more trip between
 two processes that each have to be woken (on a 2-core VM that trip is bimodal, 0.1 ms or 1-3
 ms). `time_collective`'s ``p2p`` posts each receive as it needs it (``dist.recv``), so it pays
-that trip whenever the sender is first. The pipeline runtime posts every receive one message
-ahead ([Note: early receives] in pipeline/runtime.py), so its messages find their receive
-posted: `time_p2p_posted` measures that case. Ranks 0 and 1 bounce one message, each posting
+that trip whenever the sender is first. The pipeline runtime posts its receives ahead ([Note:
+early receives] in pipeline/runtime.py), so its messages find their receive posted:
+`time_p2p_posted` measures that case. Ranks 0 and 1 bounce one message, each posting
 its next receive before it sends its reply, so every send of the stream finds its receive
 posted; one way is the stream's time over twice its round trips. Measured on this VM at 4 KiB
 (back to back, idle host): a blocking ``send``/``recv`` stream 0.9-1.8 ms one way, the posted
