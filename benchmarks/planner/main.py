@@ -160,6 +160,36 @@ def predict_all(
     return out
 
 
+# -- the host's speed against its profile ---------------------------------------------------
+def host_speed(profile: HostProfile, seconds: float = 1.0) -> float:
+    """This host's fp32 matmul rate now (the profile's largest size, its thread count, the best
+    of ~``seconds`` of calls) over the rate the profile holds: a calibration taken while the VM
+    ran slow (or fast) prices every layout off by about this factor ([Note: host drift])."""
+    import torch
+
+    n = max(profile.matmul_by_size.get("fp32", {1024: 0.0}))
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    old = torch.get_num_threads()
+    torch.set_num_threads(profile.threads)
+    try:
+        best, t_end = math.inf, time.perf_counter() + seconds
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old)
+    return 2 * n**3 / best / profile.matmul_flops["fp32"]
+
+
+# [Note: host drift] On the 2-core VM a calibration at 14:36 on 2026-11-26 read the fp32 matmul
+# at 128 GFLOP/s, bf16 at 434 and an operator call at 9.1 us, where the calibrations before and
+# after read 157-162, 1,106 and 4.7-4.9, with low spreads: the VM ran slow for those minutes, and
+# the benchmark right after (at normal speed) measured every layout 20-50% below its price
+# (gpt dp1 +42%). So the benchmark times the matmul before and after its runs and reports the
+# ratio to the profile's rate: far from 1, recalibrate (`--recalibrate`) before trusting a run.
+
+
 # -- the peers' estimators -------------------------------------------------------------------
 def peer_estimates(stats: ModelStats, layout: Layout) -> dict[str, float | str]:
     """Accelerate's and DeepSpeed's model-state estimates for this layout, or why not."""
@@ -405,6 +435,8 @@ def main() -> None:
         on_progress=lambda what: print(f"  calibrate: {what}", flush=True),
     )
     print(f"profile {path} ({'measured now' if fresh else 'saved'})", flush=True)
+    speed = [host_speed(profile)]  # [Note: host drift]
+    print(f"host speed now / at calibration: {speed[0]:.2f}", flush=True)
     previous: dict[str, Any] = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
     results: dict[str, Any] = {"profile": str(path), "models": {}, "summary": []}
     for model in models:
@@ -462,6 +494,11 @@ def main() -> None:
             summary = report(model, rows, variant)
             results["summary"].append(summary)
             print(json.dumps(summary))
+    speed.append(host_speed(profile))
+    results["host_speed_vs_profile"] = speed
+    print(f"host speed now / at calibration: {speed[0]:.2f} before the runs, {speed[1]:.2f} after")
+    if any(abs(v - 1.0) > 0.15 for v in speed):
+        print("the host ran >15% off its calibrated speed: recalibrate (--recalibrate) and rerun")
     print("\nREADME table:\n" + markdown_summary(results["summary"]))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1, default=str))
