@@ -188,6 +188,9 @@ def host_speed(profile: HostProfile, seconds: float = 1.0) -> float:
 # the benchmark right after (at normal speed) measured every layout 20-50% below its price
 # (gpt dp1 +42%). So the benchmark times the matmul before and after its runs and reports the
 # ratio to the profile's rate: far from 1, recalibrate (`--recalibrate`) before trusting a run.
+# It is a floor, not a proof: at 15:11 the calibration read the matmul at 122.5 GFLOP/s and the
+# check 1.03x / 1.01x of it before / after the runs, yet gpt tiny's dp1 was priced 20% over its
+# measured step (the slow minutes' per-operator and kernel figures, which it does not time).
 
 
 # -- the peers' estimators -------------------------------------------------------------------
