@@ -193,7 +193,9 @@ class _Receives:
     def _post_next(self, kind: ActionKind) -> None:
         """Post the channel's next receives not yet posted, up to ``depth`` ahead."""
         queue, n = self.order[kind], self.cursor[kind]
-        peer, channel = self._peer(kind) if n < len(queue) else (0, "")
+        if n >= len(queue):
+            return
+        peer, channel = self._peer(kind)
         for action in queue[n : n + self.depth]:
             if action in self.posted:
                 continue
