@@ -456,8 +456,8 @@ def _tp_in_step(
 
 def steps_of(plan: CalibrationPlan) -> int:
     """How many times `calibrate` calls ``on_progress`` (the progress bar's total)."""
-    wire = 1 if 2 in plan.world_sizes and not torch.cuda.is_available() else 0
     cpu = not torch.cuda.is_available()
+    wire = 1 if 2 in plan.world_sizes and cpu else 0
     tp = 1 if plan.tp_in_step_ranks and cpu else 0
     pipe = 1 if plan.pipeline_schedules and cpu else 0
     fixed = 7 + wire + tp + pipe

@@ -11,7 +11,7 @@ whether a group crosses hosts. Derivation: docs/planner.md "Hybrids".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.decentralized import gossip_exchange_s, localsgd_average_s
@@ -224,17 +224,18 @@ def _pipeline(
     stages: Sequence[Sequence[BlockStats]],
     mb_samples: float,
 ) -> tuple[float, dict[str, float]]:
-    timing, parts = _pipeline_stages(layout, stats, env, stages, mb_samples)
+    # PipelineStrategy.train_step runs the m-micro-batch program once per accumulation
+    # micro-step, each with its flush (PipeDream streams instead and ignores accumulation).
+    runs = 1 if layout.schedule == "pipedream" else layout.grad_accum
+    run = _pipeline_stages(layout, stats, env, stages, mb_samples)
     if env.cpu_slowdown > 1.0:  # [Note: a pipeline's shared cores]
-        stage_seconds = len(timing.busy) * timing.per_step
+        stage_seconds = len(run.timing.busy) * run.timing.per_step
         # the runtime's own per-action figure is mostly waiting: not computing
-        computed = sum(timing.busy) - len(timing.busy) * parts["runtime"] / parts["runs"]
+        computed = sum(run.timing.busy) - len(run.timing.busy) * run.runtime
         busy = min(computed / stage_seconds, 1.0) if stage_seconds > 0 else 1.0
         computing = max(env.host_ranks * busy, 1.0)
-        timing, parts = _pipeline_stages(
-            layout, stats, replace(env, computing=computing), stages, mb_samples
-        )
-    runs, flush_s = parts["runs"], parts["flush"]
+        run = _pipeline_stages(layout, stats, replace(env, computing=computing), stages, mb_samples)
+    timing = run.timing
     # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, stage by stage in
     # parallel: the slowest stage's is on the critical path. PipeDream's is deferred into
     # the next step (StepOutput.complete) and hides behind it.
@@ -248,18 +249,30 @@ def _pipeline(
         dp_s = max(0.0, dp_s - timing.per_step)
     opt = max(_optimizer(layout, stats, env, blocks) for blocks in stages)
     per_step = _loop(env)[0]
-    step = (timing.per_step + flush_s) * runs + dp_s + opt + per_step
-    loop = per_step + parts["loop_micro"]
-    runtime = parts["runtime"]
+    step = (timing.per_step + run.flush) * runs + dp_s + opt + per_step
+    tp_s, loop_micro, runtime = (x * runs for x in (run.tp_comm, run.loop_micro, run.runtime))
     return step, {
-        "compute": max(timing.busy) * runs - parts["tp_comm"] - (loop - per_step) - runtime,
-        "tp_comm": parts["tp_comm"],
+        "compute": max(timing.busy) * runs - tp_s - loop_micro - runtime,
+        "tp_comm": tp_s,
         "dp_comm": dp_s,
         "bubble": timing.bubble * runs,
         "optimizer": opt,
-        "loop": loop,
-        "pipeline_runtime": runtime + flush_s * runs,
+        "loop": per_step + loop_micro,
+        "pipeline_runtime": runtime + run.flush * runs,
     }
+
+
+@dataclass(frozen=True)
+class _StagesRun:
+    """One run of a pipeline's program (`_pipeline_stages`): its simulated timing, the flush's
+    seconds, and the busiest stage's tensor-parallel comm, the loop's micro-batch share and the
+    runtime's own seconds over its F and B."""
+
+    timing: PipelineTiming
+    flush: float
+    tp_comm: float
+    loop_micro: float
+    runtime: float
 
 
 def _pipeline_stages(
@@ -268,10 +281,8 @@ def _pipeline_stages(
     env: Env,
     stages: Sequence[Sequence[BlockStats]],
     mb_samples: float,
-) -> tuple[PipelineTiming, dict[str, float]]:
-    """The simulated pipeline of ``stages`` with compute priced by ``env`` and the parts of the
-    busiest stage: tensor-parallel comm, the loop's micro-batch share and the runtime's actions
-    over the step; the program runs, the flush's seconds."""
+) -> _StagesRun:
+    """One run of the m-micro-batch program of ``stages``, compute priced by ``env``."""
     n = len(stats.blocks)
     fwd_s, bwd_s, send_f, send_b, tp_total = [], [], [], [], 0.0
     start = 0
@@ -295,17 +306,8 @@ def _pipeline_stages(
         inp = _input_bytes(blocks[0]) * mb_samples / layout.tp
         send_b.append(env.posted_p2p_s(inp, pp_stride))
     timing = pipeline_step(layout.schedule, layout.microbatches, fwd_s, bwd_s, send_f, send_b)
-    # PipelineStrategy.train_step runs the m-micro-batch program once per accumulation
-    # micro-step, each with its flush (PipeDream streams instead and ignores accumulation).
-    runs = 1 if layout.schedule == "pipedream" else layout.grad_accum
-    m = layout.microbatches * runs
-    return timing, {
-        "runs": float(runs),
-        "flush": flush_s,
-        "tp_comm": tp_total * m,
-        "loop_micro": per_micro * m,
-        "runtime": 2 * action_s * m,  # the busiest stage's F and B
-    }
+    m = layout.microbatches
+    return _StagesRun(timing, flush_s, tp_total * m, per_micro * m, 2 * action_s * m)
 
 
 def _input_bytes(block: BlockStats) -> float:
