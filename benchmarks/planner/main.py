@@ -21,13 +21,17 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from polytrain.config.io import job_from_fields
 from polytrain.config.job import JobConfig
 from polytrain.planner.calibrate import CalibrationPlan, cached_profile
+from polytrain.planner.drift import SPEED_FIGURES, describe, drifted, rescaled, speed_ratios
+from polytrain.planner.host import speed_sample
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout, ModelStats
 from polytrain.planner.validate import Trial, TrialSpec, held_state_bytes, run_trials, spearman
@@ -161,36 +165,27 @@ def predict_all(
 
 
 # -- the host's speed against its profile ---------------------------------------------------
-def host_speed(profile: HostProfile, seconds: float = 1.0) -> float:
-    """This host's fp32 matmul rate now (the profile's largest size, its thread count, the best
-    of ~``seconds`` of calls) over the rate the profile holds: a calibration taken while the VM
-    ran slow (or fast) prices every layout off by about this factor ([Note: host drift])."""
-    import torch
-
-    n = max(profile.matmul_by_size.get("fp32", {1024: 0.0}))
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    old = torch.get_num_threads()
-    torch.set_num_threads(profile.threads)
-    try:
-        best, t_end = math.inf, time.perf_counter() + seconds
-        while time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(old)
-    return 2 * n**3 / best / profile.matmul_flops["fp32"]
+def mean_ratios(profile: HostProfile, samples: list[dict[str, float]]) -> dict[str, float]:
+    """Per speed figure, the mean over ``samples`` (`planner.host.speed_sample` results) of how
+    fast the host ran against ``profile`` ([Note: host drift] in planner/drift.py); {} for a
+    profile without speed figures."""
+    per = [speed_ratios(profile.speed, s) for s in samples]
+    names = [n for n in SPEED_FIGURES if per and all(n in r for r in per)]
+    return {n: statistics.mean(r[n] for r in per) for n in names}
 
 
-# [Note: host drift] On the 2-core VM a calibration at 14:36 on 2026-11-26 read the fp32 matmul
-# at 128 GFLOP/s, bf16 at 434 and an operator call at 9.1 us, where the calibrations before and
-# after read 157-162, 1,106 and 4.7-4.9, with low spreads: the VM ran slow for those minutes, and
-# the benchmark right after (at normal speed) measured every layout 20-50% below its price
-# (gpt dp1 +42%). So the benchmark times the matmul before and after its runs and reports the
-# ratio to the profile's rate: far from 1, recalibrate (`--recalibrate`) before trusting a run.
-# It is a floor, not a proof: at 15:11 the calibration read the matmul at 122.5 GFLOP/s and the
-# check 1.03x / 1.01x of it before / after the runs, yet gpt tiny's dp1 was priced 20% over its
-# measured step (the slow minutes' per-operator and kernel figures, which it does not time).
+def sample_speed(profile: HostProfile, samples: list[dict[str, float]]) -> None:
+    """Time the speed figures now, append them to ``samples`` and print them against the
+    profile's."""
+    samples.append(speed_sample(profile.threads))
+    now = describe(speed_ratios(profile.speed, samples[-1]))
+    print(f"  host speed against the profile: {now}", flush=True)
+
+
+# [Note: rescaled to the runs' speed] The speed figures are timed before each round of runs and
+# after the last; each model's predictions ("flops" and "measured") are priced on the profile
+# rescaled to the mean of those samples, and "flops, as calibrated" on the profile as it was
+# saved, so the table shows what the rescaling changed.
 
 
 # -- the peers' estimators -------------------------------------------------------------------
@@ -262,8 +257,14 @@ def measured_figures(trial: dict[str, Any], layout: Layout) -> dict[str, float]:
 # once per round, R rounds one after another (a layout's runs minutes apart), and keeps the run
 # with the median step time (its memory figures too); `round_step_s` in results.json lists all.
 def measure(
-    model: str, items: list[Layout], partitions: list[Any], args: argparse.Namespace
+    model: str,
+    items: list[Layout],
+    partitions: list[Any],
+    args: argparse.Namespace,
+    between: Callable[[], None],
 ) -> list[dict[str, Any]]:
+    """Every layout's figures, `--rounds` rounds of runs ([Note: rounds of runs]); ``between``
+    runs before each round and after the last ([Note: rescaled to the runs' speed])."""
     specs = [
         TrialSpec(
             layout,
@@ -279,17 +280,20 @@ def measure(
 
     # [Note: rounds of runs] each round runs every layout once; a layout's figures are its
     # median round's (by step time), so its runs sit minutes apart
-    rounds = [
-        run_trials(
-            specs,
-            MODELS[model],
-            Path(args.workdir) / model,
-            steps=args.steps or STEPS[model],
-            warmup=args.warmup,
-            on_trial=show,
+    rounds = []
+    for _ in range(args.rounds):
+        between()
+        rounds.append(
+            run_trials(
+                specs,
+                MODELS[model],
+                Path(args.workdir) / model,
+                steps=args.steps or STEPS[model],
+                warmup=args.warmup,
+                on_trial=show,
+            )
         )
-        for _ in range(args.rounds)
-    ]
+    between()
     out = []
     for runs in zip(*rounds, strict=True):
         ok = sorted((t for t in runs if not t.error), key=lambda t: t.measured_step_s)
@@ -438,8 +442,8 @@ def main() -> None:
         on_progress=lambda what: print(f"  calibrate: {what}", flush=True),
     )
     print(f"profile {path} ({'measured now' if fresh else 'saved'})", flush=True)
-    speed = [host_speed(profile)]  # [Note: host drift]
-    print(f"host speed now / at calibration: {speed[0]:.2f}", flush=True)
+    if not profile.speed:
+        print("the profile has no speed figures (older polytrain): predictions not rescaled")
     previous: dict[str, Any] = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
     results: dict[str, Any] = {"profile": str(path), "models": {}, "summary": []}
     for model in models:
@@ -448,10 +452,7 @@ def main() -> None:
         counted = model_stats(job, device="cpu")  # real saved bytes (fused attention)
         timed = model_stats(job, device="cpu", measure=True, batch=8)
         print(f"{model}: stats in {time.perf_counter() - t0:.1f} s", flush=True)
-        preds = {
-            "flops": predict_all(counted, profile, job, items),
-            "measured": predict_all(timed, profile, job, items),
-        }
+        samples: list[dict[str, float]] = []  # [Note: rescaled to the runs' speed]
         if previous:
             stored = {
                 _trial_name(t): t for t in previous["models"].get(model, {}).get("trials", [])
@@ -463,8 +464,22 @@ def main() -> None:
                     "run without --reuse for those layouts"
                 )
             trials = [stored[_name(lay)] for lay in items]
+            samples = previous["models"][model].get("speed_samples", [])
         else:
-            trials = measure(model, items, [p["partition"] for p in preds["flops"]], args)
+            partitions = [p["partition"] for p in predict_all(counted, profile, job, items)]
+            between = partial(sample_speed, profile, samples)
+            trials = measure(model, items, partitions, args, between=between)
+        ratios = mean_ratios(profile, samples)
+        moved = drifted(ratios)
+        print(f"{model}: host speed during the runs (mean): {describe(ratios)}", flush=True)
+        if moved:
+            print(f"  {', '.join(moved)} ran >15% off the profile: predictions rescaled to it")
+        now = rescaled(profile, ratios)
+        preds = {
+            "flops": predict_all(counted, now, job, items),
+            "measured": predict_all(timed, now, job, items),
+            "flops, as calibrated": predict_all(counted, profile, job, items),
+        }
         rows = []
         for i, layout in enumerate(items):
             trial = trials[i]
@@ -491,17 +506,17 @@ def main() -> None:
             if not trial["error"]:
                 row["measured"] = measured_figures(trial, layout)
             rows.append(row)
-        results["models"][model] = {"trials": trials, "rows": rows}
+        results["models"][model] = {
+            "trials": trials,
+            "rows": rows,
+            "speed_samples": samples,
+            "speed_vs_profile": ratios,
+        }
         for variant in preds:
             print_rows(model, rows, variant)
             summary = report(model, rows, variant)
             results["summary"].append(summary)
             print(json.dumps(summary))
-    speed.append(host_speed(profile))
-    results["host_speed_vs_profile"] = speed
-    print(f"host speed now / at calibration: {speed[0]:.2f} before the runs, {speed[1]:.2f} after")
-    if any(abs(v - 1.0) > 0.15 for v in speed):
-        print("the host ran >15% off its calibrated speed: recalibrate (--recalibrate) and rerun")
     print("\nREADME table:\n" + markdown_summary(results["summary"]))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1, default=str))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from polytrain.planner.drift import SPEED_FIGURES, SPEED_SPREAD
 from polytrain.planner.profile_io import load_profile
 
 
@@ -87,6 +88,9 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     )  # the kernels' rows (one word each)
     assert "spread" in first.stdout  # (one word: rich wraps the table at spaces)
     assert json.loads(path.read_text())["identity"]["torch"]
+    # [Note: host drift] in planner/drift.py: timed at the start and the end, the mean kept
+    assert set(profile.speed) == set(SPEED_FIGURES) and min(profile.speed.values()) > 0
+    assert profile.spread[SPEED_SPREAD] >= 0 and "speed figures" in first.stdout
     stamp = path.stat().st_mtime_ns
 
     second = _calibrate(tmp_path)  # same hardware and torch: the saved profile is reused

@@ -11,6 +11,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from polytrain.planner.calibrate import CalibrationPlan, cached_profile, steps_of
+from polytrain.planner.drift import DRIFT_LIMIT, SPEED_SPREAD, describe, drifted, speed_ratios
+from polytrain.planner.host import speed_sample
 from polytrain.planner.types import Curve, HostProfile
 
 __all__ = ["calibrate_command", "profile_table"]
@@ -125,7 +127,38 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
                 f"{curve.bandwidth / 1e9:.2f} GB/s at {max(curve.points)[0] / 2**20:.1f} MiB"
                 f"{_spread(profile, f'{op} world {world}')}",
             )
+    if profile.speed:  # [Note: host drift] in planner/drift.py
+        table.add_row("speed figures", _speed(profile.speed))
     return table
+
+
+_SPEED_UNITS = {
+    "matmul fp32": (1e9, "GFLOP/s"),
+    "matmul half": (1e9, "GFLOP/s"),
+    "operator": (1.0, "chains/s"),
+    "copy": (1e9, "GB/s"),
+}
+
+
+def _speed(speed: dict[str, float]) -> str:
+    """``matmul fp32 158 GFLOP/s, ...``: a profile's speed figures."""
+    parts = []
+    for name, value in speed.items():
+        scale, unit = _SPEED_UNITS.get(name, (1.0, ""))
+        parts.append(f"{name} {value / scale:,.0f} {unit}".rstrip())
+    return ", ".join(parts)
+
+
+def speed_warnings(profile: HostProfile) -> list[str]:
+    """What to tell the user about a profile taken while the host changed speed."""
+    moved = profile.spread.get(SPEED_SPREAD, 0.0)
+    if moved <= DRIFT_LIMIT:
+        return []
+    return [
+        f"the host's speed moved {100 * moved:.0f}% while calibrating (over "
+        f"{100 * DRIFT_LIMIT:.0f}%): predictions may be off by as much; "
+        "`polytrain calibrate --force` again when the host is quiet"
+    ]
 
 
 def calibrate_command(
@@ -135,6 +168,13 @@ def calibrate_command(
         Path | None, typer.Option(help="where profiles live (default $POLYTRAIN_CACHE)")
     ] = None,
     threads: Annotated[int, typer.Option(help="intra-op threads per process", min=1)] = 1,
+    check: Annotated[
+        bool,
+        typer.Option(
+            help="time the speed figures now against the profile's; exit 1 when one moved "
+            f"more than {100 * DRIFT_LIMIT:.0f}% (recalibrate with --force)"
+        ),
+    ] = False,
 ) -> None:
     """Measure matmul FLOP/s, memory bandwidth, collectives and start-up cost of this host."""
     plan = CalibrationPlan.quick() if quick else CalibrationPlan.for_this_host()
@@ -159,3 +199,27 @@ def calibrate_command(
     console.print(profile_table(profile, path))
     if not measured:
         console.print("(measured earlier on this hardware and torch; --force measures again)")
+    for line in speed_warnings(profile):
+        console.print(f"[bold]{line}[/bold]")
+    if check:
+        _check_speed(console, profile, threads)
+
+
+def _check_speed(console: Console, profile: HostProfile, threads: int) -> None:
+    """``--check``: [Note: host drift] in planner/drift.py."""
+    if not profile.speed:
+        console.print(
+            "this profile has no speed figures (saved by an older polytrain): "
+            "`polytrain calibrate --force` measures them"
+        )
+        raise typer.Exit(1)
+    ratios = speed_ratios(profile.speed, speed_sample(threads))
+    console.print(f"this host now against its profile: {describe(ratios)}")
+    moved = drifted(ratios)
+    if moved:
+        console.print(
+            f"[bold]{', '.join(moved)} moved more than {100 * DRIFT_LIMIT:.0f}%: predictions "
+            "for this host are off by about as much; `polytrain calibrate --force` when the "
+            "host is quiet (`plan --validate` rescales to the speed it finds)[/bold]"
+        )
+        raise typer.Exit(1)

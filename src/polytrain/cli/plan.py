@@ -22,16 +22,33 @@ from polytrain.cli.train import resolve_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
 from polytrain.planner.cluster import parse_cluster
-from polytrain.planner.host import profile_for
+from polytrain.planner.drift import DRIFT_LIMIT, describe, drifted, rescaled, speed_ratios
+from polytrain.planner.host import profile_for, speed_sample
 from polytrain.planner.memory import process_bytes
 from polytrain.planner.search import Plan, PlanRequest, PlanResult, duration_text, search
 from polytrain.planner.stats import model_stats
-from polytrain.planner.types import ModelStats
+from polytrain.planner.types import HostProfile, ModelStats
 
-__all__ = ["parse_deadline", "parse_devices", "plan_command", "stats_for_job"]
+__all__ = ["at_present_speed", "parse_deadline", "parse_devices", "plan_command", "stats_for_job"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d)\s*$")
 _UNIT_S = {"s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def at_present_speed(profile: HostProfile) -> tuple[HostProfile, str]:
+    """``profile`` rescaled to this host's speed figures timed now, and a line saying so
+    ([Note: host drift] in planner/drift.py); a profile without speed figures as it is."""
+    if not profile.speed:
+        return profile, (
+            "this profile has no speed figures (an older polytrain's): predictions at its "
+            "calibrated speed; `polytrain calibrate --force` measures them"
+        )
+    ratios = speed_ratios(profile.speed, speed_sample(profile.threads))
+    moved = drifted(ratios)
+    why = f" ({', '.join(moved)} moved past {100 * DRIFT_LIMIT:.0f}%)" if moved else ""
+    return rescaled(profile, ratios), (
+        f"this host now against its profile: {describe(ratios)}{why}; predictions rescaled to it"
+    )
 
 
 def parse_deadline(text: str, now: datetime | None = None) -> float:
@@ -211,10 +228,19 @@ def plan_command(
     deadline_s = parse_deadline(deadline) if deadline is not None else None
     lo, hi = parse_devices(devices)
     clu = parse_cluster(cluster)
+    if validate and clu.device.key != "cpu":
+        raise PlanError(
+            f"--validate {validate} runs plans on this host, but --cluster {cluster!r} is "
+            "not this host's CPUs: plan with --cluster 1xNxcpu to validate here"
+        )
     flags = {"model": model, "size": size, "data": data, "steps": steps, "batch_size": batch_size}
     flags |= {"dtype": dtype, "optimizer": optimizer}
     job = resolve_job(config, flags, set_ or [])
     stats = stats_for_job(job)
+    profile = profile_for(clu.device.key)  # this host's, if calibrated and the same device
+    speed_note = ""
+    if validate and profile is not None:  # runs here now: price this host at its speed now
+        profile, speed_note = at_present_speed(profile)
     request = PlanRequest(
         stats=stats,
         cluster=clu,
@@ -229,7 +255,7 @@ def plan_command(
         bucket_bytes=job.parallel.bucket_mb * 2**20,
         allow_async=allow_async,
         localsgd_period=job.localsgd.period,
-        profile=profile_for(clu.device.key),  # this host's, if calibrated and the same device
+        profile=profile,
     )
     result = search(request)
     batch = job.train.global_batch_size
@@ -257,11 +283,8 @@ def plan_command(
         console.print(_explain(result.best, result, clu.device.key))
         console.print(_table("best plan and runners-up", result.plans[:top], batch))
         if validate:
-            if clu.device.key != "cpu":
-                raise PlanError(
-                    f"--validate {validate} runs plans on this host, but --cluster {cluster!r} is "
-                    "not this host's CPUs: plan with --cluster 1xNxcpu to validate here"
-                )
+            if speed_note:
+                console.print(speed_note)
             process = process_bytes(stats, request.profile) if request.profile else 0.0
             validate_plans(job, [p.prediction for p in result.plans], validate, process=process)
         return

@@ -39,7 +39,8 @@ from polytrain.planner.calibrate_worker import (
     rank_pipeline_steps,
 )
 from polytrain.planner.cost.common import host_slowdown
-from polytrain.planner.host import host_identity, saved_profile
+from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
+from polytrain.planner.host import host_identity, saved_profile, speed_sample
 from polytrain.planner.kernels import OpCounter, kernel_rates
 from polytrain.planner.probes import (
     rank_dtensor_step_costs,
@@ -280,6 +281,7 @@ def calibrate(
     plan = plan or CalibrationPlan.for_this_host()
     tell = on_progress or (lambda _: None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    speed_before = speed_sample(threads)  # [Note: host drift] in planner/drift.py
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -424,7 +426,22 @@ def calibrate(
             spread={**profile.spread, **pipe_spreads},
         )
         tell("pipeline runtime per action and per flush")
-    return profile
+    return _with_speed(profile, speed_before, speed_sample(threads))
+
+
+def _with_speed(
+    profile: HostProfile, before: dict[str, float], after: dict[str, float]
+) -> HostProfile:
+    """``profile`` with its speed figures, the mean of the timings at the calibration's start
+    and end, and under ``spread["host speed during calibration"]`` how far the two differ
+    (the largest |after / before - 1|): [Note: host drift] in planner/drift.py."""
+    ratios = speed_ratios(before, after)
+    moved = max((abs(r - 1.0) for r in ratios.values()), default=0.0)
+    return replace(
+        profile,
+        speed={k: (before[k] + after[k]) / 2 for k in ratios},
+        spread={**profile.spread, SPEED_SPREAD: moved},
+    )
 
 
 def _fsdp_in_step(hooks: dict[int, float]) -> dict[int, Curve]:

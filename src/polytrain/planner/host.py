@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from polytrain.planner.catalog import device_key_of
 from polytrain.planner.profile_io import cache_dir, fingerprint, load_profile, profile_path
+from polytrain.planner.timing import timed_rounds
 from polytrain.planner.types import HostProfile
 
-__all__ = ["describes", "host_identity", "profile_for", "saved_profile"]
+__all__ = ["describes", "host_identity", "profile_for", "saved_profile", "speed_sample"]
 
 
 def host_identity(threads: int = 1) -> dict[str, str]:
@@ -62,3 +65,42 @@ def profile_for(device_key: str, threads: int = 1) -> HostProfile | None:
     catalog's figures."""
     profile = saved_profile(threads)
     return profile if profile is not None and describes(profile, device_key) else None
+
+
+_SPEED_N = 512  # the speed figures' matmul size
+_SPEED_COPY_BYTES = 64 * 2**20  # past a CPU's last-level cache
+
+
+def speed_sample(threads: int = 1, budget_s: float = 0.2) -> dict[str, float]:
+    """[Note: host drift] in planner/drift.py: this host's `drift.SPEED_FIGURES` now, each a
+    rate (an fp32 and a bf16 512 matmul's FLOP/s, chains of 128 tiny operator calls forward and
+    backward per second, a 64 MiB copy's bytes read and written per second), timed in
+    interleaved rounds with ``threads`` intra-op threads: ~5 x ``budget_s`` seconds."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    a32 = torch.randn(_SPEED_N, _SPEED_N, device=device)
+    a16 = a32.to(torch.bfloat16)
+    x = torch.ones(16, device=device, requires_grad=True)
+    src = torch.ones(_SPEED_COPY_BYTES // 4, device=device)
+    dst = torch.empty_like(src)
+
+    def chain() -> None:
+        y = x
+        for _ in range(64):
+            y = y * 1.0001 + 0.0001
+        y.sum().backward()
+
+    fns: dict[str, Callable[[], object]] = {
+        "matmul fp32": partial(torch.matmul, a32, a32),
+        "matmul half": partial(torch.matmul, a16, a16),
+        "operator": chain,
+        "copy": partial(dst.copy_, src),
+    }
+    work = {"matmul fp32": 2.0 * _SPEED_N**3, "operator": 1.0, "copy": 2.0 * _SPEED_COPY_BYTES}
+    work["matmul half"] = work["matmul fp32"]
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = timed_rounds(fns, device, budget_s)
+    finally:
+        torch.set_num_threads(old)
+    return {name: work[name] / secs for name, (secs, _) in times.items()}

@@ -92,6 +92,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
             f"{t},{d}": list(pair) for (t, d), pair in profile.attention_rates.items()
         },
         "elementwise_s": profile.elementwise_s,
+        "speed": profile.speed,
     }
 
 
@@ -156,6 +157,8 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
             for key, pair in data.get("attention_rates", {}).items()
         },
         elementwise_s={str(k): float(v) for k, v in data.get("elementwise_s", {}).items()},
+        # older profiles: no speed figures (`planner.drift` cannot rescale them)
+        speed={str(k): float(v) for k, v in data.get("speed", {}).items()},
     )
 
 

@@ -268,6 +268,10 @@ class HostProfile:
     # [Note: elementwise kernels] in planner/kernels.py: ATen operator ("aten.gelu") -> fp32
     # seconds per output element, one process alone; {} = unknown (priced by bytes moved)
     elementwise_s: dict[str, float] = field(default_factory=dict)
+    # [Note: host drift] in planner/drift.py: speed figure ("matmul fp32", "matmul half",
+    # "operator", "copy") -> its rate (higher is faster), the mean of its timings at the start
+    # and the end of the calibration; {} = not measured (the profile cannot be rescaled)
+    speed: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
