@@ -103,12 +103,17 @@ def test_a_slower_host_prices_a_compute_bound_step_slower() -> None:
     assert base < ops.step_s < 1.3 * base
 
 
-def test_calibration_keeps_the_mean_speed_and_how_far_it_moved() -> None:
-    before = dict(SPEED)
-    after = {**SPEED, "operator": 800.0}
-    profile = _with_speed(replace(PROFILE, speed={}), before, after)
-    assert profile.speed == {**SPEED, "operator": 900.0}
-    assert profile.spread[SPEED_SPREAD] == pytest.approx(0.2)
+def test_calibration_keeps_the_median_speed_and_how_far_it_moved() -> None:
+    """Timed at the start, between the parts and at the end: one slow sample of five moves
+    neither the figure nor its spread (the interquartile range over the median), two do."""
+    samples = [dict(SPEED) for _ in range(5)]
+    samples[2] = {**SPEED, "operator": 600.0}
+    profile = _with_speed(replace(PROFILE, speed={}), samples)
+    assert profile.speed == SPEED and profile.spread[SPEED_SPREAD] == 0.0
+    samples[3] = {**SPEED, "operator": 700.0}
+    profile = _with_speed(replace(PROFILE, speed={}), samples)
+    assert profile.speed == {**SPEED, "operator": 1000.0}
+    assert profile.spread[SPEED_SPREAD] == pytest.approx(0.3)
 
 
 def test_the_speed_sample_times_every_figure() -> None:

@@ -39,7 +39,7 @@ from polytrain.planner.calibrate_worker import (
     rank_pipeline_steps,
 )
 from polytrain.planner.cost.common import host_slowdown
-from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
+from polytrain.planner.drift import SPEED_FIGURES, SPEED_SPREAD
 from polytrain.planner.host import host_identity, saved_profile, speed_sample
 from polytrain.planner.kernels import OpCounter, kernel_rates
 from polytrain.planner.probes import (
@@ -281,7 +281,7 @@ def calibrate(
     plan = plan or CalibrationPlan.for_this_host()
     tell = on_progress or (lambda _: None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    speed_before = speed_sample(threads)  # [Note: host drift] in planner/drift.py
+    speeds = [speed_sample(threads)]  # [Note: host drift] in planner/drift.py, ~0.5 s each
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -307,6 +307,7 @@ def calibrate(
             else ({}, {}, {})
         )
         tell("kernels: Linears on cold operands, attention, elementwise")
+        speeds.append(speed_sample(threads))
     finally:
         torch.set_num_threads(old_threads)
     matmuls.round()
@@ -330,6 +331,7 @@ def calibrate(
     else:
         loop_step_s = loop_micro_s = 0.0
     tell("training loop overhead")
+    speeds.append(speed_sample(threads))
 
     t0 = time.perf_counter()
     group = max(run_distributed(rank_baseline, 2, timeout_s=300.0))
@@ -356,6 +358,7 @@ def calibrate(
         if plan.fsdp_in_step:
             fsdp_in_step = _fsdp_in_step(fsdp_unit_s)
         tell("posted p2p, parameter-server exchange, FSDP2 in a step")
+        speeds.append(speed_sample(threads))
     concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
     slowdown: dict[int, float] = {}  # [Note: shared cores, measured on a step]
     for world in plan.world_sizes:
@@ -379,6 +382,7 @@ def calibrate(
             spreads = [s for _, s in results[0][f"{op} spread"]]
             spread[f"{op} world {world}"] = statistics.median(spreads)
         tell(f"collectives, world {world}")
+        speeds.append(speed_sample(threads))
     tp_in_step: dict[int, Curve] = {}
     if device.type == "cpu" and plan.tp_in_step_ranks:
         slower = partial(host_slowdown, step=slowdown, matmul=concurrent)
@@ -426,21 +430,24 @@ def calibrate(
             spread={**profile.spread, **pipe_spreads},
         )
         tell("pipeline runtime per action and per flush")
-    return _with_speed(profile, speed_before, speed_sample(threads))
+    speeds.append(speed_sample(threads))
+    return _with_speed(profile, speeds)
 
 
-def _with_speed(
-    profile: HostProfile, before: dict[str, float], after: dict[str, float]
-) -> HostProfile:
-    """``profile`` with its speed figures, the mean of the timings at the calibration's start
-    and end, and under ``spread["host speed during calibration"]`` how far the two differ
-    (the largest |after / before - 1|): [Note: host drift] in planner/drift.py."""
-    ratios = speed_ratios(before, after)
-    moved = max((abs(r - 1.0) for r in ratios.values()), default=0.0)
+def _with_speed(profile: HostProfile, samples: list[dict[str, float]]) -> HostProfile:
+    """``profile`` with its speed figures, each the median of ``samples`` (timed at the
+    calibration's start, between its parts and at its end), and under ``spread["host speed
+    during calibration"]`` the largest of their spreads: [Note: host drift] in
+    planner/drift.py."""
+    names = [n for n in SPEED_FIGURES if all(n in s for s in samples)]
+    figures = {n: median_and_spread([s[n] for s in samples]) for n in names}
     return replace(
         profile,
-        speed={k: (before[k] + after[k]) / 2 for k in ratios},
-        spread={**profile.spread, SPEED_SPREAD: moved},
+        speed={n: value for n, (value, _) in figures.items()},
+        spread={
+            **profile.spread,
+            SPEED_SPREAD: max((sp for _, sp in figures.values()), default=0.0),
+        },
     )
 
 
