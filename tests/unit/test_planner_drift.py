@@ -23,7 +23,7 @@ from polytrain.planner.drift import (
     rescaled,
     speed_ratios,
 )
-from polytrain.planner.host import host_identity, speed_sample
+from polytrain.planner.host import host_identity, speed_rates, speed_rounds, speed_sample
 from polytrain.planner.profile_io import fingerprint, profile_path, save_profile
 from polytrain.planner.stats_pure import gpt_stats
 from polytrain.planner.types import Curve, Layout
@@ -103,23 +103,26 @@ def test_a_slower_host_prices_a_compute_bound_step_slower() -> None:
     assert base < ops.step_s < 1.3 * base
 
 
-def test_calibration_keeps_the_median_speed_and_how_far_it_moved() -> None:
-    """Timed at the start, between the parts and at the end: one slow sample of five moves
-    neither the figure nor its spread (the interquartile range over the median), two do."""
-    samples = [dict(SPEED) for _ in range(5)]
-    samples[2] = {**SPEED, "operator": 600.0}
-    profile = _with_speed(replace(PROFILE, speed={}), samples)
-    assert profile.speed == SPEED and profile.spread[SPEED_SPREAD] == 0.0
-    samples[3] = {**SPEED, "operator": 700.0}
-    profile = _with_speed(replace(PROFILE, speed={}), samples)
-    assert profile.speed == {**SPEED, "operator": 1000.0}
+def test_calibration_keeps_the_speed_of_its_matmul_rounds_and_how_far_it_moved() -> None:
+    """The figures are the rounds timed beside the matmuls'; how far the host moved is the
+    largest of their rounds' spreads and of the end sample's distance from them."""
+    rounds = {name: (rate, 0.05) for name, rate in SPEED.items()}
+    profile = _with_speed(replace(PROFILE, speed={}), rounds, dict(SPEED))
+    assert profile.speed == SPEED and profile.spread[SPEED_SPREAD] == pytest.approx(0.05)
+    rounds["copy"] = (SPEED["copy"], 0.3)
+    profile = _with_speed(replace(PROFILE, speed={}), rounds, dict(SPEED))
     assert profile.spread[SPEED_SPREAD] == pytest.approx(0.3)
+    end = {**SPEED, "operator": 600.0}  # slower by the end: the late figures were measured so
+    profile = _with_speed(replace(PROFILE, speed={}), rounds, end)
+    assert profile.speed == SPEED and profile.spread[SPEED_SPREAD] == pytest.approx(0.4)
 
 
 def test_the_speed_sample_times_every_figure() -> None:
     sample = speed_sample(budget_s=0.02)
     assert set(sample) == set(SPEED_FIGURES)
     assert all(v > 0 for v in sample.values())
+    rates = speed_rates(speed_rounds(budget_s=0.02))
+    assert set(rates) == set(SPEED_FIGURES) and all(r > 0 and s >= 0 for r, s in rates.values())
 
 
 def _saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, speed: dict[str, float]) -> None:

@@ -39,8 +39,14 @@ from polytrain.planner.calibrate_worker import (
     rank_pipeline_steps,
 )
 from polytrain.planner.cost.common import host_slowdown
-from polytrain.planner.drift import SPEED_FIGURES, SPEED_SPREAD
-from polytrain.planner.host import host_identity, saved_profile, speed_sample
+from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
+from polytrain.planner.host import (
+    host_identity,
+    saved_profile,
+    speed_rates,
+    speed_rounds,
+    speed_sample,
+)
 from polytrain.planner.kernels import OpCounter, kernel_rates
 from polytrain.planner.probes import (
     rank_dtensor_step_costs,
@@ -281,7 +287,7 @@ def calibrate(
     plan = plan or CalibrationPlan.for_this_host()
     tell = on_progress or (lambda _: None)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    speeds = [speed_sample(threads)]  # [Note: host drift] in planner/drift.py, ~0.5 s each
+    speed = speed_rounds(threads)  # [Note: host drift] in planner/drift.py: beside the matmuls
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -289,9 +295,11 @@ def calibrate(
         # the matmul rounds are spread over the measurements below (see `Rounds`)
         matmuls = _matmul_rounds(plan.matmul_sizes, plan.dtypes, device, plan.budget_s, threads)
         matmuls.round()
+        speed.round()
         mem_bw, spread["memory bandwidth"] = _mem_bw(plan.copy_bytes, device, plan.budget_s)
         tell("memory bandwidth")
         matmuls.round()
+        speed.round()
         costs = step_costs(plan.step_shapes, device, plan.budget_s, fused=True)
         op_s = _op_seconds(device, plan.budget_s)
         tell("end of step: check, clip, optimizers; operator overhead")
@@ -307,10 +315,10 @@ def calibrate(
             else ({}, {}, {})
         )
         tell("kernels: Linears on cold operands, attention, elementwise")
-        speeds.append(speed_sample(threads))
     finally:
         torch.set_num_threads(old_threads)
     matmuls.round()
+    speed.round()
     (fsdp_unit_s,) = run_distributed(rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
     tell("FSDP2 overhead per unit")
     if device.type == "cpu":  # DTensor's dispatch: [Note: DTensor end of step], [Note: DTensor
@@ -324,6 +332,7 @@ def calibrate(
         tp_module_s = 0.0
     tell("DTensor overhead: end of step, tensor-parallel modules")
     matmuls.round()
+    speed.round()
     if device.type == "cpu":  # [Note: loop overhead]; an accelerator host: not measured yet
         ((loop_step_s, loop_micro_s, spread["training loop"]),) = run_distributed(
             rank_loop_overhead, 1, plan.budget_s, op_s, costs, timeout_s=300.0
@@ -331,7 +340,6 @@ def calibrate(
     else:
         loop_step_s = loop_micro_s = 0.0
     tell("training loop overhead")
-    speeds.append(speed_sample(threads))
 
     t0 = time.perf_counter()
     group = max(run_distributed(rank_baseline, 2, timeout_s=300.0))
@@ -341,6 +349,7 @@ def calibrate(
     baseline = max(group, fresh)
     tell("process start-up")
     by_size: dict[str, dict[int, float]] = {dtype: {} for dtype in plan.dtypes}
+    speed_figures = speed_rates(speed)  # their last round beside the matmuls' last
     for (dtype, n), (rate, rate_spread) in matmul_rates(matmuls).items():
         by_size[dtype][n] = rate
         spread[f"matmul {dtype} {n}"] = rate_spread
@@ -358,7 +367,6 @@ def calibrate(
         if plan.fsdp_in_step:
             fsdp_in_step = _fsdp_in_step(fsdp_unit_s)
         tell("posted p2p, parameter-server exchange, FSDP2 in a step")
-        speeds.append(speed_sample(threads))
     concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
     slowdown: dict[int, float] = {}  # [Note: shared cores, measured on a step]
     for world in plan.world_sizes:
@@ -382,7 +390,6 @@ def calibrate(
             spreads = [s for _, s in results[0][f"{op} spread"]]
             spread[f"{op} world {world}"] = statistics.median(spreads)
         tell(f"collectives, world {world}")
-        speeds.append(speed_sample(threads))
     tp_in_step: dict[int, Curve] = {}
     if device.type == "cpu" and plan.tp_in_step_ranks:
         slower = partial(host_slowdown, step=slowdown, matmul=concurrent)
@@ -430,24 +437,22 @@ def calibrate(
             spread={**profile.spread, **pipe_spreads},
         )
         tell("pipeline runtime per action and per flush")
-    speeds.append(speed_sample(threads))
-    return _with_speed(profile, speeds)
+    return _with_speed(profile, speed_figures, speed_sample(threads))
 
 
-def _with_speed(profile: HostProfile, samples: list[dict[str, float]]) -> HostProfile:
-    """``profile`` with its speed figures, each the median of ``samples`` (timed at the
-    calibration's start, between its parts and at its end), and under ``spread["host speed
-    during calibration"]`` the largest of their spreads: [Note: host drift] in
-    planner/drift.py."""
-    names = [n for n in SPEED_FIGURES if all(n in s for s in samples)]
-    figures = {n: median_and_spread([s[n] for s in samples]) for n in names}
+def _with_speed(
+    profile: HostProfile, rounds: dict[str, tuple[float, float]], end: dict[str, float]
+) -> HostProfile:
+    """``profile`` with its speed figures (``rounds``: `speed_rates`, timed beside the matmul
+    rounds, so at the moments the compute figures were) and under ``spread["host speed during
+    calibration"]`` how far the host's speed moved: the largest, over the figures, of their
+    rounds' spread and of how far ``end`` (a sample at the calibration's end) is from them
+    ([Note: host drift] in planner/drift.py)."""
+    speed = {name: rate for name, (rate, _) in rounds.items()}
+    moved = [spread for _, spread in rounds.values()]
+    moved += [abs(r - 1.0) for r in speed_ratios(speed, end).values()]
     return replace(
-        profile,
-        speed={n: value for n, (value, _) in figures.items()},
-        spread={
-            **profile.spread,
-            SPEED_SPREAD: max((sp for _, sp in figures.values()), default=0.0),
-        },
+        profile, speed=speed, spread={**profile.spread, SPEED_SPREAD: max(moved, default=0.0)}
     )
 
 

@@ -18,10 +18,18 @@ import torch
 
 from polytrain.planner.catalog import device_key_of
 from polytrain.planner.profile_io import cache_dir, fingerprint, load_profile, profile_path
-from polytrain.planner.timing import timed_rounds
+from polytrain.planner.timing import Rounds
 from polytrain.planner.types import HostProfile
 
-__all__ = ["describes", "host_identity", "profile_for", "saved_profile", "speed_sample"]
+__all__ = [
+    "describes",
+    "host_identity",
+    "profile_for",
+    "saved_profile",
+    "speed_rates",
+    "speed_rounds",
+    "speed_sample",
+]
 
 
 def host_identity(threads: int = 1) -> dict[str, str]:
@@ -69,13 +77,20 @@ def profile_for(device_key: str, threads: int = 1) -> HostProfile | None:
 
 _SPEED_N = 512  # the speed figures' matmul size
 _SPEED_COPY_BYTES = 64 * 2**20  # past a CPU's last-level cache
+# the work of one call of each speed figure's function (its rate is this over its seconds)
+_SPEED_WORK = {
+    "matmul fp32": 2.0 * _SPEED_N**3,  # FLOPs
+    "matmul half": 2.0 * _SPEED_N**3,
+    "operator": 1.0,  # one chain of 128 tiny operator calls, forward and backward
+    "copy": 2.0 * _SPEED_COPY_BYTES,  # bytes read and written
+}
 
 
-def speed_sample(threads: int = 1, budget_s: float = 0.2) -> dict[str, float]:
-    """[Note: host drift] in planner/drift.py: this host's `drift.SPEED_FIGURES` now, each a
-    rate (an fp32 and a bf16 512 matmul's FLOP/s, chains of 128 tiny operator calls forward and
-    backward per second, a 64 MiB copy's bytes read and written per second), timed in
-    interleaved rounds with ``threads`` intra-op threads: ~5 x ``budget_s`` seconds."""
+def speed_rounds(threads: int = 1, budget_s: float = 0.2) -> Rounds[str]:
+    """[Note: host drift] in planner/drift.py: timing rounds ([Note: timing rounds]) of this
+    host's `drift.SPEED_FIGURES` (an fp32 and a bf16 512 matmul, a chain of 128 tiny operator
+    calls forward and backward, a 64 MiB copy) with ``threads`` intra-op threads; `calibrate`
+    runs them beside its matmul rounds, `speed_rates` reads them."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     a32 = torch.randn(_SPEED_N, _SPEED_N, device=device)
     a16 = a32.to(torch.bfloat16)
@@ -95,12 +110,17 @@ def speed_sample(threads: int = 1, budget_s: float = 0.2) -> dict[str, float]:
         "operator": chain,
         "copy": partial(dst.copy_, src),
     }
-    work = {"matmul fp32": 2.0 * _SPEED_N**3, "operator": 1.0, "copy": 2.0 * _SPEED_COPY_BYTES}
-    work["matmul half"] = work["matmul fp32"]
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        times = timed_rounds(fns, device, budget_s)
-    finally:
-        torch.set_num_threads(old)
-    return {name: work[name] / secs for name, (secs, _) in times.items()}
+    return Rounds(fns, device, budget_s, threads=threads)
+
+
+def speed_rates(rounds: Rounds[str]) -> dict[str, tuple[float, float]]:
+    """(rate, spread) of each speed figure of `speed_rounds`, running the rounds left."""
+    return {
+        name: (_SPEED_WORK[name] / secs, spread) for name, (secs, spread) in rounds.result().items()
+    }
+
+
+def speed_sample(threads: int = 1, budget_s: float = 0.2) -> dict[str, float]:
+    """This host's speed figures now (`speed_rounds` back to back, ~0.5 s): what `polytrain
+    plan --validate`, `calibrate --check` and the planner benchmark hold against a profile's."""
+    return {name: rate for name, (rate, _) in speed_rates(speed_rounds(threads, budget_s)).items()}
