@@ -26,7 +26,7 @@ from polytrain.planner.drift import (
 from polytrain.planner.host import host_identity, speed_rates, speed_rounds, speed_sample
 from polytrain.planner.profile_io import fingerprint, profile_path, save_profile
 from polytrain.planner.stats_pure import gpt_stats
-from polytrain.planner.types import Curve, Layout
+from polytrain.planner.types import Curve, HostProfile, Layout
 from tests.helpers.planner import cpu_profile
 
 SPEED = {"matmul fp32": 1.6e11, "matmul half": 1.1e12, "operator": 1000.0, "copy": 1e10}
@@ -87,6 +87,24 @@ def test_each_family_moves_with_its_figure_and_the_wire_stays() -> None:
     assert slow.speed["matmul fp32"] == 0.8e11  # the figures describe the host now
     for same in ("collectives", "tp_in_step", "fsdp_in_step", "ps_exchange_s", "step_slowdown"):
         assert getattr(slow, same) == getattr(PROFILE, same)
+
+
+def test_processes_at_once_move_with_the_all_core_figure() -> None:
+    """One process 1.5x as fast, every core together as fast as before: the concurrent rates
+    stay, one alone's rises, and the step slowdown grows so that n at once price as before."""
+    shared = replace(PROFILE, step_slowdown={2: 1.1, 4: 2.2})
+    ratios = {"matmul fp32": 1.5, "matmul fp32, all cores": 1.0}
+    fast = rescaled(shared, ratios)
+    assert fast.matmul_concurrent == {1: 15e9, 2: 6e9, 4: 2e9}
+    assert fast.step_slowdown == {2: pytest.approx(1.65), 4: pytest.approx(3.3)}
+    stats = gpt_stats(n_layer=2, n_embd=512, n_head=8, block_size=64, vocab_size=256)
+
+    def compute(profile: HostProfile, n: int) -> float:
+        env = Env(parse_cluster(f"1x{n}xcpu"), profile=profile)
+        return predict(Layout(dp=n), stats, env, 8).breakdown["compute"]
+
+    assert compute(fast, 1) == pytest.approx(compute(shared, 1) / 1.5, rel=0.02)
+    assert compute(fast, 2) == pytest.approx(compute(shared, 2), rel=0.02)
 
 
 def test_a_slower_host_prices_a_compute_bound_step_slower() -> None:

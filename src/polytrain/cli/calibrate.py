@@ -134,6 +134,7 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
 
 _SPEED_UNITS = {
     "matmul fp32": (1e9, "GFLOP/s"),
+    "matmul fp32, all cores": (1e9, "GFLOP/s"),
     "matmul half": (1e9, "GFLOP/s"),
     "operator": (1.0, "chains/s"),
     "copy": (1e9, "GB/s"),

@@ -21,6 +21,14 @@ on this VM is set by wake-ups, not by the core's speed.
 The families (what each figure stands for):
 - "matmul fp32": fp32 matmul and Linear rates, alone and with other processes at once, and
   attention's kernels;
+- "matmul fp32, all cores": the same matmul on every core at once stands for what several
+  processes get together: the fp32 rates with more than one process computing, and the
+  shared-core slowdown (a step with N processes against one alone) moves by the ratio of the
+  one-core to the all-core figure. Not by the one-core figure alone: on 2026-11-26 at 17:20 a
+  profile taken in slow minutes, rescaled by the one-core figures (1.2-1.6x), priced gpt tiny's
+  one-process step right (+32% -> +4%) and every multi-process layout 10-24% low, where the
+  profile as calibrated had priced them within 2-17%: the speed lost and won in those minutes
+  was mostly a lone process's;
 - "matmul half": bf16 (and fp16) matmul rates;
 - "operator": seconds of per-call Python and dispatch: an operator call, the loop's own Python,
   FSDP2's hooks, DTensor's dispatch, the pipeline runtime's per action and per flush, the
@@ -46,7 +54,13 @@ __all__ = [
     "speed_ratios",
 ]
 
-SPEED_FIGURES: tuple[str, ...] = ("matmul fp32", "matmul half", "operator", "copy")
+SPEED_FIGURES: tuple[str, ...] = (
+    "matmul fp32",
+    "matmul fp32, all cores",
+    "matmul half",
+    "operator",
+    "copy",
+)
 DRIFT_LIMIT = 0.15  # a figure more than this far from its profile's value has drifted
 SPEED_SPREAD = "host speed during calibration"  # `HostProfile.spread`'s key for it
 
@@ -82,6 +96,7 @@ def rescaled(profile: HostProfile, ratios: dict[str, float]) -> HostProfile:
     if not ratios:
         return profile
     fp32 = ratios.get("matmul fp32", 1.0)
+    cores = ratios.get("matmul fp32, all cores", fp32)
     half = ratios.get("matmul half", 1.0)
     op = ratios.get("operator", 1.0)
     copy = ratios.get("copy", 1.0)
@@ -96,7 +111,12 @@ def rescaled(profile: HostProfile, ratios: dict[str, float]) -> HostProfile:
             d: {n: v * dtype_scale(d) for n, v in sizes.items()}
             for d, sizes in profile.matmul_by_size.items()
         },
-        matmul_concurrent={n: v * fp32 for n, v in profile.matmul_concurrent.items()},
+        matmul_concurrent={
+            n: v * (fp32 if n <= 1 else cores) for n, v in profile.matmul_concurrent.items()
+        },
+        # a step with n at once took s x one alone's: one alone is now fp32 x as fast, n at once
+        # cores x ([Note: shared cores, measured on a step] in planner/probes.py)
+        step_slowdown={n: s * fp32 / cores for n, s in profile.step_slowdown.items()},
         gemm_by_size={n: v * fp32 for n, v in profile.gemm_by_size.items()},
         attention_rates={k: (f * fp32, b * fp32) for k, (f, b) in profile.attention_rates.items()},
         mem_bw=profile.mem_bw * copy,

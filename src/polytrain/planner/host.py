@@ -80,6 +80,7 @@ _SPEED_COPY_BYTES = 64 * 2**20  # past a CPU's last-level cache
 # the work of one call of each speed figure's function (its rate is this over its seconds)
 _SPEED_WORK = {
     "matmul fp32": 2.0 * _SPEED_N**3,  # FLOPs
+    "matmul fp32, all cores": 2.0 * _SPEED_N**3,  # FLOPs, the host's every core on one call
     "matmul half": 2.0 * _SPEED_N**3,
     "operator": 1.0,  # one chain of 128 tiny operator calls, forward and backward
     "copy": 2.0 * _SPEED_COPY_BYTES,  # bytes read and written
@@ -88,8 +89,9 @@ _SPEED_WORK = {
 
 def speed_rounds(threads: int = 1, budget_s: float = 0.2) -> Rounds[str]:
     """[Note: host drift] in planner/drift.py: timing rounds ([Note: timing rounds]) of this
-    host's `drift.SPEED_FIGURES` (an fp32 and a bf16 512 matmul, a chain of 128 tiny operator
-    calls forward and backward, a 64 MiB copy) with ``threads`` intra-op threads; `calibrate`
+    host's `drift.SPEED_FIGURES` (an fp32 and a bf16 512 matmul, the fp32 one again on every
+    core, a chain of 128 tiny operator calls forward and backward, a 64 MiB copy) with
+    ``threads`` intra-op threads; `calibrate`
     runs them beside its matmul rounds, `speed_rates` reads them."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     a32 = torch.randn(_SPEED_N, _SPEED_N, device=device)
@@ -104,8 +106,16 @@ def speed_rounds(threads: int = 1, budget_s: float = 0.2) -> Rounds[str]:
             y = y * 1.0001 + 0.0001
         y.sum().backward()
 
+    cores = os.cpu_count() or 1
+
+    def all_cores() -> None:  # the round sets ``threads``; this call uses every core
+        torch.set_num_threads(cores)
+        torch.matmul(a32, a32)
+        torch.set_num_threads(threads)
+
     fns: dict[str, Callable[[], object]] = {
         "matmul fp32": partial(torch.matmul, a32, a32),
+        "matmul fp32, all cores": all_cores,
         "matmul half": partial(torch.matmul, a16, a16),
         "operator": chain,
         "copy": partial(dst.copy_, src),
