@@ -10,17 +10,20 @@ normal speed on a profile taken in the slow minutes measured every layout 20-50%
 read 1.03x while a layout is priced 20% high.
 
 So a calibration also times a few short *speed figures*, one per family of the profile's numbers
-(`SPEED_FIGURES`, ~1 s: `planner.host.speed_sample`), at its start and its end, and keeps their
-mean (`HostProfile.speed`; how far start and end differ is its spread, "host speed during
-calibration"). Before a run is held against its prediction (`polytrain plan --validate`,
+(`SPEED_FIGURES`: `planner.host.speed_rounds`), in timing rounds beside its matmul rounds, so at
+the moments its compute figures were measured, and keeps them (`HostProfile.speed`); how far
+the host moved while it measured (the rounds' spread, and a sample at its end against them) is
+the spread "host speed during calibration", and past `DRIFT_LIMIT` the command says so. (A first
+version kept the median of eight samples spread over the whole calibration: at 17:05 the VM ran
+at full speed for the first minute, where the matmul figures were measured, and slow after; the
+median described the slow part and would have rescaled the profile the wrong way.) Before a run is held against its prediction (`polytrain plan --validate`,
 `benchmarks/planner`) the figures are timed again, and the profile is *rescaled* to the host's
 speed now: each family's figures by its figure's ratio (`rescaled`). Collectives and the wire's
 figures are not rescaled: the speed figures time no communication, and a gloo call's latency
 on this VM is set by wake-ups, not by the core's speed.
 
 The families (what each figure stands for):
-- "matmul fp32": fp32 matmul and Linear rates, alone and with other processes at once, and
-  attention's kernels;
+- "matmul fp32": fp32 matmul and Linear rates of one process alone, and attention's kernels;
 - "matmul fp32, all cores": the same matmul on every core at once stands for what several
   processes get together: the fp32 rates with more than one process computing, and the
   shared-core slowdown (a step with N processes against one alone) moves by the ratio of the

@@ -91,8 +91,8 @@ def speed_rounds(threads: int = 1, budget_s: float = 0.2) -> Rounds[str]:
     """[Note: host drift] in planner/drift.py: timing rounds ([Note: timing rounds]) of this
     host's `drift.SPEED_FIGURES` (an fp32 and a bf16 512 matmul, the fp32 one again on every
     core, a chain of 128 tiny operator calls forward and backward, a 64 MiB copy) with
-    ``threads`` intra-op threads; `calibrate`
-    runs them beside its matmul rounds, `speed_rates` reads them."""
+    ``threads`` intra-op threads; `calibrate` runs them beside its matmul rounds, `speed_rates`
+    reads them."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     a32 = torch.randn(_SPEED_N, _SPEED_N, device=device)
     a16 = a32.to(torch.bfloat16)
