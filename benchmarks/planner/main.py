@@ -174,15 +174,25 @@ def mean_ratios(profile: HostProfile, samples: list[dict[str, float]]) -> dict[s
     return {n: statistics.mean(r[n] for r in per) for n in names}
 
 
-def round_ratios(
-    profile: HostProfile, samples: list[dict[str, float]], rounds: int
+def run_speeds(
+    profile: HostProfile, samples: list[dict[str, float]], trials: list[dict[str, Any]]
 ) -> list[dict[str, float]]:
-    """Per round of runs, the host's speed against ``profile`` over that round: the mean of
-    the samples before and after it ([Note: rescaled to the runs' speed]); every round the
-    mean of all samples where they were not taken round by round (older results)."""
-    if len(samples) == rounds + 1:
-        return [mean_ratios(profile, samples[r : r + 2]) for r in range(rounds)]
-    return [mean_ratios(profile, samples)] * rounds
+    """Per layout, the host's speed against ``profile`` during the run that counts for it
+    ([Note: rescaled to the runs' speed]): the mean of the samples just before and just after
+    that run. Results of older scripts: per round (samples before each round and after the
+    last), or one mean over all."""
+    n, rounds = len(trials), len(trials[0].get("round_step_s", [0]))
+    out = []
+    for i, trial in enumerate(trials):
+        k = int(trial.get("round", 0))
+        if len(samples) == 1 + rounds * n:  # one before the first run, one after each run
+            around = samples[k * n + i : k * n + i + 2]
+        elif len(samples) == rounds + 1:  # one before each round, one after the last
+            around = samples[k : k + 2]
+        else:
+            around = samples
+        out.append(mean_ratios(profile, around))
+    return out
 
 
 def predict_at_speed(
@@ -191,14 +201,13 @@ def predict_at_speed(
     job: JobConfig,
     items: list[Layout],
     speeds: list[dict[str, float]],
-    rounds: list[int],
 ) -> list[dict[str, Any]]:
-    """Each layout predicted on ``profile`` rescaled to ``speeds[rounds[i]]``, the speed of the
-    round whose run counts for it."""
-    by_round = {
-        r: predict_all(stats, rescaled(profile, speeds[r]), job, items) for r in set(rounds)
-    }
-    return [by_round[r][i] for i, r in enumerate(rounds)]
+    """Each layout predicted on ``profile`` rescaled to ``speeds[i]``, the host's speed during
+    the run that counts for it."""
+    return [
+        predict_all(stats, rescaled(profile, speed), job, [layout])[0]
+        for layout, speed in zip(items, speeds, strict=True)
+    ]
 
 
 def sample_speed(profile: HostProfile, samples: list[dict[str, float]]) -> None:
@@ -206,17 +215,19 @@ def sample_speed(profile: HostProfile, samples: list[dict[str, float]]) -> None:
     profile's."""
     samples.append(speed_sample(profile.threads))
     now = describe(speed_ratios(profile.speed, samples[-1]))
-    print(f"  host speed against the profile: {now}", flush=True)
+    print(f"    host speed against the profile: {now}", flush=True)
 
 
-# [Note: rescaled to the runs' speed] The speed figures are timed before each round of runs and
-# after the last ([Note: rounds of runs]); a layout's run counts from one round (its median),
-# and its predictions ("flops" and "measured") are priced on the profile rescaled to that
-# round's speed (the mean of the samples before and after it), "flops, as calibrated" on the
-# profile as saved, so the table shows what rescaling changed. Round by round, not one mean
-# over the model's runs: on 2026-11-26 16:54-17:02 the operator figure read 1.19x, 0.77x and
-# 0.72x of the profile's at the three rounds of mlp tiny, and the mean (0.85x) priced the
-# rounds' runs against a speed none of them had.
+# [Note: rescaled to the runs' speed] The speed figures are timed before the first run and after
+# every run ([Note: rounds of runs]; ~0.5 s each, ~40 s over the 84 runs); a layout's run counts
+# from one round (its median), and its predictions ("flops" and "measured") are priced on the
+# profile rescaled to the mean of the samples just before and just after that run, "flops, as
+# calibrated" on the profile as saved, so the table shows what rescaling changed. Run by run:
+# with samples only before each round (~5 minutes of runs), at 18:10 on 2026-11-26 they read
+# the host 1.1-1.2x faster than its profile while every gpt layout ran slower than even the
+# profile as calibrated priced it (-8..-31%), and the rescaled median error was 22% against 17%;
+# with one mean over a model's runs (16:44) the mlp's three rounds read an operator call at
+# 1.19x, 0.77x and 0.72x, and the mean priced each run at a speed none of them had.
 
 
 # -- the peers' estimators -------------------------------------------------------------------
@@ -295,7 +306,7 @@ def measure(
     between: Callable[[], None],
 ) -> list[dict[str, Any]]:
     """Every layout's figures, `--rounds` rounds of runs ([Note: rounds of runs]); ``between``
-    runs before each round and after the last ([Note: rescaled to the runs' speed])."""
+    runs before the first run and after every run ([Note: rescaled to the runs' speed])."""
     specs = [
         TrialSpec(
             layout,
@@ -308,23 +319,22 @@ def measure(
     def show(trial: Trial) -> None:
         status = trial.error or f"{trial.measured_step_s * 1e3:.1f} ms/step"
         print(f"  {model} {_name(trial.spec.layout)}: {status} ({trial.wall_s:.0f} s)", flush=True)
+        between()  # [Note: rescaled to the runs' speed]: after every run
 
     # [Note: rounds of runs] each round runs every layout once; a layout's figures are its
     # median round's (by step time), so its runs sit minutes apart
-    rounds = []
-    for _ in range(args.rounds):
-        between()
-        rounds.append(
-            run_trials(
-                specs,
-                MODELS[model],
-                Path(args.workdir) / model,
-                steps=args.steps or STEPS[model],
-                warmup=args.warmup,
-                on_trial=show,
-            )
+    between()  # before the first run
+    rounds = [
+        run_trials(
+            specs,
+            MODELS[model],
+            Path(args.workdir) / model,
+            steps=args.steps or STEPS[model],
+            warmup=args.warmup,
+            on_trial=show,
         )
-    between()
+        for _ in range(args.rounds)
+    ]
     out = []
     for runs in zip(*rounds, strict=True):
         ok = sorted(
@@ -504,15 +514,14 @@ def main() -> None:
             partitions = [p["partition"] for p in predict_all(counted, profile, job, items)]
             between = partial(sample_speed, profile, samples)
             trials = measure(model, items, partitions, args, between=between)
-        rounds = [int(t.get("round", 0)) for t in trials]
-        speeds = round_ratios(profile, samples, len(trials[0].get("round_step_s", [0])))
-        for r, ratios in enumerate(speeds):
+        speeds = run_speeds(profile, samples, trials)
+        for layout, ratios in zip(items, speeds, strict=True):
             moved = drifted(ratios)
             off = f" ({', '.join(moved)} >15% off the profile)" if moved else ""
-            print(f"{model}: host speed in round {r + 1}: {describe(ratios)}{off}", flush=True)
+            print(f"  {_name(layout)}'s run: host at {describe(ratios)}{off}", flush=True)
         preds = {
-            "flops": predict_at_speed(counted, profile, job, items, speeds, rounds),
-            "measured": predict_at_speed(timed, profile, job, items, speeds, rounds),
+            "flops": predict_at_speed(counted, profile, job, items, speeds),
+            "measured": predict_at_speed(timed, profile, job, items, speeds),
             "flops, as calibrated": predict_all(counted, profile, job, items),
         }
         rows = []
@@ -545,7 +554,7 @@ def main() -> None:
             "trials": trials,
             "rows": rows,
             "speed_samples": samples,
-            "speed_vs_profile_by_round": speeds,
+            "speed_vs_profile_by_layout": speeds,
         }
         for variant in preds:
             print_rows(model, rows, variant)
