@@ -42,6 +42,7 @@ from polytrain.planner.cost.common import host_slowdown
 from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
 from polytrain.planner.host import (
     host_identity,
+    operator_chain,
     saved_profile,
     speed_rates,
     speed_rounds,
@@ -215,14 +216,7 @@ def _op_seconds(device: torch.device, budget_s: float) -> float:
     """[Note: non-matmul time] Seconds per ATen operator call where the data is negligible: a
     forward and backward through 64 multiply-adds of 16 values, divided by the operator calls
     `planner.kernels.OpCounter` counts in it (the same counter the model statistics use)."""
-    x = torch.ones(16, device=device, requires_grad=True)
-
-    def chain() -> None:
-        y = x
-        for _ in range(64):
-            y = y * 1.0001 + 0.0001
-        y.sum().backward()
-
+    chain = operator_chain(device)
     counter = OpCounter()
     with counter:
         chain()

@@ -24,6 +24,7 @@ from polytrain.planner.types import HostProfile
 __all__ = [
     "describes",
     "host_identity",
+    "operator_chain",
     "profile_for",
     "saved_profile",
     "speed_rates",
@@ -87,6 +88,20 @@ _SPEED_WORK = {
 }
 
 
+def operator_chain(device: torch.device) -> Callable[[], None]:
+    """A forward and backward through 64 multiply-adds of 16 values: operator calls whose data
+    is negligible (`calibrate`'s operator figure and the "operator" speed figure time it)."""
+    x = torch.ones(16, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(64):
+            y = y * 1.0001 + 0.0001
+        y.sum().backward()
+
+    return chain
+
+
 def speed_rounds(threads: int = 1, budget_s: float = 0.2) -> Rounds[str]:
     """[Note: host drift] in planner/drift.py: timing rounds ([Note: timing rounds]) of this
     host's `drift.SPEED_FIGURES` (an fp32 and a bf16 512 matmul, the fp32 one again on every
@@ -96,16 +111,8 @@ def speed_rounds(threads: int = 1, budget_s: float = 0.2) -> Rounds[str]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     a32 = torch.randn(_SPEED_N, _SPEED_N, device=device)
     a16 = a32.to(torch.bfloat16)
-    x = torch.ones(16, device=device, requires_grad=True)
     src = torch.ones(_SPEED_COPY_BYTES // 4, device=device)
     dst = torch.empty_like(src)
-
-    def chain() -> None:
-        y = x
-        for _ in range(64):
-            y = y * 1.0001 + 0.0001
-        y.sum().backward()
-
     cores = os.cpu_count() or 1
 
     def all_cores() -> None:  # the round sets ``threads``; this call uses every core
@@ -117,7 +124,7 @@ def speed_rounds(threads: int = 1, budget_s: float = 0.2) -> Rounds[str]:
         "matmul fp32": partial(torch.matmul, a32, a32),
         "matmul fp32, all cores": all_cores,
         "matmul half": partial(torch.matmul, a16, a16),
-        "operator": chain,
+        "operator": operator_chain(device),
         "copy": partial(dst.copy_, src),
     }
     return Rounds(fns, device, budget_s, threads=threads)
