@@ -15,7 +15,7 @@ from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.sufficient_factor import dense_s, sf_s
 from polytrain.planner.cost.zero import zero_step
 from polytrain.planner.stats_pure import gpt_stats
-from polytrain.planner.types import BlockStats, HostProfile, Layout
+from polytrain.planner.types import BlockStats, Curve, HostProfile, Layout
 
 ENV = Env(parse_cluster("2x4xA100-40GB:ib200"))
 
@@ -371,3 +371,38 @@ def test_small_weights_run_their_matmuls_at_the_calibrated_small_size_rate() -> 
     plain = Env(parse_cluster("1x1xcpu"), profile=_cpu_profile())
     assert plain.matmul_rate(block((128, 128))) == plain.flops_rate
     assert env.matmul_rate(block()) == env.flops_rate
+
+
+def test_the_end_of_steps_reduces_cost_the_in_step_probe_where_ranks_reach_them_together() -> None:
+    """[Note: the step's reductions in a step]: on the calibrated CPU host a data- or
+    tensor-parallel step pays the in-step figure for its world size per small all-reduce (the
+    loss and flag; the norm too when the gradients are sharded), past the largest measured size
+    that figure times the isolated curves' ratio; a pipeline's stages (they reach it apart), a
+    group across hosts and a profile without the figure keep the isolated curve."""
+    curve = Curve(((8.0, 2e-3), (2**20, 6e-3)))
+    collectives = {"all_reduce": {2: curve, 4: Curve(((8.0, 5e-3), (2**20, 9e-3)))}}
+    measured = {2: 4e-4, 4: 1.5e-3}
+    prof = _cpu_profile(collectives=collectives, reduce_in_step=measured)
+    four = Env(parse_cluster("1x4xcpu"), profile=prof)
+    iso = Env(parse_cluster("1x4xcpu"), profile=_cpu_profile(collectives=collectives))
+    assert four.step_reduce_s(2) == pytest.approx(4e-4)
+    assert four.step_reduce_s(4) == pytest.approx(1.5e-3)
+    assert four.step_reduce_s(1) == 0.0
+    assert four.step_reduce_s(2, together=False) == pytest.approx(2e-3)
+    assert iso.step_reduce_s(4) == pytest.approx(5e-3)
+    eight = Env(parse_cluster("1x8xcpu"), profile=prof)
+    ratio = eight.collective_s("all_reduce", 8.0, 8) / eight.collective_s("all_reduce", 8.0, 4)
+    assert eight.step_reduce_s(8) == pytest.approx(1.5e-3 * ratio)
+    across = Env(parse_cluster("2x2xcpu:eth10"), profile=prof)
+    assert across.step_reduce_s(4) == across.collective_s("all_reduce", 8.0, 4)
+    # in a prediction: the end of step's share of the optimizer term
+    stats = gpt_stats(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)
+    assert stats.grad_clip
+
+    def end(layout: Layout, env: Env) -> float:
+        return predict(layout, stats, env, 8).breakdown["optimizer"]
+
+    dp2, tp2, pp2 = Layout(dp=2), Layout(tp=2), Layout(pp=2, microbatches=2)
+    assert end(dp2, iso) - end(dp2, four) == pytest.approx(2e-3 - 4e-4)  # loss and flag
+    assert end(tp2, iso) - end(tp2, four) == pytest.approx(2 * (2e-3 - 4e-4))  # and the norm
+    assert end(pp2, iso) == pytest.approx(end(pp2, four))

@@ -46,6 +46,7 @@ PROFILE = cpu_profile(
     pipe_flush_s={"1f1b": 5e-4},
     collectives={"all_reduce": {2: Curve(((16.0, 1e-3), (2**20, 5e-3)))}},
     tp_in_step={2: Curve(((1e3, 1e-3),))},
+    reduce_in_step={2: 4e-4},
     ps_exchange_s={"sync": {1: 2e-3}},
     speed=SPEED,
 )
@@ -85,7 +86,8 @@ def test_each_family_moves_with_its_figure_and_the_wire_stays() -> None:
     assert slow.pipe_action_s == {"1f1b": pytest.approx(1.6e-4)}
     assert slow.pipe_flush_s == {"1f1b": pytest.approx(4e-4)}
     assert slow.speed["matmul fp32"] == 0.8e11  # the figures describe the host now
-    for same in ("collectives", "tp_in_step", "fsdp_in_step", "ps_exchange_s", "step_slowdown"):
+    wire = ("collectives", "tp_in_step", "fsdp_in_step", "reduce_in_step", "ps_exchange_s")
+    for same in (*wire, "step_slowdown"):
         assert getattr(slow, same) == getattr(PROFILE, same)
 
 

@@ -37,6 +37,7 @@ def _profile() -> HostProfile:
         fsdp_in_step={2: Curve(((1e3, 1e-3), (8e5, 3e-3)))},
         tp_module_s=4.7e-4,
         tp_in_step={2: Curve(((1.6e4, 1.7e-3), (2**20, 2.3e-3)))},
+        reduce_in_step={2: 4e-4, 4: 1.7e-3},
         loop_step_s=3e-4,
         loop_microbatch_s=2e-4,
         pipe_action_s={"gpipe": 2e-4, "1f1b": 8e-5},

@@ -94,6 +94,9 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     for ranks, curve in sorted(profile.tp_in_step.items()):  # in planner/probes.py
         what = f"tp all-reduce in a step, groups of 2, {ranks} ranks on the host"
         table.add_row(what, _points(curve, "activation"))
+    for ranks, secs in sorted(profile.reduce_in_step.items()):  # in planner/probes.py
+        what = f"end of step's all-reduce of a few floats in a step, {ranks} ranks"
+        table.add_row(what, f"{secs * 1e3:.2f} ms")
     if profile.loop_step_s > 0 or profile.loop_microbatch_s > 0:
         table.add_row(
             "training loop's own Python",

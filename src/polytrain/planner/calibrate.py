@@ -53,6 +53,7 @@ from polytrain.planner.probes import (
     rank_dtensor_step_costs,
     rank_fsdp_in_step,
     rank_fsdp_unit_s,
+    rank_reduce_in_step,
     rank_step_slowdown,
     rank_tp_in_step,
     rank_tp_module_s,
@@ -239,7 +240,8 @@ def _rank_collectives(
     first sweep: 4 calls where the single run of before made 3 to 6), and its seconds are the
     median of the sweeps; the matmul's rounds run between the sweeps, every rank's after a
     barrier. Under "step_slowdown" (world, rank 0's `rank_step_slowdown`: [Note: shared cores,
-    measured on a step] in planner/probes.py)."""
+    measured on a step] in planner/probes.py), under "reduce_in_step" (world,
+    `rank_reduce_in_step`: [Note: the step's reductions in a step])."""
     cpu = torch.device("cpu")
     matmul = _matmul_rounds((matmul_n,), ("fp32",), cpu, max(budget_s, 0.2))
     sweeps: dict[tuple[str, int], list[float]] = {(op, n): [] for op in ops for n in sizes}
@@ -268,6 +270,7 @@ def _rank_collectives(
     out["matmul"] = [(float(matmul_n), rate)]
     out["matmul_spread"] = [(float(matmul_n), spread)]
     out["step_slowdown"] = [(float(world), rank_step_slowdown(rank, world, budget_s / 4))]
+    out["reduce_in_step"] = [(float(world), rank_reduce_in_step(rank, world))]
     return out
 
 
@@ -363,6 +366,7 @@ def calibrate(
         tell("posted p2p, parameter-server exchange, FSDP2 in a step")
     concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
     slowdown: dict[int, float] = {}  # [Note: shared cores, measured on a step]
+    reduce_in_step: dict[int, float] = {}  # [Note: the step's reductions in a step]
     for world in plan.world_sizes:
         ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
         results = run_distributed(
@@ -377,6 +381,7 @@ def calibrate(
         )
         concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
         slowdown[world] = results[0]["step_slowdown"][0][1]  # rank 0's: the figure
+        reduce_in_step[world] = results[0]["reduce_in_step"][0][1]  # every rank's: the slowest
         spread[f"matmul fp32, {world} at once"] = max(r.pop("matmul_spread")[0][1] for r in results)
         for op in ops:
             collectives[op][world] = Curve(tuple(results[0][op]))
@@ -411,6 +416,7 @@ def calibrate(
         fsdp_in_step=fsdp_in_step,
         tp_module_s=tp_module_s,
         tp_in_step=tp_in_step,
+        reduce_in_step=reduce_in_step,
         loop_step_s=loop_step_s,
         loop_microbatch_s=loop_micro_s,
         ps_exchange_s=ps_exchange_s,

@@ -6,12 +6,15 @@ overhead]), FSDP2's hooks per unit on one rank ([Note: FSDP2 unit overhead]) and
 collectives inside a step on two ranks ([Note: FSDP2 collectives in a step]); `planner.calibrate`
 runs them and keeps their figures in the `HostProfile`; tensor parallelism's collectives inside a
 step ([Note: tensor-parallel collectives in a step]) on two ranks and on two groups of two; how
-much a step slows with other processes computing ([Note: shared cores, measured on a step]).
+much a step slows with other processes computing ([Note: shared cores, measured on a step]); the
+end of step's small all-reduces between the ranks' compute ([Note: the step's reductions in a
+step]).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -39,6 +42,7 @@ __all__ = [
     "rank_dtensor_step_costs",
     "rank_fsdp_in_step",
     "rank_fsdp_unit_s",
+    "rank_reduce_in_step",
     "rank_step_slowdown",
     "rank_tp_in_step",
     "rank_tp_module_s",
@@ -322,6 +326,55 @@ def rank_tp_in_step(rank: int, world: int) -> list[tuple[float, float]]:
         slope = (extra[1] - extra[0]) / (_TP_PROBE_PAIRS[1] - _TP_PROBE_PAIRS[0])
         out.append((float(rows * _TP_PROBE_DIM * 4), max(slope, 0.0)))
     return out
+
+
+# [Note: the step's reductions in a step]
+# `core.step.finish_step` all-reduces two floats every step (the loss and the non-finite flag)
+# and one more when it clips sharded gradients (the squared norm: `cost/hybrid._step_reduce_s`).
+# The isolated curves price such a message at their smallest point, timed from a barrier (every
+# rank leaves it at a different moment, and the first waits for the last: [Note: a small
+# collective's price is its mean] in planner/calibrate.py): 1.4-1.6 ms on two ranks and 4.1-4.5
+# ms on four in the 2026-11-26 calibrations of the 2-core VM. In a step the ranks reach the
+# reduce from their own compute, and on that VM it cost 0.3-0.7 ms on two ranks and 1.8-1.9 ms
+# on four (2026-11-26 evening, 200 calls after four 160 x 160 matmuls each, less the same
+# matmuls alone); a trace of mlp tiny's dp2 step showed 0.7 ms more after backward than dp1's.
+# At the isolated price the mlp's two-rank layouts carried 1-2 ms too much of a 4-9 ms step.
+# A pipeline's stages do not reach the reduce together: GPipe's last stage ends its flush ~1 ms
+# before the first and waits, blocked (a trace of mlp tiny's pp2 GPipe step: 0.8 ms from the
+# first stage's last backward to its update, 1.7 ms on the last stage), so pipelines keep the
+# isolated price, whose timing from a barrier has the same wait in it.
+# `rank_reduce_in_step` times that reduce between compute in `_REDUCE_ROUNDS` rounds of the
+# matmuls alone and the matmuls each followed by the reduce; `calibrate` keeps the median of the
+# rounds' differences per call for each world size it runs (`HostProfile.reduce_in_step`), which
+# `Env.step_reduce_s` uses for groups on the calibrated CPU host.
+_REDUCE_CALLS = 8  # reduces per timed call (after each, the compute)
+_REDUCE_ROUNDS = 3
+
+
+def rank_reduce_in_step(rank: int, world: int) -> float:
+    """[Note: the step's reductions in a step] Seconds one all-reduce of two floats adds when
+    every rank reaches it from its own compute (the slowest rank's figure)."""
+    torch.manual_seed(0)
+    a = torch.randn(160, 160)
+    flags = torch.zeros(2)
+
+    def compute() -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+
+    def plain() -> None:
+        for _ in range(_REDUCE_CALLS):
+            compute()
+
+    def reduced() -> None:
+        for _ in range(_REDUCE_CALLS):
+            compute()
+            torch.distributed.all_reduce(flags)
+
+    extra = []
+    for _ in range(_REDUCE_ROUNDS):
+        extra.append(_synchronised_seconds(reduced) - _synchronised_seconds(plain))
+    return max(statistics.median(extra) / _REDUCE_CALLS, 0.0)
 
 
 # [Note: shared cores, measured on a step]

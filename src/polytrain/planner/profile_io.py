@@ -78,6 +78,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "tp_in_step": {
             str(k): [list(pt) for pt in curve.points] for k, curve in profile.tp_in_step.items()
         },
+        "reduce_in_step": {str(n): v for n, v in profile.reduce_in_step.items()},
         "loop_step_s": profile.loop_step_s,
         "loop_microbatch_s": profile.loop_microbatch_s,
         "pipe_action_s": profile.pipe_action_s,
@@ -138,6 +139,8 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
             int(k): Curve(tuple(sorted((float(b), float(t)) for b, t in pts)))
             for k, pts in data.get("tp_in_step", {}).items()
         },
+        # older profiles: the end of step's reductions at the isolated curves
+        reduce_in_step={int(n): float(v) for n, v in data.get("reduce_in_step", {}).items()},
         # older profiles: the loop's own Python unpriced, no spreads recorded
         loop_step_s=float(data.get("loop_step_s", 0.0)),
         loop_microbatch_s=float(data.get("loop_microbatch_s", 0.0)),

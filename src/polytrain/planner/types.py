@@ -240,6 +240,10 @@ class HostProfile:
     # on tp groups of two, its DTensor dispatch not included): [Note: tensor-parallel
     # collectives in a step] in planner/probes.py; {} = not measured (the isolated curves)
     tp_in_step: dict[int, Curve] = field(default_factory=dict)
+    # ranks -> seconds one all-reduce of a few floats (the end of step's loss, flag and norm)
+    # takes when the ranks reach it from their compute: [Note: the step's reductions in a step]
+    # in planner/probes.py; {} = not measured (the isolated curves)
+    reduce_in_step: dict[int, float] = field(default_factory=dict)
     # [Note: loop overhead] in planner/calibrate_worker.py: seconds a training step spends in its own
     # Python beyond what the rest of the profile prices, once per step and once per micro-batch
     # (one process alone, a CPU host); 0 = not calibrated

@@ -337,6 +337,27 @@ class Env:
         reduce = self.collective_s("all_reduce", nbytes, tp, stride)
         return in_step * isolated / reduce if reduce > 0 else isolated
 
+    def step_reduce_s(self, ranks: int, together: bool = True) -> float:
+        """Seconds of one of the end of step's all-reduces of a few floats (loss, non-finite
+        flag, squared norm) over ``ranks`` ranks. Reached ``together`` (every rank from the
+        same compute) on the calibrated CPU host with a profile that measured it: the figure
+        for that world size ([Note: the step's reductions in a step] in planner/probes.py; past
+        the largest measured, that figure times the isolated curves' ratio between the two
+        sizes); otherwise (or after some ranks waited for others, as pipeline stages do)
+        `collective_s` of 8 bytes."""
+        isolated = self.collective_s("all_reduce", 8.0, ranks, 1)
+        prof = self.profile
+        measured = prof.reduce_in_step if prof is not None else {}
+        if not together or not measured or ranks <= 1:
+            return isolated
+        if self.link(1, ranks) is not self.cluster.intra:
+            return isolated
+        if ranks in measured:
+            return measured[ranks]
+        near = min(measured, key=lambda n: (abs(n - ranks), -n))
+        base = self.collective_s("all_reduce", 8.0, near, 1)
+        return measured[near] * isolated / base if base > 0 else isolated
+
     def step_cost_s(
         self, parts: tuple[str, ...], tensors: float, nbytes: float, dtensors: float = 0.0
     ) -> float:

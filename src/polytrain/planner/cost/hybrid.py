@@ -121,12 +121,14 @@ def _dtensors(layout: Layout, blocks: Sequence[BlockStats]) -> float:
 def _step_reduce_s(layout: Layout, stats: ModelStats, env: Env) -> float:
     """`core.step.finish_step`'s collectives: one all-reduce of [loss, non-finite flag] (two
     floats) over the replicas, and, when clipping sharded gradients (tensor parallel, ZeRO,
-    pipeline stages), one more of the squared norm over the shards' group. Latency-bound."""
+    pipeline stages), one more of the squared norm over the shards' group. Latency-bound:
+    `Env.step_reduce_s`; a pipeline's stages reach them apart (the last stage ends its flush
+    first and waits), so they keep the isolated price ([Note: the step's reductions in a
+    step] in planner/probes.py)."""
     ranks = layout.dp * layout.tp * layout.pp
-    loss = env.collective_s("all_reduce", 8.0, ranks, 1)
     sharded = layout.tp > 1 or layout.zero >= 2 or layout.pp > 1
-    norm = env.collective_s("all_reduce", 4.0, ranks, 1) if stats.grad_clip and sharded else 0.0
-    return loss + norm
+    reduces = 2 if stats.grad_clip and sharded else 1
+    return reduces * env.step_reduce_s(ranks, together=layout.pp == 1)
 
 
 def _loop(env: Env) -> tuple[float, float]:
