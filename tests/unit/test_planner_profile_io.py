@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from polytrain.planner.profile_io import (
     cache_dir,
     fingerprint,
     load_profile,
+    median_profile,
     profile_path,
     save_profile,
 )
@@ -97,3 +99,27 @@ def test_a_profile_saved_before_step_costs_loads_without_them(tmp_path: Path) ->
     assert old.gemm_by_size == {} and old.attention_rates == {}  # [Note: attention kernels]
     assert old.elementwise_s == {}  # [Note: elementwise kernels]
     assert old.matmul_concurrent == _profile().matmul_concurrent
+
+
+def test_repeated_calibrations_keep_each_figures_median() -> None:
+    """[Note: repeated calibrations]: every number at its median over the profiles (curves
+    point by point, mappings key by key over the profiles that have the key), the rest from
+    the first; one profile is itself."""
+    base = _profile()
+    slow = replace(
+        base,
+        op_s=12e-6,
+        collectives={"all_reduce": {2: Curve(((4096.0, 3e-4), (2**20, 1e-3)))}},
+        step_slowdown={2: 1.5},
+        pipe_action_s={"gpipe": 4e-4, "1f1b": 8e-5, "pipedream": 1e-4},
+    )
+    fast = replace(base, op_s=2e-6, device="cpu (other)", step_slowdown={2: 1.0, 4: 2.0})
+    median = median_profile([slow, base, fast])
+    assert median.op_s == pytest.approx(6e-6)  # base's
+    assert median.collectives["all_reduce"][2].points == ((4096.0, 1e-4), (2**20, 2e-3))
+    assert median.step_slowdown == {2: 1.1, 4: pytest.approx(2.2)}  # 4: base's and fast's
+    assert median.pipe_action_s["gpipe"] == 2e-4 and median.pipe_action_s["pipedream"] == 1e-4
+    assert median.matmul_flops == base.matmul_flops and median.device == "cpu"
+    assert median_profile([slow]) is slow
+    with pytest.raises(ValueError, match="at least one"):
+        median_profile([])

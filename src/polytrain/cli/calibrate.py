@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -172,6 +173,14 @@ def calibrate_command(
         Path | None, typer.Option(help="where profiles live (default $POLYTRAIN_CACHE)")
     ] = None,
     threads: Annotated[int, typer.Option(help="intra-op threads per process", min=1)] = 1,
+    repeats: Annotated[
+        int | None,
+        typer.Option(
+            help="whole calibrations in a row, each figure their median (default 3 on a CPU "
+            "host, 1 on a GPU or with --quick)",
+            min=1,
+        ),
+    ] = None,
     check: Annotated[
         bool,
         typer.Option(
@@ -182,6 +191,8 @@ def calibrate_command(
 ) -> None:
     """Measure matmul FLOP/s, memory bandwidth, collectives and start-up cost of this host."""
     plan = CalibrationPlan.quick() if quick else CalibrationPlan.for_this_host()
+    if repeats is not None:
+        plan = replace(plan, repeats=repeats)
     console = Console()
     with Progress(
         TextColumn("[bold]calibrate"),
@@ -203,6 +214,8 @@ def calibrate_command(
     console.print(profile_table(profile, path))
     if not measured:
         console.print("(measured earlier on this hardware and torch; --force measures again)")
+    elif plan.repeats > 1:
+        console.print(f"(each figure the median of {plan.repeats} calibrations in a row)")
     for line in speed_warnings(profile):
         console.print(f"[bold]{line}[/bold]")
     if check:

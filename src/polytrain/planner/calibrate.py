@@ -63,6 +63,7 @@ from polytrain.planner.profile_io import (
     cache_dir,
     fingerprint,
     load_profile,
+    median_profile,
     profile_path,
     save_profile,
 )
@@ -117,6 +118,9 @@ class CalibrationPlan:
     # ([Note: pipeline runtime overhead] in planner/calibrate_worker.py)
     pipeline_schedules: tuple[str, ...] = SCHEDULE_NAMES
     pipeline_steps: int = 40  # per round (6 rounds): ~25 s for the three schedules
+    # whole calibrations in a row; each figure is their median ([Note: repeated calibrations]
+    # in planner/profile_io.py): ~2 min each on the 2-core VM
+    repeats: int = 3
 
     @staticmethod
     def quick() -> CalibrationPlan:
@@ -137,6 +141,7 @@ class CalibrationPlan:
             tp_in_step_ranks=(2,),
             pipeline_schedules=("1f1b",),
             pipeline_steps=10,
+            repeats=1,
         )
 
     @staticmethod
@@ -152,6 +157,7 @@ class CalibrationPlan:
             step_shapes=((256, 64), (64, 4096), (4, 1 << 22)),
             gemm_sizes=(),
             attention_lengths=(),
+            repeats=1,  # a GPU is not shared with other tenants' processes
         )
 
     @staticmethod
@@ -280,9 +286,25 @@ def calibrate(
     threads: int = 1,
     on_progress: Callable[[str], None] | None = None,
 ) -> HostProfile:
-    """Measure this host (see the module docstring); ``on_progress`` hears each finished part."""
+    """Measure this host (see the module docstring) ``plan.repeats`` times and keep each
+    figure's median ([Note: repeated calibrations] in planner/profile_io.py); ``on_progress``
+    hears each finished part of each repeat."""
     plan = plan or CalibrationPlan.for_this_host()
     tell = on_progress or (lambda _: None)
+    runs = max(plan.repeats, 1)
+    profiles = []
+    for run in range(runs):
+        prefix = f"({run + 1}/{runs}) " if runs > 1 else ""
+        profiles.append(_measure(plan, threads, partial(_prefixed, tell, prefix)))
+    return median_profile(profiles)
+
+
+def _prefixed(tell: Callable[[str], None], prefix: str, what: str) -> None:
+    tell(prefix + what)
+
+
+def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -> HostProfile:
+    """One calibration of this host by ``plan``."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     speed = speed_rounds(threads)  # [Note: host drift] in planner/drift.py: beside the matmuls
     old_threads = torch.get_num_threads()
@@ -490,7 +512,8 @@ def steps_of(plan: CalibrationPlan) -> int:
     tp = 1 if plan.tp_in_step_ranks and cpu else 0
     pipe = 1 if plan.pipeline_schedules and cpu else 0
     fixed = 7 + wire + tp + pipe
-    return len(plan.dtypes) * len(plan.matmul_sizes) + len(plan.world_sizes) + fixed
+    once = len(plan.dtypes) * len(plan.matmul_sizes) + len(plan.world_sizes) + fixed
+    return once * max(plan.repeats, 1)
 
 
 def cached_profile(

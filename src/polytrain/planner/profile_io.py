@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ __all__ = [
     "cache_dir",
     "fingerprint",
     "load_profile",
+    "median_profile",
     "profile_from_dict",
     "profile_path",
     "profile_to_dict",
@@ -163,6 +166,44 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         # older profiles: no speed figures (`planner.drift` cannot rescale them)
         speed={str(k): float(v) for k, v in data.get("speed", {}).items()},
     )
+
+
+# [Note: repeated calibrations]
+# On a host that others share, one calibration samples a minute or two of its speed, and the
+# figures of calibrations a few minutes apart disagree: three in a row on the 2-core VM
+# (2026-11-26 evening, `benchmarks/planner/repeat.py`, ~2 min each) read the operator call at
+# 5.3-9.3 us, AdamW's per-tensor cost at 25-40 us, the 16-byte all-reduce at 1.4-2.4 ms and the
+# fp32 matmul at 122-146 GFLOP/s, and the predictions they gave for the benchmark's 14 layouts
+# moved by a median 20% (gpt tiny) and 19% (mlp tiny) from the lowest to the highest, as much as
+# the error the benchmark measures. `polytrain calibrate` therefore measures `repeats` times
+# (`CalibrationPlan.repeats`) and keeps every figure's median over them: `median_profile`, on
+# the saved JSON form, number by number (curves point by point), so a figure the profile gains
+# later is combined without code here.
+
+
+def median_profile(profiles: Sequence[HostProfile]) -> HostProfile:
+    """[Note: repeated calibrations] Every figure of ``profiles`` (measured with the same plan
+    on the same host) at its median over them; the rest (identity, device) from the first."""
+    if not profiles:
+        raise ValueError("median_profile needs at least one profile")
+    if len(profiles) == 1:
+        return profiles[0]
+    return profile_from_dict(_median([profile_to_dict(p) for p in profiles]))
+
+
+def _median(values: list[Any]) -> Any:
+    """The median of ``values`` (same-shaped JSON trees): numbers by their median, mappings key
+    by key over those that have the key, lists of one length item by item, anything else the
+    first's."""
+    first = values[0]
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return statistics.median(values)
+    if all(isinstance(v, dict) for v in values):
+        keys = dict.fromkeys(k for v in values for k in v)
+        return {k: _median([v[k] for v in values if k in v]) for k in keys}
+    if all(isinstance(v, list) and len(v) == len(first) for v in values):
+        return [_median(list(items)) for items in zip(*values, strict=True)]
+    return first
 
 
 def _length_and_head(key: str) -> tuple[int, int]:
