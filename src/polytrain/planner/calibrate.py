@@ -48,7 +48,7 @@ from polytrain.planner.host import (
     speed_rounds,
     speed_sample,
 )
-from polytrain.planner.kernels import OpCounter, kernel_rates
+from polytrain.planner.kernels import OpCounter, rank_kernel_rates
 from polytrain.planner.probes import (
     rank_dtensor_step_costs,
     rank_fsdp_in_step,
@@ -322,20 +322,24 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         costs = step_costs(plan.step_shapes, device, plan.budget_s, fused=True)
         op_s = _op_seconds(device, plan.budget_s)
         tell("end of step: check, clip, optimizers; operator overhead")
-        gemm, attention, elementwise = (
-            kernel_rates(
-                plan.gemm_sizes,
-                plan.attention_lengths,
-                plan.attention_heads,
-                plan.kernel_budget_s,
-                spread,
-            )
-            if device.type == "cpu"
-            else ({}, {}, {})
-        )
-        tell("kernels: Linears on cold operands, attention, elementwise")
     finally:
         torch.set_num_threads(old_threads)
+    gemm: dict[int, float] = {}
+    attention: dict[tuple[int, int], tuple[float, float]] = {}
+    elementwise: dict[str, float] = {}
+    if device.type == "cpu":  # [Note: kernels in a fresh process] in planner/kernels.py
+        ((gemm, attention, elementwise, kernel_spread),) = run_distributed(
+            rank_kernel_rates,
+            1,
+            threads,
+            plan.gemm_sizes,
+            plan.attention_lengths,
+            plan.attention_heads,
+            plan.kernel_budget_s,
+            timeout_s=300.0,
+        )
+        spread.update(kernel_spread)
+    tell("kernels: Linears on cold operands, attention, elementwise")
     matmuls.round()
     speed.round()
     (fsdp_unit_s,) = run_distributed(rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)

@@ -200,6 +200,36 @@ def kernel_rates(
     return gemm, attention, elementwise
 
 
+# [Note: kernels in a fresh process]
+# `calibrate` measures the kernels on a rank of its own (`rank_kernel_rates`), as a training
+# worker runs them: a fresh process. Measured in the calibrating process itself, after its
+# matmul rounds, the 256 MiB copy and the end-of-step probes, attention read 25-30% below what
+# the same `kernel_rates` read in a fresh process just before and after on the 2-core VM
+# (2026-11-26 21:52: T128 D128 forward 71 GFLOP/s against 97 and 86, backward 54 against 77 and
+# 66; the two saved profiles of that evening 69 and 76), and gpt tiny's one-process step was
+# priced 32-41% high in every benchmark run that day while its blocks timed in a fresh process
+# came within 7% of the step.
+
+
+def rank_kernel_rates(
+    rank: int,
+    world: int,
+    threads: int,
+    gemm_sizes: tuple[int, ...],
+    lengths: tuple[int, ...],
+    head_dims: tuple[int, ...],
+    budget_s: float,
+) -> tuple[
+    dict[int, float], dict[tuple[int, int], tuple[float, float]], dict[str, float], dict[str, float]
+]:
+    """[Note: kernels in a fresh process] `kernel_rates` with ``threads`` intra-op threads on a
+    rank of its own; its spreads are the fourth item."""
+    torch.set_num_threads(threads)
+    spread: dict[str, float] = {}
+    gemm, attention, elementwise = kernel_rates(gemm_sizes, lengths, head_dims, budget_s, spread)
+    return gemm, attention, elementwise, spread
+
+
 def _elementwise_probes(x: torch.Tensor) -> dict[str, Callable[[], object]]:
     """One call of each `ELEMENTWISE` operator on ``x`` (rows of a softmax: its last dim). The
     softmax family's operators have private names: they are reached through the public
