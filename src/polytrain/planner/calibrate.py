@@ -50,6 +50,8 @@ from polytrain.planner.host import (
 )
 from polytrain.planner.kernels import OpCounter, rank_kernel_rates
 from polytrain.planner.probes import (
+    OPTIMIZERS,
+    mean_costs,
     rank_dtensor_step_costs,
     rank_fsdp_in_step,
     rank_fsdp_unit_s,
@@ -346,10 +348,13 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
     tell("FSDP2 overhead per unit")
     if device.type == "cpu":  # DTensor's dispatch: [Note: DTensor end of step], [Note: DTensor
         # module overhead] in planner/probes.py; an accelerator host: not measured yet
-        (dtensor_costs,) = run_distributed(
-            rank_dtensor_step_costs, 1, plan.step_shapes, plan.budget_s, timeout_s=300.0
+        shapes, budget = plan.step_shapes, plan.budget_s
+        local = ("check", *OPTIMIZERS)  # nothing to communicate: on the pair's mesh
+        pair = run_distributed(rank_dtensor_step_costs, 2, shapes, budget, local, timeout_s=300.0)
+        (clip,) = run_distributed(
+            rank_dtensor_step_costs, 1, shapes, budget, ("clip",), timeout_s=300.0
         )
-        costs = {**costs, **dtensor_costs}
+        costs = {**costs, **mean_costs(pair), **clip}
         (tp_module_s,) = run_distributed(rank_tp_module_s, 1, plan.budget_s, timeout_s=300.0)
     else:
         tp_module_s = 0.0

@@ -18,12 +18,13 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from polytrain._torch_private import replicate
@@ -36,9 +37,11 @@ from polytrain.planner.timing import timed
 __all__ = [
     "DTENSOR",
     "FSDP_PROBE_DIMS",
+    "OPTIMIZERS",
     "STEP_PARTS",
     "TP_PROBE_ROWS",
     "fit_per_tensor_and_byte",
+    "mean_costs",
     "rank_dtensor_step_costs",
     "rank_fsdp_in_step",
     "rank_fsdp_unit_s",
@@ -49,7 +52,8 @@ __all__ = [
     "step_costs",
 ]
 
-STEP_PARTS = ("check", "clip", "adamw", "sgd")
+OPTIMIZERS: tuple[Literal["adamw", "sgd"], ...] = ("adamw", "sgd")
+STEP_PARTS = ("check", "clip", *OPTIMIZERS)
 FUSED_PARTS = ("adamw_fused", "sgd_fused")
 DTENSOR = "dtensor "  # the prefix of a part's key measured on DTensor parameters
 
@@ -72,6 +76,20 @@ def fit_per_tensor_and_byte(points: list[tuple[float, float, float]]) -> tuple[f
     return a, b
 
 
+def mean_costs(
+    per_rank: list[dict[str, tuple[float, float]]],
+) -> dict[str, tuple[float, float]]:
+    """Each part's (per tensor, per byte) averaged over the ranks' `step_costs` figures."""
+    parts = per_rank[0] if per_rank else {}
+    return {
+        part: (
+            statistics.fmean(costs[part][0] for costs in per_rank),
+            statistics.fmean(costs[part][1] for costs in per_rank),
+        )
+        for part in parts
+    }
+
+
 def step_costs(
     shapes: tuple[tuple[int, int], ...],
     device: torch.device,
@@ -80,6 +98,7 @@ def step_costs(
     make: Callable[[torch.Tensor], torch.Tensor] | None = None,
     norm: GradNorm | None = None,
     fused: bool = False,
+    only: tuple[str, ...] = (),
 ) -> dict[str, tuple[float, float]]:
     """[Note: per-step costs] Each part of `core.step.finish_step`'s end of step, timed alone on
     synthetic fp32 parameters with gradients (the library's own functions and optimizers,
@@ -87,8 +106,8 @@ def step_costs(
     parameter's values (and its gradient's) into what the strategy holds (a DTensor), ``norm``
     is the clip's norm (the SPMD strategies' `parallel.grad_norm`). ``fused`` adds torch's fused
     AdamW and SGD (``"adamw_fused"``, ``"sgd_fused"``), which a parameter server runs ([Note:
-    fused server optimizer] in ps/server.py)."""
-    names = STEP_PARTS + (FUSED_PARTS if fused else ())
+    fused server optimizer] in ps/server.py). ``only``: those parts alone (default: all)."""
+    names = only or STEP_PARTS + (FUSED_PARTS if fused else ())
     points: dict[str, list[tuple[float, float, float]]] = {part: [] for part in names}
     wrap = make or (lambda t: t)
     for count, numel in shapes:
@@ -100,32 +119,45 @@ def step_costs(
             "check": partial(nonfinite_flag, params, device),
             "clip": partial(clip_gradients_, params, 1.0, norm),
         }
-        for name in ("adamw", "sgd"):
+        for name in OPTIMIZERS:
             parts[name] = build_optimizer(params, OptimConfig(name=name)).step
             if fused:
                 server = build_optimizer(params, OptimConfig(name=name), fused=True)
                 parts[f"{name}_fused"] = server.step
-        for part, fn in parts.items():
-            points[part].append((float(count), nbytes, timed(fn, device, budget_s)))
+        for part in names:
+            points[part].append((float(count), nbytes, timed(parts[part], device, budget_s)))
     return {part: fit_per_tensor_and_byte(pts) for part, pts in points.items()}
 
 
 def rank_dtensor_step_costs(
-    rank: int, world: int, shapes: tuple[tuple[int, int], ...], budget_s: float
+    rank: int,
+    world: int,
+    shapes: tuple[tuple[int, int], ...],
+    budget_s: float,
+    parts: tuple[str, ...] = STEP_PARTS,
 ) -> dict[str, tuple[float, float]]:
-    """[Note: DTensor end of step] The end-of-step parts of `step_costs` on DTensor parameters
-    and gradients (``Shard(0)`` on a mesh of ONE rank, the clip's norm by `parallel.grad_norm`
-    as the SPMD strategies run it), keyed ``"dtensor <part>"``. ZeRO-2/3 (FSDP2) and tensor
+    """[Note: DTensor end of step] The end-of-step ``parts`` of `step_costs` on DTensor
+    parameters and gradients, keyed ``"dtensor <part>"``. ZeRO-2/3 (FSDP2) and tensor
     parallelism hold their parameters as DTensors; torch's CPU optimizers then run every
     per-tensor operator through DTensor's dispatch (sharding propagation in Python), which the
-    plain-tensor figures do not include. On one rank nothing is communicated: what is left is
-    the dispatch. A group of one rank: run it under `testing.run_distributed`."""
-    mesh = init_device_mesh("cpu", (1,))
+    plain-tensor figures do not include.
+
+    Measured on a mesh of ``world`` ranks, every rank at once, each holding the shapes' values
+    as its ``Shard(0)`` part (so a figure's bytes are one rank's, as the cost model passes
+    them). The mesh's size matters: on this host (2026-11-26) AdamW on 8 DTensors took 1.2-1.3
+    ms on a mesh of one rank, with or without a busy process beside it, and 1.6-2.6 ms on a
+    mesh of two; the clip's norm 0.2-0.3 against 1.0-1.6 ms. `calibrate` runs the check and the
+    optimizers on two ranks, the group a tensor-parallel or a ZeRO pair holds its DTensors on.
+    The clip stays on a mesh of one rank: its norm communicates inside DTensor's operators
+    (`parallel.grad_norm`), and the ranks' timing loops do not make matching calls; that
+    all-reduce is priced apart ([Note: the step's reductions in a step]). Run it under
+    `testing.run_distributed`; each rank answers its own figures."""
+    mesh = init_device_mesh("cpu", (world,))
 
     def make(values: torch.Tensor) -> torch.Tensor:
-        return distribute_tensor(values, mesh, [Shard(0)])
+        return DTensor.from_local(values, mesh, [Shard(0)], run_check=False)
 
-    costs = step_costs(shapes, torch.device("cpu"), budget_s, make=make, norm=grad_norm)
+    costs = step_costs(shapes, torch.device("cpu"), budget_s, make=make, norm=grad_norm, only=parts)
     return {DTENSOR + part: pair for part, pair in costs.items()}
 
 

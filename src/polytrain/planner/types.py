@@ -222,8 +222,9 @@ class HostProfile:
     # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
     # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
     # global-norm clip), "check" (the non-finite check); "dtensor <part>" the same on DTensor
-    # parameters ([Note: DTensor end of step] in planner/probes.py; absent: the plain ones). {} = not calibrated: the cost model
-    # falls back to the memory-bound update alone.
+    # parameters on a mesh of two ranks (one before 2026-11-27: it read low), [Note: DTensor
+    # end of step] in planner/probes.py; absent: the plain ones. {} = not calibrated: the cost
+    # model falls back to the memory-bound update alone.
     step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
     op_s: float = 0.0  # seconds per ATen operator call on tiny tensors (dispatch); 0 = unknown
     # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
