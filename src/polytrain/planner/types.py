@@ -222,7 +222,7 @@ class HostProfile:
     # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
     # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
     # global-norm clip), "check" (the non-finite check); "dtensor <part>" the same on DTensor
-    # parameters on a mesh of two ranks (one before 2026-11-27: it read low), [Note: DTensor
+    # parameters on a mesh of two ranks (one before commit 2c98492: it read low), [Note: DTensor
     # end of step] in planner/probes.py; absent: the plain ones. {} = not calibrated: the cost
     # model falls back to the memory-bound update alone.
     step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
