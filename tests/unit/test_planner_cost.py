@@ -373,6 +373,28 @@ def test_small_weights_run_their_matmuls_at_the_calibrated_small_size_rate() -> 
     assert env.matmul_rate(block()) == env.flops_rate
 
 
+def test_a_tensor_parallel_rank_runs_its_matmuls_at_its_shards_size() -> None:
+    """[Note: matmul size at a shard]: a column-parallel 128 x 128 Linear is 128 x 64 on each of
+    two ranks, a row-parallel 256 x 128 one 128 x 128; a Linear the plan leaves whole keeps its
+    shape; without the plan's modules every Linear is split by its outputs."""
+    from polytrain.planner.types import BlockStats, TPModule
+
+    col = TPModule("colwise", 128, 2, 512.0, 512.0, linear=(128, 128))
+    row = TPModule("rowwise", 256, 1, 1024.0, 512.0, linear=(256, 128))
+    linears = ((128, 128), (256, 128), (128, 64))  # the last: not in the plan
+    planned = BlockStats("b", 0, 0, 1e9, 0.0, 0.0, linears=linears, tp_modules=(col, row))
+    assert planned.linears_at(1) == linears
+    assert planned.linears_at(2) == ((128, 64), (128, 128), (128, 64))
+    unplanned = BlockStats("b", 0, 0, 1e9, 0.0, 0.0, linears=linears)
+    assert unplanned.linears_at(2) == ((128, 64), (256, 64), (128, 32))
+    by_size = {64: 2e9, 128: 4e9, 1024: 10e9}
+    env = Env(parse_cluster("1x1xcpu"), profile=_cpu_profile(matmul_by_size={"fp32": by_size}))
+    only_col = BlockStats("b", 0, 0, 1e9, 0.0, 0.0, linears=((128, 128),), tp_modules=(col,))
+    assert env.matmul_rate(only_col, tp=1) == pytest.approx(4e9)
+    assert env.matmul_rate(only_col, tp=2) == pytest.approx(2e9)  # 128 x 64: the 64 rate
+    assert env.fwd_s(only_col, 1.0, tp=2) > env.fwd_s(only_col, 1.0, tp=1) / 2
+
+
 def test_the_end_of_steps_reduces_cost_the_in_step_probe_where_ranks_reach_them_together() -> None:
     """[Note: the step's reductions in a step]: on the calibrated CPU host a data- or
     tensor-parallel step pays the in-step figure for its world size per small all-reduce (the

@@ -104,6 +104,7 @@ class TPModules:
                 continue
             tensors = len(list(module.parameters(recurse=False)))
             divisor = max(_divisor(style, info), 1)
+            linear = (info.in_dim, info.out_dim) if info.kind == "linear" else (0, 0)
 
             def hook(
                 module: nn.Module,
@@ -113,6 +114,7 @@ class TPModules:
                 style: str = style,
                 divisor: int = divisor,
                 tensors: int = tensors,
+                linear: tuple[int, int] = linear,
             ) -> None:
                 self.rows[key] = TPModule(
                     style,
@@ -120,6 +122,7 @@ class TPModules:
                     tensors,
                     _float_bytes(inputs) / self.batch,
                     _float_bytes(output) / self.batch,
+                    linear,
                 )
 
             self.handles.append(module.register_forward_hook(hook))

@@ -47,6 +47,16 @@ class TPModule:
     tensors: int  # its parameter tensors (DTensors once applied)
     in_bytes: float  # its input's bytes per sample (0 for token ids), unsplit
     out_bytes: float  # its output's bytes per sample, unsplit
+    # (in_features, out_features) of an nn.Linear, unsplit; (0, 0) for any other module
+    linear: tuple[int, int] = (0, 0)
+
+    def shard(self, tp: int) -> tuple[int, int]:
+        """The Linear's (fan_in, fan_out) on one of ``tp`` ranks: row-parallel styles split
+        its inputs, the others its outputs ([Note: matmul size at a shard] in cost/common.py)."""
+        fan_in, fan_out = self.linear
+        if self.style in ("rowwise", "rowwise_split"):
+            return fan_in // tp, fan_out
+        return fan_in, fan_out // tp
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,18 @@ class BlockStats:
         if tp <= 1 or not self.tp_modules:
             return ()
         return tuple(m for m in self.tp_modules if m.divisor % tp == 0)
+
+    def linears_at(self, tp: int) -> tuple[tuple[int, int], ...]:
+        """`linears` as one of ``tp`` tensor-parallel ranks runs them: each Linear the plan
+        parallelizes at its shard's shape (`TPModule.shard`), the rest whole; without the
+        plan's modules, every Linear split by its outputs (the old estimate)."""
+        if tp > 1 and self.tp_modules is None:
+            return tuple((fan_in, fan_out // tp) for fan_in, fan_out in self.linears)
+        shapes = list(self.linears)
+        for module in self.tp_applied(tp):
+            if module.linear in shapes:
+                shapes[shapes.index(module.linear)] = module.shard(tp)
+        return tuple(shapes)
 
     def bytes_per_tp_rank(self, tp: int) -> float:
         """Parameter bytes one of ``tp`` tensor-parallel ranks holds of this block."""
@@ -222,9 +244,9 @@ class HostProfile:
     # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
     # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
     # global-norm clip), "check" (the non-finite check); "dtensor <part>" the same on DTensor
-    # parameters on a mesh of two ranks (one before commit 2c98492: it read low), [Note: DTensor
-    # end of step] in planner/probes.py; absent: the plain ones. {} = not calibrated: the cost
-    # model falls back to the memory-bound update alone.
+    # parameters, the check and the updates on a mesh of two ranks (one before commit 2c98492:
+    # it read low), [Note: DTensor end of step] in planner/probes.py; absent: the plain ones.
+    # {} = not calibrated: the cost model falls back to the memory-bound update alone.
     step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
     op_s: float = 0.0  # seconds per ATen operator call on tiny tensors (dispatch); 0 = unknown
     # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a

@@ -178,9 +178,10 @@ class Env:
             return self.profile.mem_bw
         return self.cluster.device.mem_bw
 
-    def matmul_rate(self, block: BlockStats, rows: float = 0.0) -> float:
+    def matmul_rate(self, block: BlockStats, rows: float = 0.0, tp: int = 1) -> float:
         """[Note: matmul size] The FLOP/s of ``block``'s matmuls when ``rows`` rows (samples x
-        rows per sample of one tensor-parallel shard) go through it. `flops_rate` is the rate of
+        rows per sample: every tensor-parallel rank sees them all) go through one of ``tp``
+        shards of it. `flops_rate` is the rate of
         the calibrated largest square matmul; smaller matmuls run slower, so with a calibrated
         rate by size and the block's Linear shapes the rate is read at the block's matmul size,
         interpolated in log-log between the calibrated sizes and clamped to their range: the
@@ -196,7 +197,12 @@ class Env:
 
         Without them, `flops_rate`. On a CPU host in fp32 with the Linear-shaped rates on
         operands out of cache ([Note: cold operands] in planner/kernels.py), those instead of
-        the square matmuls' (at the shared-core rate, [Note: shared cores])."""
+        the square matmuls' (at the shared-core rate, [Note: shared cores]).
+
+        [Note: matmul size at a shard] Under tensor parallelism a rank multiplies by its shard
+        of each parallelized Linear (`BlockStats.linears_at`): gpt tiny's q, k, v and attention
+        projection are 128 x 64 on each of two ranks, a smaller matmul than the 128 x 128 they
+        were priced at (this CPU, 2026-11-26: 87 GFLOP/s at 64 against 121 at 128, cold)."""
         rate = self.flops_rate
         prof = self.profile
         by_size = prof.matmul_by_size.get(self.dtype) if prof is not None else None
@@ -206,11 +212,12 @@ class Env:
             rate = by_size[max(by_size)] / self.cpu_slowdown  # the largest size's, as above
         if not by_size or not block.linears or (not cpu and rows <= 0):
             return rate
-        weights = [fi * fo for fi, fo in block.linears]
+        linears = block.linears_at(tp)
+        weights = [fi * fo for fi, fo in linears]
         if cpu:
-            sides = [float(min(fi, fo)) for fi, fo in block.linears]
+            sides = [float(min(fi, fo)) for fi, fo in linears]
         else:
-            sides = [(rows * fi * fo) ** (1 / 3) for fi, fo in block.linears]
+            sides = [(rows * fi * fo) ** (1 / 3) for fi, fo in linears]
         dim = math.exp(
             sum(w * math.log(side) for w, side in zip(weights, sides, strict=True)) / sum(weights)
         )
@@ -232,7 +239,7 @@ class Env:
         measured = (block.fwd_s, block.bwd_s)[direction]
         if measured is not None:
             return measured * samples * self.cpu_slowdown / tp
-        rate = self.matmul_rate(block, samples * block.rows_per_sample / tp)
+        rate = self.matmul_rate(block, samples * block.rows_per_sample, tp)
         flops, attention = self._attention(block, samples / tp, direction, rate)
         counted = (block.fwd_elementwise, block.bwd_elementwise)[direction]
         kept, heavy = self._elementwise(counted, samples / tp)
