@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from polytrain.testing import assert_state_close, run_job
+from polytrain.testing import assert_state_close, run_distributed, run_job
 from tests.conftest import small_job
 
 pytestmark = pytest.mark.slow
@@ -109,3 +109,28 @@ def test_gpt_dp2_tp2_pp2_world8() -> None:
     out = run_job(job, timeout_s=300)
     assert out["strategy"] == "1f1b-pp2-m2-dp2-tp2"
     _check(out, gpt_reference())
+
+
+def _reduced(rank: int, world_size: int) -> tuple[float, bool]:
+    import torch
+
+    from polytrain.comm.init import init_distributed
+    from polytrain.data.datasets import build_datasets
+    from polytrain.data.sampler import Batches
+    from polytrain.models.registry import block_size_of, build_model
+    from polytrain.parallel.family import build_spmd
+
+    job = small_job(parallel={"dp": 2, "tp": 2}, launch={"nproc": 4})
+    train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
+    batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
+    strategy = build_spmd(job, init_distributed(), build_model(job.model, spec, 1), batches)
+    # replica 0 (ranks 0, 1) has loss 1, replica 1 (ranks 2, 3) loss 3; only rank 3 saw a NaN
+    stats = torch.tensor([1.0 + 2 * (rank // 2), float(rank == 3)])
+    return strategy.reduce(stats)
+
+
+def test_dp2_tp2_averages_the_loss_and_flag_over_every_rank() -> None:
+    """The end of step's [loss, non-finite flag] reduce spans dp and tp (one all-reduce over
+    the world): one tensor-parallel rank's bad gradient shard stops every rank."""
+    for loss, bad in run_distributed(_reduced, 4, timeout_s=120):
+        assert loss == 2.0 and bad
