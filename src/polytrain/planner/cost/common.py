@@ -181,11 +181,11 @@ class Env:
     def matmul_rate(self, block: BlockStats, rows: float = 0.0, tp: int = 1) -> float:
         """[Note: matmul size] The FLOP/s of ``block``'s matmuls when ``rows`` rows (samples x
         rows per sample: every tensor-parallel rank sees them all) go through one of ``tp``
-        shards of it. `flops_rate` is the rate of
-        the calibrated largest square matmul; smaller matmuls run slower, so with a calibrated
-        rate by size and the block's Linear shapes the rate is read at the block's matmul size,
-        interpolated in log-log between the calibrated sizes and clamped to their range: the
-        FLOP-weighted geometric mean over its Linears of
+        shards of it. `flops_rate` is the rate of the calibrated largest square matmul;
+        smaller matmuls run slower, so with a calibrated rate by size and the block's Linear
+        shapes the rate is read at the block's matmul size, interpolated in log-log between
+        the calibrated sizes and clamped to their range: the FLOP-weighted geometric mean over
+        its Linears of
 
         * on a CPU host, the smaller weight dimension: one thread's blocked loops are set by the
           weights (this CPU: 55 GFLOP/s at 128 against 86 at 1024), the rows a batch brings are
