@@ -7,8 +7,12 @@ parts may communicate), and the clip, whose norm does communicate, on one.
 
 from __future__ import annotations
 
+import pytest
+
 from polytrain.planner.probes import OPTIMIZERS, mean_costs, rank_dtensor_step_costs
 from polytrain.testing import run_distributed
+
+pytestmark = pytest.mark.slow
 
 SHAPES = ((16, 64), (2, 4096))
 
