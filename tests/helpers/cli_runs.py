@@ -100,6 +100,18 @@ class SignalledRun:
     exit_after_s: float  # from the signal to the launcher's exit
 
 
+def _hang_report(waited_s: float, stderr: str, metrics: Path) -> str:
+    """What a run that did not end after the signal left behind: the launcher's stderr and each
+    worker's log (``<out>/logs``, beside ``metrics``), their last lines."""
+    parts = [
+        f"the run did not end {waited_s:.0f} s after the signal; launcher stderr:",
+        stderr[-3000:],
+    ]
+    for log in sorted((metrics.parent / "logs").glob("*/attempt_*/*/stderr.log")):
+        parts += [f"--- {log.relative_to(metrics.parent)}:", log.read_text()[-2000:]]
+    return "\n".join(parts)
+
+
 def train_and_signal(
     args: Sequence[str],
     cwd: Path,
@@ -130,7 +142,12 @@ def train_and_signal(
         os.kill(victim, sig)
         sent = time.monotonic()
         at_step = last_step(metrics)
-        stdout, stderr = launcher.communicate(timeout=scaled(end_timeout_s))
+        try:
+            stdout, stderr = launcher.communicate(timeout=scaled(end_timeout_s))
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            _, stderr = launcher.communicate()
+            raise AssertionError(_hang_report(scaled(end_timeout_s), stderr, metrics)) from None
         exit_after = time.monotonic() - sent
     finally:
         if launcher.poll() is None:

@@ -68,6 +68,7 @@ def test_async_gossip_survives_a_killed_worker(tmp_path: Path) -> None:
         tmp_path,
         metrics,
         rank=2,
+        end_timeout_s=80,  # it ends in seconds; a hang reports its logs before pytest's timeout
     )
     stdout, stderr, killed_at = run.stdout, run.stderr, run.signalled_at_step
     assert killed_at < STEPS - 20
