@@ -18,7 +18,7 @@ from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel
 from polytrain.parallel.tensor_parallel import module_infos, resolve_tp_plan
 from polytrain.parallel.tp_plans import ModuleInfo
-from polytrain.planner.types import TPModule
+from polytrain.planner.types import TPModule, splits_inputs
 
 __all__ = ["TPModules", "plan_styles", "tp_shards"]
 
@@ -34,7 +34,7 @@ def plan_styles(model: BlockModel, model_name: str, plan_rows: list[str]) -> dic
 
 def _divisor(style: str, info: ModuleInfo, pname: str = "weight") -> int:
     """The dimension ``style`` splits parameter ``pname`` of a module by (1: kept whole)."""
-    if style in ("rowwise", "rowwise_split"):
+    if splits_inputs(style):
         return info.in_dim if pname == "weight" else 1
     if style == "qkv":
         return info.out_dim // 3

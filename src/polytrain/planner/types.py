@@ -23,6 +23,7 @@ __all__ = [
     "Prediction",
     "TPModule",
     "launch_shape",
+    "splits_inputs",
 ]
 
 
@@ -36,6 +37,12 @@ def launch_shape(devices: int, per_host: int) -> tuple[int, int] | None:
     if devices % nodes:
         return None
     return devices // nodes, nodes
+
+
+def splits_inputs(style: str) -> bool:
+    """Whether a tensor-parallel ``style`` (`parallel.tp_plans.Style`) splits a Linear by its
+    inputs (the row-parallel ones) rather than by its outputs (the others)."""
+    return style in ("rowwise", "rowwise_split")
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ class TPModule:
         """The Linear's (fan_in, fan_out) on one of ``tp`` ranks: row-parallel styles split
         its inputs, the others its outputs ([Note: matmul size at a shard] in cost/common.py)."""
         fan_in, fan_out = self.linear
-        if self.style in ("rowwise", "rowwise_split"):
+        if splits_inputs(self.style):
             return fan_in // tp, fan_out
         return fan_in, fan_out // tp
 
