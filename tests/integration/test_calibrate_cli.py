@@ -57,6 +57,9 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert "tp all-reduce" in first.stdout
     # [Note: shared cores, measured on a step]: two processes at once, a positive factor
     assert set(profile.step_slowdown) == {2} and profile.step_slowdown[2] > 0
+    # [Note: ranks' skew]: a share of the step, per world size the plan runs
+    assert set(profile.step_skew) == {2} and 0 <= profile.step_skew[2] < 1
+    assert "waiting for the slowest of 2 ranks" in first.stdout
     # [Note: the step's reductions in a step]: per world size the plan runs
     assert set(profile.reduce_in_step) == {2} and profile.reduce_in_step[2] >= 0
     assert "end of step's all-reduce" in first.stdout

@@ -32,6 +32,7 @@ PURE_EXEMPT = {
     "planner/calibrate_wire.py",
     "planner/calibrate_worker.py",
     "planner/probes.py",
+    "planner/contention.py",
     "planner/timing.py",
     "planner/host.py",
     "planner/kernels.py",

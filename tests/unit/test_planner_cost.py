@@ -428,3 +428,42 @@ def test_the_end_of_steps_reduces_cost_the_in_step_probe_where_ranks_reach_them_
     assert end(dp2, iso) - end(dp2, four) == pytest.approx(2e-3 - 4e-4)  # loss and flag
     assert end(tp2, iso) - end(tp2, four) == pytest.approx(2 * (2e-3 - 4e-4))  # and the norm
     assert end(pp2, iso) == pytest.approx(end(pp2, four))
+
+
+def test_ranks_that_wait_for_each_other_pay_the_calibrated_skew() -> None:
+    """[Note: ranks' skew]: on the calibrated CPU host a layout whose ranks all wait for each
+    other every step (data or tensor parallel, ZeRO, a synchronous parameter server) pays the
+    measured share of its compute for that many ranks (in proportion between measured counts,
+    the nearest past them); a pipeline (its waits are simulated), an asynchronous server, one
+    rank, a group across hosts, an accelerator and a profile without the figure pay none."""
+    skew = {2: 0.04, 4: 0.08}
+    prof = _cpu_profile(step_skew=skew)
+    four = Env(parse_cluster("1x4xcpu"), profile=prof)
+    assert four.skew_s(1.0, 2) == pytest.approx(0.04)
+    assert four.skew_s(1.0, 3) == pytest.approx(0.06)
+    assert four.skew_s(1.0, 4) == pytest.approx(0.08)
+    assert Env(parse_cluster("1x8xcpu"), profile=prof).skew_s(1.0, 8) == pytest.approx(0.08)
+    assert four.skew_s(1.0, 1) == 0.0
+    assert Env(parse_cluster("1x4xcpu"), profile=_cpu_profile()).skew_s(1.0, 4) == 0.0
+    assert Env(parse_cluster("2x2xcpu:eth10"), profile=prof).skew_s(1.0, 4) == 0.0
+    assert Env(parse_cluster("1x4xA100-40GB"), profile=prof).skew_s(1.0, 4) == 0.0
+
+    stats = gpt_stats(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)
+    plain = Env(parse_cluster("1x4xcpu"), profile=_cpu_profile())
+
+    def extra(layout: Layout) -> float:
+        with_skew, without = predict(layout, stats, four, 8), predict(layout, stats, plain, 8)
+        assert with_skew.breakdown.get("skew", 0.0) == pytest.approx(
+            with_skew.step_s - without.step_s
+        )
+        return with_skew.step_s - without.step_s
+
+    dp2 = predict(Layout(dp=2), stats, four, 8).breakdown
+    assert extra(Layout(dp=2)) == pytest.approx(0.04 * dp2["compute"])
+    dp2_tp2 = predict(Layout(dp=2, tp=2), stats, four, 8).breakdown
+    assert extra(Layout(dp=2, tp=2)) == pytest.approx(0.08 * dp2_tp2["compute"])
+    assert extra(Layout(dp=2, zero=3)) > 0
+    assert extra(Layout(dp=2, sync="ps", ps_servers=1, ps_mode="sync")) > 0
+    assert extra(Layout(dp=2, sync="ps", ps_servers=1, ps_mode="async")) == 0.0
+    assert extra(Layout(pp=2, microbatches=2)) == 0.0
+    assert extra(Layout()) == 0.0

@@ -33,6 +33,7 @@ def _profile() -> HostProfile:
         runtime_bytes=4.5e7,
         matmul_concurrent={1: 5e10, 4: 2.5e10},
         step_slowdown={2: 1.1, 4: 2.4},
+        step_skew={2: 0.03, 4: 0.07},
         step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11), "dtensor adamw": (1e-4, 0)},
         op_s=6e-6,
         fsdp_unit_s={2: 6e-4, 3: 7e-4},

@@ -67,8 +67,11 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
         table.add_row(
             f"matmul fp32, {n} process(es) at once", f"{flops / 1e9:.1f} GFLOP/s each{where}"
         )
-    for n, factor in sorted(profile.step_slowdown.items()):  # in planner/probes.py
+    for n, factor in sorted(profile.step_slowdown.items()):  # in planner/contention.py
         table.add_row(f"transformer layer step, {n} processes at once", f"{factor:.2f}x alone")
+    for n, share in sorted(profile.step_skew.items()):  # [Note: ranks' skew]
+        what = f"waiting for the slowest of {n} ranks every step"
+        table.add_row(what, f"+{share:.1%} of the step's compute")
     if profile.op_s > 0:
         table.add_row("operator call (dispatch)", f"{profile.op_s * 1e6:.1f} us")
     for n, flops in sorted(profile.gemm_by_size.items()):  # [Note: cold operands]
@@ -95,7 +98,7 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     for ranks, curve in sorted(profile.tp_in_step.items()):  # in planner/probes.py
         what = f"tp all-reduce in a step, groups of 2, {ranks} ranks on the host"
         table.add_row(what, _points(curve, "activation"))
-    for ranks, secs in sorted(profile.reduce_in_step.items()):  # in planner/probes.py
+    for ranks, secs in sorted(profile.reduce_in_step.items()):  # in planner/contention.py
         what = f"end of step's all-reduce of a few floats in a step, {ranks} ranks"
         table.add_row(what, f"{secs * 1e3:.2f} ms")
     if profile.loop_step_s > 0 or profile.loop_microbatch_s > 0:

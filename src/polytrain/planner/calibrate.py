@@ -38,6 +38,7 @@ from polytrain.planner.calibrate_worker import (
     rank_loop_overhead,
     rank_pipeline_steps,
 )
+from polytrain.planner.contention import rank_reduce_in_step, rank_step_skew, rank_step_slowdown
 from polytrain.planner.cost.common import host_slowdown
 from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
 from polytrain.planner.host import (
@@ -55,8 +56,6 @@ from polytrain.planner.probes import (
     rank_dtensor_step_costs,
     rank_fsdp_in_step,
     rank_fsdp_unit_s,
-    rank_reduce_in_step,
-    rank_step_slowdown,
     rank_tp_in_step,
     rank_tp_module_s,
     step_costs,
@@ -248,8 +247,9 @@ def _rank_collectives(
     first sweep: 4 calls where the single run of before made 3 to 6), and its seconds are the
     median of the sweeps; the matmul's rounds run between the sweeps, every rank's after a
     barrier. Under "step_slowdown" (world, rank 0's `rank_step_slowdown`: [Note: shared cores,
-    measured on a step] in planner/probes.py), under "reduce_in_step" (world,
-    `rank_reduce_in_step`: [Note: the step's reductions in a step])."""
+    measured on a step] in planner/contention.py), under "step_skew" (world, `rank_step_skew`:
+    [Note: ranks' skew]), under "reduce_in_step" (world, `rank_reduce_in_step`: [Note: the
+    step's reductions in a step])."""
     cpu = torch.device("cpu")
     matmul = _matmul_rounds((matmul_n,), ("fp32",), cpu, max(budget_s, 0.2))
     sweeps: dict[tuple[str, int], list[float]] = {(op, n): [] for op in ops for n in sizes}
@@ -278,6 +278,7 @@ def _rank_collectives(
     out["matmul"] = [(float(matmul_n), rate)]
     out["matmul_spread"] = [(float(matmul_n), spread)]
     out["step_slowdown"] = [(float(world), rank_step_slowdown(rank, world, budget_s / 4))]
+    out["step_skew"] = [(float(world), rank_step_skew(rank, world))]
     out["reduce_in_step"] = [(float(world), rank_reduce_in_step(rank, world))]
     return out
 
@@ -397,6 +398,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         tell("posted p2p, parameter-server exchange, FSDP2 in a step")
     concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
     slowdown: dict[int, float] = {}  # [Note: shared cores, measured on a step]
+    skew: dict[int, float] = {}  # [Note: ranks' skew]
     reduce_in_step: dict[int, float] = {}  # [Note: the step's reductions in a step]
     for world in plan.world_sizes:
         ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
@@ -412,6 +414,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         )
         concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
         slowdown[world] = results[0]["step_slowdown"][0][1]  # rank 0's: the figure
+        skew[world] = results[0]["step_skew"][0][1]  # every rank's: the slowest
         reduce_in_step[world] = results[0]["reduce_in_step"][0][1]  # every rank's: the slowest
         spread[f"matmul fp32, {world} at once"] = max(r.pop("matmul_spread")[0][1] for r in results)
         for op in ops:
@@ -441,6 +444,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         threads=threads,
         matmul_concurrent=concurrent,
         step_slowdown=slowdown,
+        step_skew=skew,
         step_costs=costs,
         op_s=op_s,
         fsdp_unit_s=fsdp_unit_s,

@@ -118,7 +118,7 @@ def rescaled(profile: HostProfile, ratios: dict[str, float]) -> HostProfile:
             n: v * (fp32 if n <= 1 else cores) for n, v in profile.matmul_concurrent.items()
         },
         # a step with n at once took s x one alone's: one alone is now fp32 x as fast, n at once
-        # cores x ([Note: shared cores, measured on a step] in planner/probes.py)
+        # cores x ([Note: shared cores, measured on a step] in planner/contention.py)
         step_slowdown={n: s * fp32 / cores for n, s in profile.step_slowdown.items()},
         gemm_by_size={n: v * fp32 for n, v in profile.gemm_by_size.items()},
         attention_rates={k: (f * fp32, b * fp32) for k, (f, b) in profile.attention_rates.items()},

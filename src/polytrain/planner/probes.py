@@ -5,17 +5,14 @@ DTensor end of step]), tensor parallelism's per-module dispatch ([Note: DTensor 
 overhead]), FSDP2's hooks per unit on one rank ([Note: FSDP2 unit overhead]) and its
 collectives inside a step on two ranks ([Note: FSDP2 collectives in a step]); `planner.calibrate`
 runs them and keeps their figures in the `HostProfile`; tensor parallelism's collectives inside a
-step ([Note: tensor-parallel collectives in a step]) on two ranks and on two groups of two; how
-much a step slows with other processes computing ([Note: shared cores, measured on a step]); the
-end of step's small all-reduces between the ranks' compute ([Note: the step's reductions in a
-step]).
+step ([Note: tensor-parallel collectives in a step]) on two ranks and on two groups of two. How
+ranks on one host slow each other (shared cores, skew, the step's small reductions) is
+`planner.contention`'s.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Literal
@@ -32,7 +29,7 @@ from polytrain.config.job import OptimConfig
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import GradNorm, clip_gradients_, nonfinite_flag
 from polytrain.parallel.grad_norm import grad_norm
-from polytrain.planner.timing import timed
+from polytrain.planner.timing import synchronised_seconds, timed
 
 __all__ = [
     "DTENSOR",
@@ -45,8 +42,6 @@ __all__ = [
     "rank_dtensor_step_costs",
     "rank_fsdp_in_step",
     "rank_fsdp_unit_s",
-    "rank_reduce_in_step",
-    "rank_step_slowdown",
     "rank_tp_in_step",
     "rank_tp_module_s",
     "step_costs",
@@ -150,7 +145,7 @@ def rank_dtensor_step_costs(
     optimizers on two ranks, the group a tensor-parallel or a ZeRO pair holds its DTensors on.
     The clip stays on a mesh of one rank: its norm communicates inside DTensor's operators
     (`parallel.grad_norm`), and the ranks' timing loops do not make matching calls; that
-    all-reduce is priced apart ([Note: the step's reductions in a step]). The cost model
+    all-reduce is priced apart ([Note: the step's reductions in a step] in planner/contention.py). The cost model
     still multiplies these figures by the shared-core factor (1.03-1.08 for two ranks here),
     so a pair's contention counts twice: small beside the mesh's own 1.7x. Run it under
     `testing.run_distributed`; each rank answers its own figures."""
@@ -210,24 +205,6 @@ def rank_tp_module_s(rank: int, world: int, budget_s: float) -> float:
 FSDP_PROBE_DIMS = (16, 448)  # Linear widths of the probe's units: ~1 KB and ~0.8 MB each
 _FSDP_PROBE_UNITS = (4, 12)  # the per-unit figure is the slope between these unit counts
 _FSDP_PROBE_ROWS = 64
-_PROBE_CALLS = 10  # timed steps per model (every rank the same count: they synchronise)
-
-
-def _synchronised_seconds(step: Callable[[], None]) -> float:
-    """Mean seconds of ``step`` over a fixed count of calls, after two untimed ones, each call
-    started together on every rank (a barrier); the slowest rank's figure. Every rank makes the
-    same calls: the distributed probes' collectives pair up."""
-    step()
-    step()
-    total = 0.0
-    for _ in range(_PROBE_CALLS):
-        torch.distributed.barrier()
-        t0 = time.perf_counter()
-        step()
-        total += time.perf_counter() - t0
-    mean = torch.tensor([total / _PROBE_CALLS])
-    torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
-    return float(mean.item())
 
 
 def _linear_units(dim: int, units: int) -> nn.Sequential:
@@ -294,7 +271,7 @@ def rank_fsdp_in_step(rank: int, world: int) -> dict[int, list[tuple[float, floa
 
         def seconds(model: nn.Module, x: torch.Tensor = x) -> float:
             # a fixed count of calls, not `timed`'s budget: every rank must make the same calls
-            return _synchronised_seconds(lambda: model(x).sum().backward())
+            return synchronised_seconds(lambda: model(x).sum().backward())
 
         nbytes = float((dim * dim + dim) * 4)
         for stage, per_unit in _per_unit(seconds, dim, _FSDP_PROBE_UNITS, (2, 3), mesh).items():
@@ -345,7 +322,7 @@ def rank_tp_in_step(rank: int, world: int) -> list[tuple[float, float]]:
         x = torch.ones(rows, _TP_PROBE_DIM)
 
         def seconds(model: nn.Module, x: torch.Tensor = x) -> float:
-            return _synchronised_seconds(lambda: model(x).sum().backward())
+            return synchronised_seconds(lambda: model(x).sum().backward())
 
         extra = []
         for pairs in _TP_PROBE_PAIRS:
@@ -360,95 +337,3 @@ def rank_tp_in_step(rank: int, world: int) -> list[tuple[float, float]]:
         slope = (extra[1] - extra[0]) / (_TP_PROBE_PAIRS[1] - _TP_PROBE_PAIRS[0])
         out.append((float(rows * _TP_PROBE_DIM * 4), max(slope, 0.0)))
     return out
-
-
-# [Note: the step's reductions in a step]
-# `core.step.finish_step` all-reduces two floats every step (the loss and the non-finite flag)
-# and one more when it clips sharded gradients (the squared norm: `cost/hybrid._step_reduce_s`).
-# The isolated curves price such a message at their smallest point, timed from a barrier (every
-# rank leaves it at a different moment, and the first waits for the last: [Note: a small
-# collective's price is its mean] in planner/calibrate.py): 1.4-1.6 ms on two ranks and 4.1-4.5
-# ms on four in the 2026-11-26 calibrations of the 2-core VM. In a step the ranks reach the
-# reduce from their own compute, and on that VM it cost 0.3-0.7 ms on two ranks and 1.8-1.9 ms
-# on four (2026-11-26 evening, 200 calls after four 160 x 160 matmuls each, less the same
-# matmuls alone); a trace of mlp tiny's dp2 step showed 0.7 ms more after backward than dp1's.
-# At the isolated price the mlp's two-rank layouts carried 1-2 ms too much of a 4-9 ms step.
-# A pipeline's stages do not reach the reduce together: GPipe's last stage ends its flush ~1 ms
-# before the first and waits, blocked (a trace of mlp tiny's pp2 GPipe step: 0.8 ms from the
-# first stage's last backward to its update, 1.7 ms on the last stage), so pipelines keep the
-# isolated price, whose timing from a barrier has the same wait in it.
-# `rank_reduce_in_step` times that reduce between compute in `_REDUCE_ROUNDS` rounds of the
-# matmuls alone and the matmuls each followed by the reduce; `calibrate` keeps the median of the
-# rounds' differences per call for each world size it runs (`HostProfile.reduce_in_step`), which
-# `Env.step_reduce_s` uses for groups on the calibrated CPU host.
-_REDUCE_CALLS = 8  # reduces per timed call (after each, the compute)
-_REDUCE_ROUNDS = 3
-
-
-def rank_reduce_in_step(rank: int, world: int) -> float:
-    """[Note: the step's reductions in a step] Seconds one all-reduce of two floats adds when
-    every rank reaches it from its own compute (the slowest rank's figure)."""
-    torch.manual_seed(0)
-    a = torch.randn(160, 160)
-    flags = torch.zeros(2)
-
-    def compute() -> None:
-        for _ in range(4):
-            torch.mm(a, a)
-
-    def plain() -> None:
-        for _ in range(_REDUCE_CALLS):
-            compute()
-
-    def reduced() -> None:
-        for _ in range(_REDUCE_CALLS):
-            compute()
-            torch.distributed.all_reduce(flags)
-
-    extra = []
-    for _ in range(_REDUCE_ROUNDS):
-        extra.append(_synchronised_seconds(reduced) - _synchronised_seconds(plain))
-    return max(statistics.median(extra) / _REDUCE_CALLS, 0.0)
-
-
-# [Note: shared cores, measured on a step]
-# The cost model slows every CPU-bound time by how much slower one process computes beside the
-# host's other computing ranks ([Note: shared cores] in cost/common.py). Measured with 1024-wide
-# fp32 matmuls (`HostProfile.matmul_concurrent`) that factor overstates what a training step
-# meets: on a 2-vCPU Xeon VM (2026-11-26) two processes at once slowed a 1024 matmul 1.35x (and
-# the calibration's reading was 1.7x, spread 38%) but a transformer layer's forward + backward
-# (width 128, 64 tokens: matmuls of 128 to 512, softmax, layer norms, the autograd engine) only
-# 1.09x; with four, 2.7x and 2.5x. Two-process layouts of gpt tiny were then predicted 25-50%
-# slow. `rank_step_slowdown` times such a layer alone on rank 0 and on every rank at once, in
-# alternating rounds, and answers the fastest "at once" round over the fastest "alone" one;
-# `calibrate` keeps it per rank count (`HostProfile.step_slowdown`), which `Env.cpu_slowdown`
-# prefers to the matmul rates. The fastest rounds, not the median of paired ratios (the first
-# version): a burst of the host's other load lands on some rounds and only ever adds time, and
-# one calibration at 11:51 whose rounds met such bursts read 1.64x for two processes where the
-# quiet ones read 1.03 and 1.09 (every two-process gpt tiny layout then predicted 30-70% slow).
-_SLOWDOWN_ROUNDS = 8
-
-
-def rank_step_slowdown(rank: int, world: int, budget_s: float) -> float:
-    """[Note: shared cores, measured on a step] How much longer one transformer layer's forward
-    + backward takes on the slowest of ``world`` processes running it at once than on one alone
-    (the fastest round of each; rank 0's answer is the figure)."""
-    device = torch.device("cpu")
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
-    x = torch.randn(8, 64, 128)
-
-    def step() -> None:
-        layer(x).sum().backward()
-
-    step()
-    alone, together = math.inf, math.inf
-    for _ in range(_SLOWDOWN_ROUNDS):
-        torch.distributed.barrier()
-        if rank == 0:
-            alone = min(alone, timed(step, device, budget_s))
-        torch.distributed.barrier()
-        slowest = torch.tensor([timed(step, device, budget_s)])
-        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-        together = min(together, float(slowest.item()))
-    return together / alone if rank == 0 else 1.0

@@ -10,7 +10,14 @@ from typing import Generic, TypeVar
 
 import torch
 
-__all__ = ["ROUNDS", "Rounds", "median_and_spread", "timed", "timed_rounds"]
+__all__ = [
+    "ROUNDS",
+    "Rounds",
+    "median_and_spread",
+    "synchronised_seconds",
+    "timed",
+    "timed_rounds",
+]
 
 Key = TypeVar("Key")
 
@@ -109,3 +116,23 @@ def median_and_spread(values: list[float]) -> tuple[float, float]:
         return mid, 0.0
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return mid, (q3 - q1) / mid
+
+
+SYNCHRONISED_CALLS = 10  # timed calls of `synchronised_seconds` (every rank the same count)
+
+
+def synchronised_seconds(step: Callable[[], None], calls: int = SYNCHRONISED_CALLS) -> float:
+    """Mean seconds of ``step`` over ``calls`` calls, after two untimed ones, each call started
+    together on every rank (a barrier); the slowest rank's figure. Every rank makes the same
+    calls, so the distributed probes' collectives pair up."""
+    step()
+    step()
+    total = 0.0
+    for _ in range(calls):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        step()
+        total += time.perf_counter() - t0
+    mean = torch.tensor([total / calls])
+    torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
+    return float(mean.item())

@@ -246,8 +246,12 @@ class HostProfile:
     matmul_concurrent: dict[int, float] = field(default_factory=dict)
     # processes computing at once -> how much longer a transformer layer's forward + backward
     # takes on each than on one alone ([Note: shared cores, measured on a step] in
-    # planner/probes.py); {} = not measured (the matmul rates above decide)
+    # planner/contention.py); {} = not measured (the matmul rates above decide)
     step_slowdown: dict[int, float] = field(default_factory=dict)
+    # ranks that wait for each other every step -> the share of a step's compute that waiting
+    # for the slowest of them adds ([Note: ranks' skew] in planner/contention.py); {} = not
+    # measured (none priced)
+    step_skew: dict[int, float] = field(default_factory=dict)
     # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
     # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
     # global-norm clip), "check" (the non-finite check); "dtensor <part>" the same on DTensor
@@ -272,7 +276,7 @@ class HostProfile:
     tp_in_step: dict[int, Curve] = field(default_factory=dict)
     # ranks -> seconds one all-reduce of a few floats (the end of step's loss, flag and norm)
     # takes when the ranks reach it from their compute: [Note: the step's reductions in a step]
-    # in planner/probes.py; {} = not measured (the isolated curves)
+    # in planner/contention.py; {} = not measured (the isolated curves)
     reduce_in_step: dict[int, float] = field(default_factory=dict)
     # [Note: loop overhead] in planner/calibrate_worker.py: seconds a training step spends in its own
     # Python beyond what the rest of the profile prices, once per step and once per micro-batch

@@ -23,7 +23,7 @@ measured counts and, past the largest, shared evenly (rate(n) = rate(k) k / n). 
 CPU-bound time measured in one process alone (measured block times, the per-step costs) slows
 by the same factor rate(1) / rate(n). A profile that measured the slowdown on a transformer
 layer's step (`HostProfile.step_slowdown`, [Note: shared cores, measured on a step] in
-planner/probes.py) uses that instead of the matmul rates: `host_slowdown`. Accelerators do not
+planner/contention.py) uses that instead of the matmul rates: `host_slowdown`. Accelerators do not
 share: there it is 1.
 """
 
@@ -97,7 +97,7 @@ def concurrent_rate(measured: dict[int, float], n: float) -> float:
 def host_slowdown(n: float, *, step: dict[int, float], matmul: dict[int, float]) -> float:
     """How much slower one process computes with ``n`` computing at once than alone (>= 1): the
     measured ``step`` slowdowns (count -> factor, [Note: shared cores, measured on a step] in
-    planner/probes.py) read as rates 1 / factor (shared evenly past the largest count), else
+    planner/contention.py) read as rates 1 / factor (shared evenly past the largest count), else
     the concurrent ``matmul`` rates (count -> FLOP/s of each), else 1. [Note: shared cores]"""
     rates = matmul
     if step:
@@ -344,11 +344,33 @@ class Env:
         reduce = self.collective_s("all_reduce", nbytes, tp, stride)
         return in_step * isolated / reduce if reduce > 0 else isolated
 
+    def skew_s(self, compute_s: float, ranks: int, stride: int = 1) -> float:
+        """Seconds that waiting for the slowest of ``ranks`` ranks adds to ``compute_s`` seconds
+        of compute between their synchronizations ([Note: ranks' skew] in
+        planner/contention.py): the calibrated share for that many ranks (between two measured
+        counts, in proportion; past them, the nearest) on a calibrated CPU host whose group
+        stays on it; 0 otherwise (not measured: an accelerator's, or across hosts)."""
+        prof = self.profile
+        measured = prof.step_skew if prof is not None else {}
+        if ranks <= 1 or not measured or self.cluster.device.key != "cpu":
+            return 0.0
+        if self.link(stride, ranks) is not self.cluster.intra:
+            return 0.0
+        counts = sorted(measured)
+        if ranks <= counts[0] or ranks >= counts[-1]:
+            share = measured[counts[0] if ranks <= counts[0] else counts[-1]]
+        else:
+            i = bisect.bisect_left(counts, ranks)
+            lo, hi = counts[i - 1], counts[i]
+            w = (ranks - lo) / (hi - lo)
+            share = measured[lo] * (1 - w) + measured[hi] * w
+        return compute_s * share
+
     def step_reduce_s(self, ranks: int, together: bool = True) -> float:
         """Seconds of one of the end of step's all-reduces of a few floats (loss, non-finite
         flag, squared norm) over ``ranks`` ranks. Reached ``together`` (every rank from the
         same compute) on the calibrated CPU host with a profile that measured it: the figure
-        for that world size ([Note: the step's reductions in a step] in planner/probes.py; past
+        for that world size ([Note: the step's reductions in a step] in planner/contention.py; past
         the largest measured, that figure times the isolated curves' ratio between the two
         sizes); otherwise (or after some ranks waited for others, as pipeline stages do)
         `collective_s` of 8 bytes."""

@@ -194,7 +194,9 @@ def _spmd(
     fsdp = env.fsdp_overhead_s(fsdp_stage, n + 1) * layout.grad_accum if fsdp_stage >= 0 else 0.0
     per_step, per_micro = _loop(env)
     loop = per_step + per_micro * layout.grad_accum
-    step += opt + fsdp + loop
+    # every rank waits for every other each step (the collectives, the end of step's reduce)
+    skew = env.skew_s(compute - tp_s, dp * layout.tp)
+    step += opt + fsdp + loop + skew
     return step, {
         "compute": compute - tp_s,
         "tp_comm": tp_s,
@@ -204,6 +206,7 @@ def _spmd(
         "late_multiply": sf_s,
         "fsdp_hooks": fsdp,
         "loop": loop,
+        "skew": skew,
     }
 
 
@@ -335,7 +338,9 @@ def _ps(
     compute += env.step_cost_s(parts, tensors, float(stats.param_bytes))
     per_step, per_micro = _loop(env)  # a worker's own loop ([Note: loop overhead])
     loop = per_step + per_micro
-    compute += loop
+    # sync: every worker waits for the slowest at the servers each step ([Note: ranks' skew])
+    skew = env.skew_s(compute, layout.dp) if layout.ps_mode == "sync" else 0.0
+    compute += loop + skew
     step, comm = ps_step(
         env,
         layout.ps_mode,
@@ -350,12 +355,13 @@ def _ps(
         optimizer=stats.optimizer,
     )
     return step, {
-        "compute": compute - loop,
+        "compute": compute - loop - skew,
         "tp_comm": 0.0,
         "dp_comm": comm,
         "bubble": 0.0,
         "optimizer": 0.0,
         "loop": loop,
+        "skew": skew,
     }
 
 

@@ -1,0 +1,185 @@
+"""How ranks on one host slow each other, measured for `polytrain calibrate` (torch-facing).
+
+Three probes, each run on every world size the calibration measures and kept per rank count in
+the `HostProfile`: how much slower one process computes beside the others ([Note: shared
+cores, measured on a step]: `step_slowdown`), how much a step that waits for every rank adds
+for the slowest of them ([Note: ranks' skew]: `step_skew`), and what the end of step's small
+all-reduces cost between the ranks' compute ([Note: the step's reductions in a step]:
+`reduce_in_step`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from polytrain.planner.timing import synchronised_seconds, timed
+
+__all__ = ["rank_reduce_in_step", "rank_step_skew", "rank_step_slowdown"]
+
+
+def _layer_step() -> Callable[[], None]:
+    """One transformer layer's forward + backward (width 128, 64 tokens, 8 samples: matmuls of
+    128 to 512, softmax, layer norms, the autograd engine), seeded: the unit of a step's
+    compute the contention probes time."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
+    x = torch.randn(8, 64, 128)
+
+    def step() -> None:
+        layer(x).sum().backward()
+
+    return step
+
+
+# [Note: shared cores, measured on a step]
+# The cost model slows every CPU-bound time by how much slower one process computes beside the
+# host's other computing ranks ([Note: shared cores] in cost/common.py). Measured with 1024-wide
+# fp32 matmuls (`HostProfile.matmul_concurrent`) that factor overstates what a training step
+# meets: on a 2-vCPU Xeon VM (2026-11-26) two processes at once slowed a 1024 matmul 1.35x (and
+# the calibration's reading was 1.7x, spread 38%) but a transformer layer's forward + backward
+# (width 128, 64 tokens: matmuls of 128 to 512, softmax, layer norms, the autograd engine) only
+# 1.09x; with four, 2.7x and 2.5x. Two-process layouts of gpt tiny were then predicted 25-50%
+# slow. `rank_step_slowdown` times such a layer alone on rank 0 and on every rank at once, in
+# alternating rounds, and answers the fastest "at once" round over the fastest "alone" one;
+# `calibrate` keeps it per rank count (`HostProfile.step_slowdown`), which `Env.cpu_slowdown`
+# prefers to the matmul rates. The fastest rounds, not the median of paired ratios (the first
+# version): a burst of the host's other load lands on some rounds and only ever adds time, and
+# one calibration at 11:51 whose rounds met such bursts read 1.64x for two processes where the
+# quiet ones read 1.03 and 1.09 (every two-process gpt tiny layout then predicted 30-70% slow).
+_SLOWDOWN_ROUNDS = 8
+
+
+def rank_step_slowdown(rank: int, world: int, budget_s: float) -> float:
+    """[Note: shared cores, measured on a step] How much longer one transformer layer's forward
+    + backward takes on the slowest of ``world`` processes running it at once than on one alone
+    (the fastest round of each; rank 0's answer is the figure)."""
+    device = torch.device("cpu")
+    step = _layer_step()
+    step()
+    alone, together = math.inf, math.inf
+    for _ in range(_SLOWDOWN_ROUNDS):
+        torch.distributed.barrier()
+        if rank == 0:
+            alone = min(alone, timed(step, device, budget_s))
+        torch.distributed.barrier()
+        slowest = torch.tensor([timed(step, device, budget_s)])
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        together = min(together, float(slowest.item()))
+    return together / alone if rank == 0 else 1.0
+
+
+# [Note: ranks' skew]
+# A step that synchronizes its ranks (DDP's all-reduce, FSDP2's collectives, tensor
+# parallelism's per-layer all-reduces, the end of step's [loss, flag] reduce, a synchronous
+# parameter server) ends when its slowest rank gets there. Ranks sharing a host's cores do not
+# compute at an even pace: the OS, the other processes and the host's own neighbours stall one
+# rank or another for a while, and every stall of any rank is waited out by all of them. The
+# slowdown factor above cannot see it (it compares each rank's own time, over many calls), nor
+# can the isolated collective curves (timed from a barrier, around no compute). Measured on the
+# 2-vCPU Xeon VM (2026-11-27, gpt tiny's forward + backward of 16 samples on two ranks, a
+# one-float all-reduce after each step against none): 2-4% more per step on two ranks, 7-8% on
+# four; the two-rank gpt tiny layouts of the planner benchmark read 5-20% slower than priced in
+# every run of 2026-11-26, where dp1 was priced within 3%. `rank_step_skew` times rounds of
+# `_SKEW_STEPS` steps of a few transformer layers each (~40 ms on that VM), free and with that
+# all-reduce after each step, and the all-reduce alone; the figure is the median over rounds of
+# (synced - all-reduce) / free - 1, >= 0: the share of a step's compute that waiting for the
+# slowest rank adds. `calibrate` keeps it per rank count (`HostProfile.step_skew`), and
+# `Env.skew_s` adds that share of the compute to the layouts whose ranks all wait for each
+# other every step (data and tensor parallel, ZeRO, their hybrids, a synchronous parameter
+# server's workers). A pipeline's waits are its simulated schedule's; asynchronous modes wait
+# for nobody. The one-float all-reduce is priced apart (`Env.step_reduce_s`), hence taken out.
+_SKEW_LAYERS = 4  # transformer layers per step of the skew probe
+_SKEW_STEPS = 6  # steps per timed run
+_SKEW_ROUNDS = 8
+_SKEW_REDUCES = 20  # back-to-back all-reduces timed for the one the synced steps carry
+
+
+def rank_step_skew(rank: int, world: int) -> float:
+    """[Note: ranks' skew] The share of a step's compute that waiting for the slowest of
+    ``world`` ranks adds when they all synchronize after every step (every rank answers the
+    same figure)."""
+    layer = _layer_step()
+    flag = torch.zeros(1)
+
+    def compute() -> None:
+        for _ in range(_SKEW_LAYERS):
+            layer()
+
+    def synced() -> None:
+        compute()
+        torch.distributed.all_reduce(flag)
+
+    def reduce() -> None:
+        torch.distributed.all_reduce(flag)
+
+    def slowest(fn: Callable[[], None], calls: int) -> float:
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        mean = torch.tensor([(time.perf_counter() - t0) / calls])
+        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
+        return float(mean.item())
+
+    synced()
+    shares = []
+    for _ in range(_SKEW_ROUNDS):
+        free = slowest(compute, _SKEW_STEPS)
+        waited = slowest(synced, _SKEW_STEPS) - slowest(reduce, _SKEW_REDUCES)
+        shares.append(waited / free - 1.0)
+    return max(statistics.median(shares), 0.0)
+
+
+# [Note: the step's reductions in a step]
+# `core.step.finish_step` all-reduces two floats every step (the loss and the non-finite flag)
+# and one more when it clips sharded gradients (the squared norm: `cost/hybrid._step_reduce_s`).
+# The isolated curves price such a message at their smallest point, timed from a barrier (every
+# rank leaves it at a different moment, and the first waits for the last: [Note: a small
+# collective's price is its mean] in planner/calibrate.py): 1.4-1.6 ms on two ranks and 4.1-4.5
+# ms on four in the 2026-11-26 calibrations of the 2-core VM. In a step the ranks reach the
+# reduce from their own compute, and on that VM it cost 0.3-0.7 ms on two ranks and 1.8-1.9 ms
+# on four (2026-11-26 evening, 200 calls after four 160 x 160 matmuls each, less the same
+# matmuls alone); a trace of mlp tiny's dp2 step showed 0.7 ms more after backward than dp1's.
+# At the isolated price the mlp's two-rank layouts carried 1-2 ms too much of a 4-9 ms step.
+# A pipeline's stages do not reach the reduce together: GPipe's last stage ends its flush ~1 ms
+# before the first and waits, blocked (a trace of mlp tiny's pp2 GPipe step: 0.8 ms from the
+# first stage's last backward to its update, 1.7 ms on the last stage), so pipelines keep the
+# isolated price, whose timing from a barrier has the same wait in it.
+# `rank_reduce_in_step` times that reduce between compute in `_REDUCE_ROUNDS` rounds of the
+# matmuls alone and the matmuls each followed by the reduce; `calibrate` keeps the median of the
+# rounds' differences per call for each world size it runs (`HostProfile.reduce_in_step`), which
+# `Env.step_reduce_s` uses for groups on the calibrated CPU host.
+_REDUCE_CALLS = 8  # reduces per timed call (after each, the compute)
+_REDUCE_ROUNDS = 3
+
+
+def rank_reduce_in_step(rank: int, world: int) -> float:
+    """[Note: the step's reductions in a step] Seconds one all-reduce of two floats adds when
+    every rank reaches it from its own compute (the slowest rank's figure)."""
+    torch.manual_seed(0)
+    a = torch.randn(160, 160)
+    flags = torch.zeros(2)
+
+    def compute() -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+
+    def plain() -> None:
+        for _ in range(_REDUCE_CALLS):
+            compute()
+
+    def reduced() -> None:
+        for _ in range(_REDUCE_CALLS):
+            compute()
+            torch.distributed.all_reduce(flags)
+
+    extra = []
+    for _ in range(_REDUCE_ROUNDS):
+        extra.append(synchronised_seconds(reduced) - synchronised_seconds(plain))
+    return max(statistics.median(extra) / _REDUCE_CALLS, 0.0)
