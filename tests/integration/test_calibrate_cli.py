@@ -74,6 +74,10 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert set(profile.fsdp_unit_s) == {0, 2, 3} and all(
         v >= 0 for v in profile.fsdp_unit_s.values()
     )
+    # [Note: FSDP2 tensor overhead]: per stage, per tensor past a one-Linear unit's two
+    assert set(profile.fsdp_tensor_s) == {0, 2, 3}
+    assert all(v >= 0 for v in profile.fsdp_tensor_s.values())
+    assert "FSDP2 per tensor, zero 2" in first.stdout
     # [Note: loop overhead] and [Note: timing rounds]: measured, and the table shows them
     assert profile.loop_step_s >= 0 and profile.loop_microbatch_s >= 0
     # [Note: pipeline runtime overhead]: the quick plan's one schedule, fitted, shown

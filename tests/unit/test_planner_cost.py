@@ -346,6 +346,27 @@ def test_zero_pays_the_calibrated_fsdp_hooks_per_unit() -> None:
     )
 
 
+def test_fsdp_units_with_many_tensors_pay_the_calibrated_per_tensor_overhead() -> None:
+    """[Note: FSDP2 tensor overhead]: beyond its per-unit figure a unit pays the per-tensor
+    figure for each parameter tensor past two (a one-Linear unit's, what the per-unit figure
+    was measured with); none without the figure."""
+    stats = gpt_stats(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)
+    cluster = parse_cluster("1x2xcpu")
+    per_unit = _cpu_profile(fsdp_unit_s={2: 1e-3})
+    per_tensor = _cpu_profile(fsdp_unit_s={2: 1e-3}, fsdp_tensor_s={2: 5e-5})
+    env, with_tensors = Env(cluster, profile=per_unit), Env(cluster, profile=per_tensor)
+    assert with_tensors.fsdp_overhead_s(2, 3, tensors=6) == env.fsdp_overhead_s(2, 3, 6)
+    assert with_tensors.fsdp_overhead_s(2, 3, tensors=16) == pytest.approx(
+        (3 * 1e-3 + 10 * 5e-5) * env.cpu_slowdown
+    )
+    units, tensors = len(stats.blocks) + 1, sum(b.tensors for b in stats.blocks)
+    assert tensors > 2 * units  # a transformer block holds more than one Linear's two
+    layout = Layout(dp=2, zero=2)
+    extra = predict(layout, stats, with_tensors, 8).breakdown["fsdp_hooks"]
+    extra -= predict(layout, stats, env, 8).breakdown["fsdp_hooks"]
+    assert extra == pytest.approx(5e-5 * (tensors - 2 * units) * env.cpu_slowdown)
+
+
 def test_small_weights_run_their_matmuls_at_the_calibrated_small_size_rate() -> None:
     """[Note: matmul size]: a block of 128-wide Linears is priced at the 128 rate, one of
     1024-wide Linears at the largest size's, one in between by log-log interpolation; without
@@ -458,10 +479,13 @@ def test_ranks_that_wait_for_each_other_pay_the_calibrated_skew() -> None:
         )
         return with_skew.step_s - without.step_s
 
+    def own_work(b: dict[str, float]) -> float:  # a rank's own, between the synchronizations
+        return b["compute"] + b["optimizer"] + b["fsdp_hooks"] + b["loop"]
+
     dp2 = predict(Layout(dp=2), stats, four, 8).breakdown
-    assert extra(Layout(dp=2)) == pytest.approx(0.04 * dp2["compute"])
+    assert extra(Layout(dp=2)) == pytest.approx(0.04 * own_work(dp2))
     dp2_tp2 = predict(Layout(dp=2, tp=2), stats, four, 8).breakdown
-    assert extra(Layout(dp=2, tp=2)) == pytest.approx(0.08 * dp2_tp2["compute"])
+    assert extra(Layout(dp=2, tp=2)) == pytest.approx(0.08 * own_work(dp2_tp2))
     assert extra(Layout(dp=2, zero=3)) > 0
     assert extra(Layout(dp=2, sync="ps", ps_servers=1, ps_mode="sync")) > 0
     assert extra(Layout(dp=2, sync="ps", ps_servers=1, ps_mode="async")) == 0.0

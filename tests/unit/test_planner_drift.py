@@ -41,6 +41,7 @@ PROFILE = cpu_profile(
     loop_step_s=3e-4,
     loop_microbatch_s=1e-4,
     fsdp_unit_s={2: 6e-4},
+    fsdp_tensor_s={2: 5e-5},
     tp_module_s=4e-4,
     pipe_action_s={"1f1b": 2e-4},
     pipe_flush_s={"1f1b": 5e-4},
@@ -83,6 +84,7 @@ def test_each_family_moves_with_its_figure_and_the_wire_stays() -> None:
     assert slow.op_s == pytest.approx(4e-6)
     assert (slow.loop_step_s, slow.loop_microbatch_s) == (pytest.approx(2.4e-4), 8e-5)
     assert slow.fsdp_unit_s == {2: pytest.approx(4.8e-4)}
+    assert slow.fsdp_tensor_s == {2: pytest.approx(4e-5)}
     assert slow.tp_module_s == pytest.approx(3.2e-4)
     assert slow.pipe_action_s == {"1f1b": pytest.approx(1.6e-4)}
     assert slow.pipe_flush_s == {"1f1b": pytest.approx(4e-4)}

@@ -37,6 +37,7 @@ def _profile() -> HostProfile:
         step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11), "dtensor adamw": (1e-4, 0)},
         op_s=6e-6,
         fsdp_unit_s={2: 6e-4, 3: 7e-4},
+        fsdp_tensor_s={2: 4e-5, 3: 5e-5},
         fsdp_in_step={2: Curve(((1e3, 1e-3), (8e5, 3e-3)))},
         tp_module_s=4.7e-4,
         tp_in_step={2: Curve(((1.6e4, 1.7e-3), (2**20, 2.3e-3)))},

@@ -89,6 +89,9 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     for stage, secs in sorted(profile.fsdp_unit_s.items()):
         what = f"zero {stage}" if stage else "replicate"
         table.add_row(f"FSDP2 hooks, {what}", f"{secs * 1e6:.0f} us per wrapped module")
+    for stage, secs in sorted(profile.fsdp_tensor_s.items()):  # [Note: FSDP2 tensor overhead]
+        what = f"zero {stage}" if stage else "replicate"
+        table.add_row(f"FSDP2 per tensor, {what}", f"{secs * 1e6:.0f} us past a module's 2")
     if profile.tp_module_s > 0:
         table.add_row(
             "DTensor, tensor-parallel module", f"{profile.tp_module_s * 1e6:.0f} us per module"

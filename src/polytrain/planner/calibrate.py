@@ -345,7 +345,9 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
     tell("kernels: Linears on cold operands, attention, elementwise")
     matmuls.round()
     speed.round()
-    (fsdp_unit_s,) = run_distributed(rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0)
+    ((fsdp_unit_s, fsdp_tensor_s),) = run_distributed(
+        rank_fsdp_unit_s, 1, plan.budget_s, timeout_s=300.0
+    )
     tell("FSDP2 overhead per unit")
     if device.type == "cpu":  # DTensor's dispatch: [Note: DTensor end of step], [Note: DTensor
         # module overhead] in planner/probes.py; an accelerator host: not measured yet
@@ -448,6 +450,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         step_costs=costs,
         op_s=op_s,
         fsdp_unit_s=fsdp_unit_s,
+        fsdp_tensor_s=fsdp_tensor_s,
         fsdp_in_step=fsdp_in_step,
         tp_module_s=tp_module_s,
         tp_in_step=tp_in_step,

@@ -90,9 +90,10 @@ def rank_step_slowdown(rank: int, world: int, budget_s: float) -> float:
 # all-reduce after each step, and the all-reduce alone; the figure is the median over rounds of
 # (synced - all-reduce) / free - 1, >= 0: the share of a step's compute that waiting for the
 # slowest rank adds. `calibrate` keeps it per rank count (`HostProfile.step_skew`), and
-# `Env.skew_s` adds that share of the compute to the layouts whose ranks all wait for each
-# other every step (data and tensor parallel, ZeRO, their hybrids, a synchronous parameter
-# server's workers). A pipeline's waits are its simulated schedule's; asynchronous modes wait
+# `Env.skew_s` adds that share of each rank's own work (compute, the end of step, FSDP2's
+# hooks, the loop) to the layouts whose ranks all wait for each other every step (data and
+# tensor parallel, ZeRO, their hybrids; a synchronous parameter server's workers, their
+# compute and loop). A pipeline's waits are its simulated schedule's; asynchronous modes wait
 # for nobody. The one-float all-reduce is priced apart (`Env.step_reduce_s`), hence taken out.
 _SKEW_LAYERS = 4  # transformer layers per step of the skew probe
 _SKEW_STEPS = 6  # steps per timed run

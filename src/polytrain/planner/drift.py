@@ -129,6 +129,7 @@ def rescaled(profile: HostProfile, ratios: dict[str, float]) -> HostProfile:
         loop_step_s=profile.loop_step_s / op,
         loop_microbatch_s=profile.loop_microbatch_s / op,
         fsdp_unit_s={k: v / op for k, v in profile.fsdp_unit_s.items()},
+        fsdp_tensor_s={k: v / op for k, v in profile.fsdp_tensor_s.items()},
         tp_module_s=profile.tp_module_s / op,
         pipe_action_s={k: v / op for k, v in profile.pipe_action_s.items()},
         pipe_flush_s={k: v / op for k, v in profile.pipe_flush_s.items()},

@@ -207,10 +207,13 @@ _FSDP_PROBE_UNITS = (4, 12)  # the per-unit figure is the slope between these un
 _FSDP_PROBE_ROWS = 64
 
 
-def _linear_units(dim: int, units: int) -> nn.Sequential:
-    """The FSDP2 probes' model: ``units`` one-Linear units of width ``dim``, seeded."""
+def _linear_units(dim: int, units: int, linears: int = 1) -> nn.Sequential:
+    """The FSDP2 probes' model: ``units`` units of ``linears`` Linears of width ``dim`` each
+    (two parameter tensors per Linear), seeded."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim)) for _ in range(units)])
+    return nn.Sequential(
+        *[nn.Sequential(*[nn.Linear(dim, dim) for _ in range(linears)]) for _ in range(units)]
+    )
 
 
 def _shard_units(model: nn.Sequential, mesh: DeviceMesh, stage: int) -> nn.Sequential:
@@ -231,33 +234,57 @@ def _per_unit(
     counts: tuple[int, int],
     stages: tuple[int, ...],
     mesh: DeviceMesh,
+    linears: int = 1,
 ) -> dict[int, float]:
-    """Per stage, the seconds FSDP2 adds per unit of width ``dim``: the slope between the unit
-    ``counts`` of (the wrapped model minus the same model unsharded, timed once per count)."""
-    plain = {n: seconds(_linear_units(dim, n)) for n in counts}
+    """Per stage, the seconds FSDP2 adds per unit of ``linears`` Linears of width ``dim``: the
+    slope between the unit ``counts`` of (the wrapped model minus the same model unsharded,
+    timed once per count)."""
+    plain = {n: seconds(_linear_units(dim, n, linears)) for n in counts}
     out: dict[int, float] = {}
     for stage in stages:
         extra = [
-            seconds(_shard_units(_linear_units(dim, n), mesh, stage)) - plain[n] for n in counts
+            seconds(_shard_units(_linear_units(dim, n, linears), mesh, stage)) - plain[n]
+            for n in counts
         ]
         out[stage] = max((extra[1] - extra[0]) / (counts[1] - counts[0]), 0.0)
     return out
 
 
-def rank_fsdp_unit_s(rank: int, world: int, budget_s: float) -> dict[int, float]:
+# [Note: FSDP2 tensor overhead]
+# FSDP2 copies a unit's parameters into and out of its flat all-gather and reduce-scatter
+# buffers tensor by tensor, and its hooks walk them: a unit's overhead grows with its parameter
+# tensors, not only with the unit. One-Linear units (two tensors) measured 0.4-0.5 ms each on
+# the 2-vCPU Xeon VM (2026-11-27, ZeRO-2/3, one rank); units of six Linears (twelve tensors)
+# 0.5-1.3 ms. A gpt tiny block holds twelve tensors, and its ZeRO-2/3 steps read 15-25% slower
+# than priced in every benchmark run of 2026-11-26. `rank_fsdp_unit_s` also times units of
+# `_FSDP_TENSOR_LINEARS` Linears and keeps, per stage, the difference per tensor beyond a
+# one-Linear unit's two (`HostProfile.fsdp_tensor_s`); `Env.fsdp_overhead_s` adds it for the
+# tensors a layout's units hold beyond two per unit.
+_FSDP_TENSOR_LINEARS = 6
+
+
+def rank_fsdp_unit_s(
+    rank: int, world: int, budget_s: float
+) -> tuple[dict[int, float], dict[int, float]]:
     """[Note: FSDP2 unit overhead] Seconds FSDP2 adds per wrapped module to one forward +
     backward, by ZeRO stage (0: its ``replicate``, which the hybrid runs for dp x tp), on a
     group of ONE rank: its collectives move nothing there, so what is left is its hooks' Python
     and bookkeeping, which the collective model does not price. The slope between 8 and 32
     one-Linear units, each (FSDP2 minus the same model unsharded); the root counts as one more
-    unit."""
+    unit. Second, per stage, the seconds per parameter tensor beyond a one-Linear unit's two
+    ([Note: FSDP2 tensor overhead])."""
     device = torch.device("cpu")
     x = torch.ones(4, 16)
 
     def seconds(model: nn.Module) -> float:
         return timed(lambda: model(x).sum().backward(), device, budget_s)
 
-    return _per_unit(seconds, 16, (8, 32), (0, 2, 3), init_device_mesh("cpu", (1,)))
+    mesh = init_device_mesh("cpu", (1,))
+    per_unit = _per_unit(seconds, 16, (8, 32), (0, 2, 3), mesh)
+    wide = _per_unit(seconds, 16, (8, 32), (0, 2, 3), mesh, _FSDP_TENSOR_LINEARS)
+    extra_tensors = 2 * (_FSDP_TENSOR_LINEARS - 1)
+    per_tensor = {s: max((wide[s] - per_unit[s]) / extra_tensors, 0.0) for s in per_unit}
+    return per_unit, per_tensor
 
 
 def rank_fsdp_in_step(rank: int, world: int) -> dict[int, list[tuple[float, float]]]:

@@ -75,6 +75,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "step_costs": {part: list(pair) for part, pair in profile.step_costs.items()},
         "op_s": profile.op_s,
         "fsdp_unit_s": {str(k): v for k, v in profile.fsdp_unit_s.items()},
+        "fsdp_tensor_s": {str(k): v for k, v in profile.fsdp_tensor_s.items()},
         "fsdp_in_step": {
             str(k): [list(pt) for pt in curve.points] for k, curve in profile.fsdp_in_step.items()
         },
@@ -135,6 +136,7 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         },
         op_s=float(data.get("op_s", 0.0)),  # older profiles: no operator overhead
         fsdp_unit_s={int(k): float(v) for k, v in data.get("fsdp_unit_s", {}).items()},
+        fsdp_tensor_s={int(k): float(v) for k, v in data.get("fsdp_tensor_s", {}).items()},
         fsdp_in_step={  # older profiles: FSDP2's collectives at the isolated curves
             int(k): Curve(tuple(sorted((float(b), float(t)) for b, t in pts)))
             for k, pts in data.get("fsdp_in_step", {}).items()

@@ -263,6 +263,9 @@ class HostProfile:
     # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
     # forward + backward ([Note: FSDP2 unit overhead] in planner/probes.py); {} = unknown
     fsdp_unit_s: dict[int, float] = field(default_factory=dict)
+    # ZeRO stage (0: replicate) -> seconds per parameter tensor a wrapped module holds beyond
+    # two ([Note: FSDP2 tensor overhead] in planner/probes.py); {} = unknown (none priced)
+    fsdp_tensor_s: dict[int, float] = field(default_factory=dict)
     # ZeRO stage -> (a unit's parameter bytes, seconds its all-gathers and reduce-scatter take
     # inside a step on two ranks, FSDP2's copies and waits included, its hooks not): [Note: FSDP2
     # collectives in a step] in planner/probes.py; {} = not measured (the isolated curves)

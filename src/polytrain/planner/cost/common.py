@@ -309,11 +309,17 @@ class Env:
             return max(dispatch, matmul_s + moved_bytes / self.mem_bw)
         return matmul_s + (dispatch + moved_bytes / self.mem_bw) * self.cpu_slowdown
 
-    def fsdp_overhead_s(self, stage: int, units: int) -> float:
-        """FSDP2's hook overhead for ``units`` sharded modules in one forward + backward, as
-        calibrated ([Note: FSDP2 unit overhead]); 0 without a profile that measured it."""
-        per_unit = self.profile.fsdp_unit_s.get(stage, 0.0) if self.profile is not None else 0.0
-        return per_unit * units * self.cpu_slowdown
+    def fsdp_overhead_s(self, stage: int, units: int, tensors: float = 0.0) -> float:
+        """FSDP2's hook overhead for ``units`` sharded modules holding ``tensors`` parameter
+        tensors in one forward + backward, as calibrated ([Note: FSDP2 unit overhead], [Note:
+        FSDP2 tensor overhead] in planner/probes.py: per unit, and per tensor beyond two a
+        unit); 0 without a profile that measured it."""
+        prof = self.profile
+        if prof is None:
+            return 0.0
+        per_unit = prof.fsdp_unit_s.get(stage, 0.0)
+        per_tensor = prof.fsdp_tensor_s.get(stage, 0.0) * max(tensors - 2 * units, 0.0)
+        return (per_unit * units + per_tensor) * self.cpu_slowdown
 
     def fsdp_in_step_s(self, stage: int, nbytes: float, dp: int, stride: int) -> float | None:
         """Seconds of one unit's ZeRO-``stage`` collectives inside a step, for a unit of

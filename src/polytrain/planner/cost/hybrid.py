@@ -191,11 +191,14 @@ def _spmd(
     # FSDP2's hooks on every wrapped block and the root, once per micro-step: ZeRO-2/3, and
     # FSDP2's replicate for dp x tp (parallel/family.py: DDP cannot take DTensor parameters)
     fsdp_stage = layout.zero if layout.zero else (0 if dp > 1 and layout.tp > 1 else -1)
-    fsdp = env.fsdp_overhead_s(fsdp_stage, n + 1) * layout.grad_accum if fsdp_stage >= 0 else 0.0
+    tensors = sum(b.tensors for b in blocks)
+    fsdp = env.fsdp_overhead_s(fsdp_stage, n + 1, tensors) if fsdp_stage >= 0 else 0.0
+    fsdp *= layout.grad_accum
     per_step, per_micro = _loop(env)
     loop = per_step + per_micro * layout.grad_accum
-    # every rank waits for every other each step (the collectives, the end of step's reduce)
-    skew = env.skew_s(compute - tp_s, dp * layout.tp)
+    # every rank waits for every other each step (the collectives, the end of step's reduce):
+    # for the stalls of the others' own work since ([Note: ranks' skew] in planner/contention.py)
+    skew = env.skew_s(compute - tp_s + opt + fsdp + loop, dp * layout.tp)
     step += opt + fsdp + loop + skew
     return step, {
         "compute": compute - tp_s,
