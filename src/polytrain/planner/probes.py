@@ -2,10 +2,11 @@
 
 The end of a step over plain and over DTensor parameters ([Note: per-step costs], [Note:
 DTensor end of step]), tensor parallelism's per-module dispatch ([Note: DTensor module
-overhead]), FSDP2's hooks per unit on one rank ([Note: FSDP2 unit overhead]) and its
-collectives inside a step on two ranks ([Note: FSDP2 collectives in a step]); `planner.calibrate`
-runs them and keeps their figures in the `HostProfile`; tensor parallelism's collectives inside a
-step ([Note: tensor-parallel collectives in a step]) on two ranks and on two groups of two. How
+overhead]), FSDP2's hooks per unit and per tensor on one rank ([Note: FSDP2 unit overhead],
+[Note: FSDP2 tensor overhead]) and its collectives inside a step on two ranks ([Note: FSDP2
+collectives in a step]); `planner.calibrate` runs them and keeps their figures in the
+`HostProfile`; tensor parallelism's collectives inside a step ([Note: tensor-parallel
+collectives in a step]) on two ranks and on two groups of two. How
 ranks on one host slow each other (shared cores, skew, the step's small reductions) is
 `planner.contention`'s.
 """
@@ -145,10 +146,11 @@ def rank_dtensor_step_costs(
     optimizers on two ranks, the group a tensor-parallel or a ZeRO pair holds its DTensors on.
     The clip stays on a mesh of one rank: its norm communicates inside DTensor's operators
     (`parallel.grad_norm`), and the ranks' timing loops do not make matching calls; that
-    all-reduce is priced apart ([Note: the step's reductions in a step] in planner/contention.py). The cost model
-    still multiplies these figures by the shared-core factor (1.03-1.08 for two ranks here),
-    so a pair's contention counts twice: small beside the mesh's own 1.7x. Run it under
-    `testing.run_distributed`; each rank answers its own figures."""
+    all-reduce is priced apart ([Note: the step's reductions in a step] in
+    planner/contention.py). The cost model still multiplies these figures by the shared-core
+    factor (1.03-1.08 for two ranks here), so a pair's contention counts twice: small beside
+    the mesh's own 1.7x. Run it under `testing.run_distributed`; each rank answers its own
+    figures."""
     mesh = init_device_mesh("cpu", (world,))
 
     def make(values: torch.Tensor) -> torch.Tensor:
