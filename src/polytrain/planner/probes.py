@@ -111,18 +111,27 @@ def step_costs(
         for prm in params:
             prm.grad = wrap(torch.randn(numel, device=device) * 1e-3)
         nbytes = float(count * numel * 4)
-        parts: dict[str, Callable[[], object]] = {
-            "check": partial(nonfinite_flag, params, device),
-            "clip": partial(clip_gradients_, params, 1.0, norm),
-        }
-        for name in OPTIMIZERS:
-            parts[name] = build_optimizer(params, OptimConfig(name=name)).step
-            if fused:
-                server = build_optimizer(params, OptimConfig(name=name), fused=True)
-                parts[f"{name}_fused"] = server.step
         for part in names:
-            points[part].append((float(count), nbytes, timed(parts[part], device, budget_s)))
+            seconds = timed(_part_step(part, params, device, norm), device, budget_s)
+            points[part].append((float(count), nbytes, seconds))
     return {part: fit_per_tensor_and_byte(pts) for part, pts in points.items()}
+
+
+def _part_step(
+    part: str, params: list[torch.nn.Parameter], device: torch.device, norm: GradNorm | None
+) -> Callable[[], object]:
+    """The call that times ``part`` of the end of step (a name of `STEP_PARTS` or
+    `FUSED_PARTS`) over ``params``; an optimizer is built for its own part only."""
+    if part == "check":
+        return partial(nonfinite_flag, params, device)
+    if part == "clip":
+        return partial(clip_gradients_, params, 1.0, norm)
+    for name in OPTIMIZERS:
+        if part in (name, f"{name}_fused"):
+            return build_optimizer(params, OptimConfig(name=name), fused=part != name).step
+    raise ValueError(
+        f"unknown end-of-step part {part!r}: expected one of {STEP_PARTS + FUSED_PARTS}"
+    )
 
 
 def rank_dtensor_step_costs(
