@@ -93,8 +93,9 @@ def rank_step_slowdown(rank: int, world: int, budget_s: float) -> float:
 # `Env.skew_s` adds that share of each rank's own work (compute, the end of step, FSDP2's
 # hooks, the loop) to the layouts whose ranks all wait for each other every step (data and
 # tensor parallel, ZeRO, their hybrids; a synchronous parameter server's workers, their
-# compute and loop). A pipeline's waits are its simulated schedule's; asynchronous modes wait
-# for nobody. The one-float all-reduce is priced apart (`Env.step_reduce_s`), hence taken out.
+# compute with its check and clip). A pipeline's waits are its simulated schedule's;
+# asynchronous modes wait for nobody. The one-float all-reduce is priced apart
+# (`Env.step_reduce_s`), hence taken out.
 _SKEW_LAYERS = 4  # transformer layers per step of the skew probe
 _SKEW_STEPS = 6  # steps per timed run
 _SKEW_ROUNDS = 8
