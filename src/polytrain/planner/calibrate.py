@@ -305,16 +305,12 @@ def calibrate(
 def at_one_speed(profiles: list[HostProfile]) -> list[HostProfile]:
     """[Note: repeated calibrations at one speed] in planner/profile_io.py: each of
     ``profiles`` rescaled to the median of their speed figures (as they are when a profile
-    lacks them), its shared-core slowdown kept: a ratio of two readings its own probe took in
-    alternating rounds, at one speed already."""
+    lacks them)."""
     if len(profiles) < 2 or not all(p.speed for p in profiles):
         return profiles
     names = set.intersection(*(set(p.speed) for p in profiles))
     common = {name: statistics.median(p.speed[name] for p in profiles) for name in names}
-    return [
-        replace(rescaled(p, speed_ratios(p.speed, common)), step_slowdown=p.step_slowdown)
-        for p in profiles
-    ]
+    return [rescaled(p, speed_ratios(p.speed, common)) for p in profiles]
 
 
 def _prefixed(tell: Callable[[str], None], prefix: str, what: str) -> None:

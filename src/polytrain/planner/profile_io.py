@@ -194,11 +194,7 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
 # (`benchmarks/planner/repeat.py`, 2026-11-26). So `calibrate` rescales every pass to the median
 # of the passes' speed figures (`calibrate.at_one_speed`, `drift.rescaled`) before the medians:
 # the medians combine readings at one speed, which the saved speed figures then name. Wire
-# figures (collective curves) are not rescaled, as at prediction time, nor the shared-core
-# slowdown: its probe's own alternating rounds make it a ratio at one speed, and rescaling it by
-# the one-core over the all-core figure's ratio (what `rescaled` does for a later moment) added
-# their noise: the first calibration so combined read two processes at 1.50x alone, where every
-# one before had read 1.02-1.09x.
+# figures (collective curves) are not rescaled, as at prediction time.
 
 
 def median_profile(profiles: Sequence[HostProfile]) -> HostProfile:
