@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from polytrain.cli import calibrate as calibrate_cli
 from polytrain.cli import plan as plan_cli
 from polytrain.cli.app import app
-from polytrain.planner.calibrate import _with_speed, at_one_speed
+from polytrain.planner.calibrate import _with_speed
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.drift import (
@@ -24,7 +24,7 @@ from polytrain.planner.drift import (
     speed_ratios,
 )
 from polytrain.planner.host import host_identity, speed_rates, speed_rounds, speed_sample
-from polytrain.planner.profile_io import fingerprint, median_profile, profile_path, save_profile
+from polytrain.planner.profile_io import fingerprint, profile_path, save_profile
 from polytrain.planner.stats_pure import gpt_stats
 from polytrain.planner.types import Curve, HostProfile, Layout
 from tests.helpers.planner import cpu_profile
@@ -181,21 +181,3 @@ def test_plan_validate_prices_this_host_at_its_speed_now(monkeypatch: pytest.Mon
     assert "matmul fp32 0.50x" in line and "moved past 15%" in line and "rescaled" in line
     old, line = plan_cli.at_present_speed(replace(PROFILE, speed={}))
     assert old.matmul_flops["fp32"] == 10e9 and "no speed figures" in line
-
-
-def test_a_calibrations_passes_are_combined_at_one_speed() -> None:
-    """[Note: repeated calibrations at one speed]: each pass is rescaled to the median of the
-    passes' speed figures before the medians, so a figure read in a slow phase is not taken
-    at face value beside one read in a fast phase; the collectives stay as measured."""
-    passes = [
-        replace(PROFILE, op_s=op_s, speed={**SPEED, "operator": calls})
-        for op_s, calls in ((4e-6, 1000.0), (8e-6, 750.0), (9e-6, 500.0))
-    ]
-    same = at_one_speed(passes)
-    assert [p.speed["operator"] for p in same] == [750.0, 750.0, 750.0]
-    # 4 us at 1000 calls/ms is 5.3 us at 750; 9 us at 500 is 6 us at 750
-    assert [p.op_s for p in same] == [pytest.approx(x) for x in (4e-6 * 1000 / 750, 8e-6, 6e-6)]
-    assert median_profile(same).op_s == pytest.approx(6e-6)  # the raw median: 8 us
-    assert all(p.collectives == PROFILE.collectives for p in same)
-    without = [replace(p, speed={}) for p in passes]
-    assert at_one_speed(without) == without

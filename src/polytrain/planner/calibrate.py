@@ -40,7 +40,7 @@ from polytrain.planner.calibrate_worker import (
 )
 from polytrain.planner.contention import rank_reduce_in_step, rank_step_skew, rank_step_slowdown
 from polytrain.planner.cost.common import host_slowdown
-from polytrain.planner.drift import SPEED_SPREAD, rescaled, speed_ratios
+from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
 from polytrain.planner.host import (
     host_identity,
     operator_chain,
@@ -299,18 +299,7 @@ def calibrate(
     for run in range(runs):
         prefix = f"({run + 1}/{runs}) " if runs > 1 else ""
         profiles.append(_measure(plan, threads, partial(_prefixed, tell, prefix)))
-    return median_profile(at_one_speed(profiles))
-
-
-def at_one_speed(profiles: list[HostProfile]) -> list[HostProfile]:
-    """[Note: repeated calibrations at one speed] in planner/profile_io.py: each of
-    ``profiles`` rescaled to the median of their speed figures (as they are when a profile
-    lacks them)."""
-    if len(profiles) < 2 or not all(p.speed for p in profiles):
-        return profiles
-    names = set.intersection(*(set(p.speed) for p in profiles))
-    common = {name: statistics.median(p.speed[name] for p in profiles) for name in names}
-    return [rescaled(p, speed_ratios(p.speed, common)) for p in profiles]
+    return median_profile(profiles)
 
 
 def _prefixed(tell: Callable[[str], None], prefix: str, what: str) -> None:

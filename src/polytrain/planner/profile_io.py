@@ -183,18 +183,6 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
 # (`CalibrationPlan.repeats`) and keeps every figure's median over them: `median_profile`, on
 # the saved JSON form, number by number (curves point by point), so a figure the profile gains
 # later is combined without code here.
-#
-# [Note: repeated calibrations at one speed]
-# The host's speed moves by phases of tens of seconds (a 1.3x step on the 2-core VM), and the
-# three passes of one calibration meet different phases: a figure's median then takes one
-# pass's fast reading and another's slow one, and the five speed figures timed through the
-# passes (`HostProfile.speed`, [Note: host drift] in planner/drift.py) no longer describe the
-# figures they sit beside. Two calibrations' medians of three priced the benchmark's layouts
-# 18.7% apart (median, gpt tiny), 3.1% once each was rescaled to the other's speed figures
-# (`benchmarks/planner/repeat.py`, 2026-11-26). So `calibrate` rescales every pass to the median
-# of the passes' speed figures (`calibrate.at_one_speed`, `drift.rescaled`) before the medians:
-# the medians combine readings at one speed, which the saved speed figures then name. Wire
-# figures (collective curves) are not rescaled, as at prediction time.
 
 
 def median_profile(profiles: Sequence[HostProfile]) -> HostProfile:
