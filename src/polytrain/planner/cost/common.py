@@ -80,14 +80,19 @@ def concurrent_rate(measured: dict[int, float], n: float) -> float:
     count -> per-process rate); see [Note: shared cores]."""
     if not measured:
         raise ValueError("no concurrent matmul rates measured")
-    counts = sorted(measured)
     n = max(n, 1)
-    if n == int(n) and int(n) in measured:
-        return measured[int(n)]
-    if n > counts[-1]:
-        return measured[counts[-1]] * counts[-1] / n
-    if n < counts[0]:
-        return measured[counts[0]]
+    largest = max(measured)
+    if n > largest:
+        return measured[largest] * largest / n
+    return interpolated(measured, n)
+
+
+def interpolated(measured: dict[int, float], n: float) -> float:
+    """``measured`` (count -> value) at ``n``: in proportion between the two measured counts
+    around it, the nearest count's value outside them."""
+    counts = sorted(measured)
+    if n <= counts[0] or n >= counts[-1]:
+        return measured[counts[0] if n <= counts[0] else counts[-1]]
     i = bisect.bisect_left(counts, n)
     lo, hi = counts[i - 1], counts[i]
     w = (n - lo) / (hi - lo)
@@ -362,15 +367,7 @@ class Env:
             return 0.0
         if self.link(stride, ranks) is not self.cluster.intra:
             return 0.0
-        counts = sorted(measured)
-        if ranks <= counts[0] or ranks >= counts[-1]:
-            share = measured[counts[0] if ranks <= counts[0] else counts[-1]]
-        else:
-            i = bisect.bisect_left(counts, ranks)
-            lo, hi = counts[i - 1], counts[i]
-            w = (ranks - lo) / (hi - lo)
-            share = measured[lo] * (1 - w) + measured[hi] * w
-        return compute_s * share
+        return compute_s * interpolated(measured, ranks)
 
     def step_reduce_s(self, ranks: int, together: bool = True) -> float:
         """Seconds of one of the end of step's all-reduces of a few floats (loss, non-finite
