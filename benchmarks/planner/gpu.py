@@ -101,6 +101,12 @@ def main() -> int:
     ap.add_argument("--cache-dir", default="", help="profile cache (default $POLYTRAIN_CACHE)")
     ap.add_argument("--recalibrate", action="store_true")
     ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="each case also writes a Chrome trace (forward, backward, optimizer spans on the "
+        "host's clock) to <workdir>/<case>/trace.json",
+    )
+    ap.add_argument(
         "--smoke-cpu",
         action="store_true",
         help="check this script on a CPU host (quick calibration, train.device = cpu)",
@@ -139,6 +145,8 @@ def main() -> int:
     for name in names:
         case = known[name]
         fields = {**case.fields, "train.device": device}
+        if args.trace:
+            fields["observe.trace"] = str(Path(args.workdir) / name / "trace.json")
         job = job_from_fields(fields)
         stats = model_stats(job, device=device)  # FLOPs, and the bytes CUDA's kernels save
         env = cost.Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
