@@ -22,6 +22,7 @@ import torch
 
 from polytrain.config.job import JobConfig, ModelConfig
 from polytrain.planner import calibrate as cal
+from polytrain.planner.calibrate_ranks import matmul_rates, matmul_rounds
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost.common import Env
 from polytrain.planner.stats import model_stats
@@ -31,8 +32,8 @@ from polytrain.planner.types import HostProfile
 def profile_now() -> HostProfile:
     """The compute figures of a CPU `HostProfile`, measured now (one process alone)."""
     cpu = torch.device("cpu")
-    rounds = cal._matmul_rounds((128, 256, 512, 1024), ("fp32",), cpu, 0.3, 1)
-    by_size = {n: rate for (_, n), (rate, _) in cal.matmul_rates(rounds).items()}
+    rounds = matmul_rounds((128, 256, 512, 1024), ("fp32",), cpu, 0.3, 1)
+    by_size = {n: rate for (_, n), (rate, _) in matmul_rates(rounds).items()}
     mem_bw, _ = cal._mem_bw(256 * 2**20, cpu, 0.3)
     extra: dict[str, Any] = {}
     if "gemm_by_size" in HostProfile.__dataclass_fields__:  # this polytrain has the kernels

@@ -29,6 +29,7 @@ PURE_EXEMPT = {
     "planner/stats.py",
     "planner/tp_stats.py",
     "planner/calibrate.py",
+    "planner/calibrate_ranks.py",
     "planner/calibrate_wire.py",
     "planner/calibrate_worker.py",
     "planner/probes.py",

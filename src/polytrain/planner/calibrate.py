@@ -9,15 +9,13 @@ on plain and on DTensor parameters, and DTensor's dispatch per tensor-parallel m
 probes in `planner.probes`). Everything runs with the thread count a worker uses (one intra-op
 thread per process: the launcher sets ``OMP_NUM_THREADS=1``). What a training worker itself
 costs (its loop's own Python, its memory) is measured by `planner.calibrate_worker`, the wire's
-figures (posted p2p, the parameter-server exchange) by `planner.calibrate_wire`.
-
-Collectives run on `polytrain.testing`'s gloo harness (file:// rendezvous, spawned processes),
-timed by `polytrain.comm.probe`, one launch per world size.
+figures (posted p2p, the parameter-server exchange) by `planner.calibrate_wire`, what several
+ranks at once measure (the collectives' curves by world size, the ranks' contention, FSDP2's and
+tensor parallelism's collectives inside a step) by `planner.calibrate_ranks`.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -26,10 +24,16 @@ from pathlib import Path
 
 import torch
 
-from polytrain.comm.collectives import barrier
-from polytrain.comm.probe import COLLECTIVES, time_collective
+from polytrain.comm.probe import COLLECTIVES
 from polytrain.errors import PlanError
 from polytrain.pipeline.schedule import SCHEDULE_NAMES
+from polytrain.planner.calibrate_ranks import (
+    matmul_rates,
+    matmul_rounds,
+    measure_fsdp_in_step,
+    measure_tp_in_step,
+    measure_worlds,
+)
 from polytrain.planner.calibrate_wire import PS_PROBE_WORKERS, posted_p2p_curve, ps_exchange
 from polytrain.planner.calibrate_worker import (
     fit_pipeline_runtime,
@@ -38,7 +42,6 @@ from polytrain.planner.calibrate_worker import (
     rank_loop_overhead,
     rank_pipeline_steps,
 )
-from polytrain.planner.contention import rank_reduce_in_step, rank_step_skew, rank_step_slowdown
 from polytrain.planner.cost.common import host_slowdown
 from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
 from polytrain.planner.host import (
@@ -54,9 +57,7 @@ from polytrain.planner.probes import (
     OPTIMIZERS,
     mean_costs,
     rank_dtensor_step_costs,
-    rank_fsdp_in_step,
     rank_fsdp_unit_s,
-    rank_tp_in_step,
     rank_tp_module_s,
     step_costs,
 )
@@ -68,7 +69,7 @@ from polytrain.planner.profile_io import (
     profile_path,
     save_profile,
 )
-from polytrain.planner.timing import Rounds, median_and_spread, timed, timed_rounds
+from polytrain.planner.timing import timed, timed_rounds
 from polytrain.planner.types import Curve, HostProfile
 from polytrain.testing.harness import run_distributed
 
@@ -167,51 +168,6 @@ class CalibrationPlan:
         return CalibrationPlan.accelerator() if torch.cuda.is_available() else CalibrationPlan()
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each ...
-SMALL_MESSAGE_BYTES, SMALL_MESSAGE_CALLS = _MB, 8
-"""... but a message of at most ``SMALL_MESSAGE_BYTES`` is priced at the mean of
-``SMALL_MESSAGE_CALLS`` calls in each sweep ([Note: a small collective's price is its mean])."""
-
-# [Note: a small collective's price is its mean]
-# On the 2-core VM a small collective is bimodal: most calls take 0.3-0.6 ms, one in five to
-# three takes ~4 ms (a rank woken late, probably at the next tick: this kernel runs at 250 Hz),
-# at every size up to ~1 MiB and whether or not the ranks compute between calls (2026-11-25
-# evening, 40 gloo all-reduces of 16 B to 1 MiB, world 2: medians 0.4-3.1 ms from one size to
-# the next, means 1.4-2.8 ms). A median of three calls, as the curves were measured before,
-# lands on either mode by chance: the saved curve priced a 4 KiB all-reduce at 4.2 ms and a
-# 64 KiB one at 0.5. A step pays the mean of what its collectives cost, so a small message is
-# priced at the mean of 8 calls per sweep (24 in all); between two runs of that experiment the
-# means moved by at most 1.4x, the medians by up to 3.5x. Larger messages are bandwidth-bound
-# and keep the median of the sweeps.
-
-
-def _matmul_rounds(
-    sizes: tuple[int, ...],
-    dtypes: tuple[str, ...],
-    device: torch.device,
-    budget_s: float,
-    threads: int | None = None,
-) -> Rounds[tuple[str, int]]:
-    """Rounds of an n x n @ n x n matmul per (dtype, n), every size and dtype interleaved in
-    each round ([Note: timing rounds]); `matmul_rates` turns their result into FLOP/s."""
-    fns: dict[tuple[str, int], Callable[[], object]] = {}
-    for dtype in dtypes:
-        for n in sizes:
-            a = torch.randn(n, n, device=device).to(_DTYPES[dtype])
-            b = torch.randn(n, n, device=device).to(_DTYPES[dtype])
-            fns[(dtype, n)] = partial(torch.matmul, a, b)
-    return Rounds(fns, device, budget_s, threads=threads)
-
-
-def matmul_rates(rounds: Rounds[tuple[str, int]]) -> dict[tuple[str, int], tuple[float, float]]:
-    """(FLOP/s, spread) per (dtype, n) of `_matmul_rounds`, running the rounds left."""
-    return {
-        (dtype, n): (2.0 * n**3 / secs, spread)
-        for (dtype, n), (secs, spread) in rounds.result().items()
-    }
-
-
 def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, float]:
     """(bytes per second read and written by a copy, spread) ([Note: timing rounds])."""
     src = torch.ones(nbytes // 4, device=device)
@@ -229,58 +185,6 @@ def _op_seconds(device: torch.device, budget_s: float) -> float:
     with counter:
         chain()
     return timed(chain, device, budget_s) / max(counter.ops, 1)
-
-
-def _rank_collectives(
-    rank: int,
-    world: int,
-    ops: tuple[str, ...],
-    sizes: tuple[int, ...],
-    budget_s: float,
-    matmul_n: int,
-) -> dict[str, list[tuple[float, float]]]:
-    """Each op's (bytes, seconds) curve, under "<op> spread" its (bytes, spread) points, and
-    under "matmul" (n, fp32 FLOP/s of this process while every rank multiplies at once: cores
-    are shared, on a 2-core host four workers get about half a core each) and "matmul_spread"
-    (n, its spread). [Note: timing rounds]: every (op, size) is timed once in each of
-    `COLLECTIVE_ROUNDS` sweeps over all of them (one call each, after a warm-up call in the
-    first sweep: 4 calls where the single run of before made 3 to 6), and its seconds are the
-    median of the sweeps; the matmul's rounds run between the sweeps, every rank's after a
-    barrier. Under "step_slowdown" (world, rank 0's `rank_step_slowdown`: [Note: shared cores,
-    measured on a step] in planner/contention.py), under "step_skew" (world, `rank_step_skew`:
-    [Note: ranks' skew]), under "reduce_in_step" (world, `rank_reduce_in_step`: [Note: the
-    step's reductions in a step])."""
-    cpu = torch.device("cpu")
-    matmul = _matmul_rounds((matmul_n,), ("fp32",), cpu, max(budget_s, 0.2))
-    sweeps: dict[tuple[str, int], list[float]] = {(op, n): [] for op in ops for n in sizes}
-    for sweep in range(COLLECTIVE_ROUNDS):
-        for i, (op, n) in enumerate(sweeps):
-            # a warm-up call for every op in the first sweep, and for the first op of each
-            # later one (it follows the matmul round)
-            warmup = sweep == 0 or i == 0
-            small = n <= SMALL_MESSAGE_BYTES
-            iters = SMALL_MESSAGE_CALLS if small else 1
-            secs = time_collective(op, n, iters=iters, budget_s=budget_s, warmup=warmup, mean=small)
-            sweeps[(op, n)].append(secs)
-        barrier()
-        matmul.round()
-    while not matmul.done:
-        barrier()
-        matmul.round()
-    out: dict[str, list[tuple[float, float]]] = {}
-    for (op, n), values in sweeps.items():
-        secs, spread_n = median_and_spread(values)
-        if n <= SMALL_MESSAGE_BYTES:  # [Note: a small collective's price is its mean]
-            secs = statistics.mean(values)
-        out.setdefault(op, []).append((float(n), secs))
-        out.setdefault(f"{op} spread", []).append((float(n), spread_n))
-    rate, spread = matmul_rates(matmul)[("fp32", matmul_n)]
-    out["matmul"] = [(float(matmul_n), rate)]
-    out["matmul_spread"] = [(float(matmul_n), spread)]
-    out["step_slowdown"] = [(float(world), rank_step_slowdown(rank, world, budget_s / 4))]
-    out["step_skew"] = [(float(world), rank_step_skew(rank, world))]
-    out["reduce_in_step"] = [(float(world), rank_reduce_in_step(rank, world))]
-    return out
 
 
 def calibrate(
@@ -315,7 +219,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
     try:
         spread: dict[str, float] = {}  # [Note: timing rounds]
         # the matmul rounds are spread over the measurements below (see `Rounds`)
-        matmuls = _matmul_rounds(plan.matmul_sizes, plan.dtypes, device, plan.budget_s, threads)
+        matmuls = matmul_rounds(plan.matmul_sizes, plan.dtypes, device, plan.budget_s, threads)
         matmuls.round()
         speed.round()
         mem_bw, spread["memory bandwidth"] = _mem_bw(plan.copy_bytes, device, plan.budget_s)
@@ -396,39 +300,20 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         ps_exchange_s, ps_spread = ps_exchange(op_s, loop_s, plan.ps_workers, plan.ps_rounds)
         spread.update(ps_spread)
         if plan.fsdp_in_step:
-            fsdp_in_step = _fsdp_in_step(fsdp_unit_s)
+            fsdp_in_step = measure_fsdp_in_step(fsdp_unit_s)
         tell("posted p2p, parameter-server exchange, FSDP2 in a step")
-    concurrent: dict[int, float] = {1: by_size["fp32"][max(plan.matmul_sizes)]}
-    slowdown: dict[int, float] = {}  # [Note: shared cores, measured on a step]
-    skew: dict[int, float] = {}  # [Note: ranks' skew]
-    reduce_in_step: dict[int, float] = {}  # [Note: the step's reductions in a step]
-    for world in plan.world_sizes:
-        ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
-        results = run_distributed(
-            _rank_collectives,
-            world,
-            ops,
-            plan.message_bytes,
-            plan.budget_s,
-            max(plan.matmul_sizes),
-            timeout_s=1800.0,
-            collective_timeout_s=600.0,
-        )
-        concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # the slowest rank
-        slowdown[world] = results[0]["step_slowdown"][0][1]  # rank 0's: the figure
-        skew[world] = results[0]["step_skew"][0][1]  # every rank's: the slowest
-        reduce_in_step[world] = results[0]["reduce_in_step"][0][1]  # every rank's: the slowest
-        spread[f"matmul fp32, {world} at once"] = max(r.pop("matmul_spread")[0][1] for r in results)
-        for op in ops:
-            collectives[op][world] = Curve(tuple(results[0][op]))
-            # the curve's spread: the median over its sizes ([Note: timing rounds])
-            spreads = [s for _, s in results[0][f"{op} spread"]]
-            spread[f"{op} world {world}"] = statistics.median(spreads)
-        tell(f"collectives, world {world}")
+    worlds = measure_worlds(
+        plan.world_sizes, plan.message_bytes, plan.budget_s, max(plan.matmul_sizes), tell
+    )
+    for op, curves in worlds.collectives.items():
+        collectives[op].update(curves)
+    spread.update(worlds.spread)
+    concurrent = {1: by_size["fp32"][max(plan.matmul_sizes)], **worlds.matmul_concurrent}
+    slowdown = worlds.step_slowdown
     tp_in_step: dict[int, Curve] = {}
     if device.type == "cpu" and plan.tp_in_step_ranks:
         slower = partial(host_slowdown, step=slowdown, matmul=concurrent)
-        tp_in_step = _tp_in_step(plan.tp_in_step_ranks, tp_module_s, slower)
+        tp_in_step = measure_tp_in_step(plan.tp_in_step_ranks, tp_module_s, slower)
         tell("tensor-parallel collectives in a step")
 
     identity = host_identity(threads)
@@ -446,7 +331,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         threads=threads,
         matmul_concurrent=concurrent,
         step_slowdown=slowdown,
-        step_skew=skew,
+        step_skew=worlds.step_skew,
         step_costs=costs,
         op_s=op_s,
         fsdp_unit_s=fsdp_unit_s,
@@ -454,7 +339,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         fsdp_in_step=fsdp_in_step,
         tp_module_s=tp_module_s,
         tp_in_step=tp_in_step,
-        reduce_in_step=reduce_in_step,
+        reduce_in_step=worlds.reduce_in_step,
         loop_step_s=loop_step_s,
         loop_microbatch_s=loop_micro_s,
         ps_exchange_s=ps_exchange_s,
@@ -492,33 +377,6 @@ def _with_speed(
     return replace(
         profile, speed=speed, spread={**profile.spread, SPEED_SPREAD: max(moved, default=0.0)}
     )
-
-
-def _fsdp_in_step(hooks: dict[int, float]) -> dict[int, Curve]:
-    """[Note: FSDP2 collectives in a step] in planner/probes.py: per ZeRO stage, a unit's
-    collectives inside a step on two ranks by its parameter bytes: what FSDP2 added per unit
-    there, less its hooks (``hooks``: `fsdp_unit_s`, measured on one rank)."""
-    (measured,) = run_distributed(rank_fsdp_in_step, 2, timeout_s=300.0)[:1]
-    return {
-        stage: Curve(tuple((b, max(t - hooks.get(stage, 0.0), 0.0)) for b, t in points))
-        for stage, points in measured.items()
-    }
-
-
-def _tp_in_step(
-    ranks: tuple[int, ...], dispatch_s: float, slower: Callable[[int], float]
-) -> dict[int, Curve]:
-    """[Note: tensor-parallel collectives in a step] in planner/probes.py: per count of ranks
-    on the host, one tp all-reduce inside a step on groups of two by its bytes: half of what
-    tensor parallelism added per column- then row-wise pair there, less one module's DTensor
-    dispatch (``dispatch_s``: `tp_module_s`, one process alone, slowed as the cost model slows
-    it with that many processes computing: ``slower(n)``, [Note: shared cores])."""
-    out = {}
-    for n in ranks:
-        slowdown = slower(n)
-        (measured,) = run_distributed(rank_tp_in_step, n, timeout_s=300.0)[:1]
-        out[n] = Curve(tuple((b, max(t / 2 - dispatch_s * slowdown, 0.0)) for b, t in measured))
-    return out
 
 
 def steps_of(plan: CalibrationPlan) -> int:
