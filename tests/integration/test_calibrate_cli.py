@@ -59,6 +59,8 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert set(profile.step_slowdown) == {2} and profile.step_slowdown[2] > 0
     # [Note: ranks' skew]: a share of the step, per world size the plan runs
     assert set(profile.step_skew) == {2} and 0 <= profile.step_skew[2] < 1
+    # [Note: DTensor clip per call]: seconds per call on a mesh of each world size
+    assert set(profile.dtensor_clip_call_s) == {2} and 0 <= profile.dtensor_clip_call_s[2] < 1
     assert "waiting for the slowest of 2 ranks" in first.stdout
     # [Note: the step's reductions in a step]: per world size the plan runs
     assert set(profile.reduce_in_step) == {2} and profile.reduce_in_step[2] >= 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from polytrain.pipeline.schedule import bubble_fraction
@@ -15,7 +17,7 @@ from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.sufficient_factor import dense_s, sf_s
 from polytrain.planner.cost.zero import zero_step
 from polytrain.planner.stats_pure import gpt_stats
-from polytrain.planner.types import BlockStats, Curve, HostProfile, Layout
+from polytrain.planner.types import BlockStats, Curve, HostProfile, Layout, ModelStats, TPModule
 
 ENV = Env(parse_cluster("2x4xA100-40GB:ib200"))
 
@@ -449,6 +451,48 @@ def test_the_end_of_steps_reduces_cost_the_in_step_probe_where_ranks_reach_them_
     assert end(dp2, iso) - end(dp2, four) == pytest.approx(2e-3 - 4e-4)  # loss and flag
     assert end(tp2, iso) - end(tp2, four) == pytest.approx(2 * (2e-3 - 4e-4))  # and the norm
     assert end(pp2, iso) == pytest.approx(end(pp2, four))
+
+
+def test_a_clip_over_dtensor_gradients_pays_its_calibrated_call() -> None:
+    """[Note: DTensor clip per call]: on the calibrated CPU host the clip over DTensor
+    gradients costs its measured per-call figure for the mesh they live on (tp alone: the tp
+    group; ZeRO and dp x tp: dp x tp ranks) in place of the norm's small all-reduce; plain
+    gradients (DDP), a clip-free job, a profile without the figure and an accelerator keep
+    that all-reduce."""
+    curve = Curve(((8.0, 2e-3), (2**20, 6e-3)))
+    collectives = {"all_reduce": {2: curve, 4: Curve(((8.0, 5e-3), (2**20, 9e-3)))}}
+    reduce = {2: 4e-4, 4: 1.5e-3}
+    calls = {2: 1.9e-3, 4: 2.8e-3}
+    with_call = _cpu_profile(
+        collectives=collectives, reduce_in_step=reduce, dtensor_clip_call_s=calls
+    )
+    without = _cpu_profile(collectives=collectives, reduce_in_step=reduce)
+    four = Env(parse_cluster("1x4xcpu"), profile=with_call)
+    assert four.dtensor_clip_call_s(2) == pytest.approx(1.9e-3)
+    assert four.dtensor_clip_call_s(3) == pytest.approx(2.35e-3)
+    assert four.dtensor_clip_call_s(1) == 0.0
+    assert Env(parse_cluster("1x4xcpu"), profile=without).dtensor_clip_call_s(2) == 0.0
+    assert Env(parse_cluster("1x4xA100-40GB"), profile=with_call).dtensor_clip_call_s(2) == 0.0
+    assert Env(parse_cluster("2x2xcpu:eth10"), profile=with_call).dtensor_clip_call_s(4) == 0.0
+
+    stats = gpt_stats(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)
+    assert stats.grad_clip
+    plain = Env(parse_cluster("1x4xcpu"), profile=without)
+
+    def extra(layout: Layout, s: ModelStats = stats) -> float:
+        return (
+            predict(layout, s, four, 8).breakdown["optimizer"]
+            - predict(layout, s, plain, 8).breakdown["optimizer"]
+        )
+
+    assert extra(Layout(tp=2)) == 0.0  # no plan's modules known: no DTensor gradients
+    col = TPModule("colwise", 64, 2, 256.0, 256.0, linear=(64, 64))
+    planned = replace(stats, blocks=tuple(replace(b, tp_modules=(col,)) for b in stats.blocks))
+    assert extra(Layout(tp=2), planned) == pytest.approx(1.9e-3 - 4e-4)  # the tp group's mesh
+    assert extra(Layout(dp=2, zero=2)) == pytest.approx(1.9e-3 - 4e-4)  # FSDP2's dp mesh
+    assert extra(Layout(dp=2, tp=2)) == pytest.approx(2.8e-3 - 1.5e-3)  # replicate: dp x tp
+    assert extra(Layout(dp=2)) == 0.0  # DDP: plain gradients
+    assert extra(Layout(tp=2), replace(stats, grad_clip=False)) == 0.0  # no clip, no norm
 
 
 def test_ranks_that_wait_for_each_other_pay_the_calibrated_skew() -> None:

@@ -49,6 +49,7 @@ PROFILE = cpu_profile(
     tp_in_step={2: Curve(((1e3, 1e-3),))},
     reduce_in_step={2: 4e-4},
     step_skew={2: 0.03},
+    dtensor_clip_call_s={2: 2e-3},
     ps_exchange_s={"sync": {1: 2e-3}},
     speed=SPEED,
 )
@@ -90,6 +91,7 @@ def test_each_family_moves_with_its_figure_and_the_wire_stays() -> None:
     assert slow.pipe_flush_s == {"1f1b": pytest.approx(4e-4)}
     assert slow.speed["matmul fp32"] == 0.8e11  # the figures describe the host now
     wire = ("collectives", "tp_in_step", "fsdp_in_step", "reduce_in_step", "ps_exchange_s")
+    wire += ("dtensor_clip_call_s",)  # mostly its norm's all-reduce: [Note: DTensor clip per call]
     for same in (*wire, "step_slowdown", "step_skew"):  # shares of the step: no speed in them
         assert getattr(slow, same) == getattr(PROFILE, same)
 

@@ -72,6 +72,8 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
     for n, share in sorted(profile.step_skew.items()):  # [Note: ranks' skew]
         what = f"waiting for the slowest of {n} ranks every step"
         table.add_row(what, f"+{share:.1%} of the step's compute")
+    for n, secs in sorted(profile.dtensor_clip_call_s.items()):  # [Note: DTensor clip per call]
+        table.add_row(f"clip over DTensor gradients, mesh of {n}", f"{secs * 1e3:.2f} ms per call")
     if profile.op_s > 0:
         table.add_row("operator call (dispatch)", f"{profile.op_s * 1e6:.1f} us")
     for n, flops in sorted(profile.gemm_by_size.items()):  # [Note: cold operands]

@@ -340,6 +340,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         tp_module_s=tp_module_s,
         tp_in_step=tp_in_step,
         reduce_in_step=worlds.reduce_in_step,
+        dtensor_clip_call_s=worlds.dtensor_clip_call,
         loop_step_s=loop_step_s,
         loop_microbatch_s=loop_micro_s,
         ps_exchange_s=ps_exchange_s,

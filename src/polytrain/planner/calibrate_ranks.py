@@ -18,7 +18,7 @@ import torch
 from polytrain.comm.collectives import barrier
 from polytrain.comm.probe import COLLECTIVES, time_collective
 from polytrain.planner.contention import rank_reduce_in_step, rank_step_skew, rank_step_slowdown
-from polytrain.planner.probes import rank_fsdp_in_step, rank_tp_in_step
+from polytrain.planner.probes import rank_dtensor_clip_call, rank_fsdp_in_step, rank_tp_in_step
 from polytrain.planner.timing import Rounds, median_and_spread
 from polytrain.planner.types import Curve
 from polytrain.testing.harness import run_distributed
@@ -99,7 +99,8 @@ def rank_collectives(
     barrier. Under "step_slowdown" (world, rank 0's `rank_step_slowdown`: [Note: shared cores,
     measured on a step] in planner/contention.py), under "step_skew" (world, `rank_step_skew`:
     [Note: ranks' skew]), under "reduce_in_step" (world, `rank_reduce_in_step`: [Note: the
-    step's reductions in a step])."""
+    step's reductions in a step]), under "dtensor_clip_call" (world, `rank_dtensor_clip_call`:
+    [Note: DTensor clip per call] in planner/probes.py)."""
     cpu = torch.device("cpu")
     matmul = matmul_rounds((matmul_n,), ("fp32",), cpu, max(budget_s, 0.2))
     sweeps: dict[tuple[str, int], list[float]] = {(op, n): [] for op in ops for n in sizes}
@@ -130,6 +131,7 @@ def rank_collectives(
     out["step_slowdown"] = [(float(world), rank_step_slowdown(rank, world, budget_s / 4))]
     out["step_skew"] = [(float(world), rank_step_skew(rank, world))]
     out["reduce_in_step"] = [(float(world), rank_reduce_in_step(rank, world))]
+    out["dtensor_clip_call"] = [(float(world), rank_dtensor_clip_call(rank, world))]
     return out
 
 
@@ -142,6 +144,7 @@ class WorldFigures:
     step_slowdown: dict[int, float]  # [Note: shared cores, measured on a step]
     step_skew: dict[int, float]  # [Note: ranks' skew]
     reduce_in_step: dict[int, float]  # [Note: the step's reductions in a step]
+    dtensor_clip_call: dict[int, float]  # [Note: DTensor clip per call]
     spread: dict[str, float]  # [Note: timing rounds]
 
 
@@ -154,7 +157,7 @@ def measure_worlds(
 ) -> WorldFigures:
     """`rank_collectives` on each of ``world_sizes`` (p2p on two ranks only), one launch each;
     ``tell`` hears each world size done."""
-    figures = WorldFigures({op: {} for op in COLLECTIVES}, {}, {}, {}, {}, {})
+    figures = WorldFigures({op: {} for op in COLLECTIVES}, {}, {}, {}, {}, {}, {})
     for world in world_sizes:
         ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
         results = run_distributed(
@@ -171,6 +174,7 @@ def measure_worlds(
         figures.step_slowdown[world] = results[0]["step_slowdown"][0][1]  # rank 0's: the figure
         figures.step_skew[world] = results[0]["step_skew"][0][1]  # every rank's: the slowest
         figures.reduce_in_step[world] = results[0]["reduce_in_step"][0][1]  # likewise
+        figures.dtensor_clip_call[world] = results[0]["dtensor_clip_call"][0][1]  # likewise
         figures.spread[f"matmul fp32, {world} at once"] = max(
             r.pop("matmul_spread")[0][1] for r in results
         )

@@ -40,6 +40,7 @@ __all__ = [
     "TP_PROBE_ROWS",
     "fit_per_tensor_and_byte",
     "mean_costs",
+    "rank_dtensor_clip_call",
     "rank_dtensor_step_costs",
     "rank_fsdp_in_step",
     "rank_fsdp_unit_s",
@@ -167,6 +168,49 @@ def rank_dtensor_step_costs(
 
     costs = step_costs(shapes, torch.device("cpu"), budget_s, make=make, norm=grad_norm, only=parts)
     return {DTENSOR + part: pair for part, pair in costs.items()}
+
+
+# [Note: DTensor clip per call]
+# The clip's norm over DTensor gradients (`parallel.grad_norm`: `get_total_norm` per mesh, then
+# ``full_tensor()`` of the partial norm) costs a fixed time per call on a mesh of two or more
+# ranks that neither the one-rank figures ([Note: DTensor end of step]) nor the all-reduce of a
+# float between compute ([Note: the step's reductions in a step]) hold. On the 2-vCPU Xeon VM
+# (2026-11-27, every call started from a barrier): clipping the four DTensor gradients of one
+# column- then row-wise Linear pair took 0.45 ms on a mesh of one rank and 2.4 ms on a mesh of
+# two, where a bare all-reduce of one float took 0.15 ms; with 12 pairs 1.6 and 3.0 ms. A
+# phase trace of mlp tiny's tp2 step read the clip at 3.1 ms (priced ~0.8), and mlp tiny's
+# tp2 and dp2 x tp2 were priced 28-43% low in every benchmark run. `rank_dtensor_clip_call`
+# clips `_CLIP_PROBE_TENSORS` small DTensor gradients on a mesh of every rank, each count
+# timed from a barrier, and answers the intercept of the line through the two: the per-call
+# seconds (its all-reduce included). `calibrate` keeps it per world size
+# (`HostProfile.dtensor_clip_call_s`); `Env.dtensor_clip_call_s` prices it once per step for
+# a layout whose clip runs over DTensor gradients, in place of the clip's own small reduce.
+_CLIP_PROBE_TENSORS = (2, 16)
+_CLIP_PROBE_NUMEL = 1024
+
+
+def rank_dtensor_clip_call(rank: int, world: int) -> float:
+    """[Note: DTensor clip per call] Seconds per call of the clip over DTensor gradients on a
+    mesh of ``world`` ranks beyond its per-tensor cost (the slowest rank's figure)."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+
+    def dtensor(values: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(values, mesh, [Shard(0)], run_check=False)
+
+    seconds = []
+    for count in _CLIP_PROBE_TENSORS:
+        params = [nn.Parameter(dtensor(torch.randn(_CLIP_PROBE_NUMEL))) for _ in range(count)]
+        for prm in params:
+            prm.grad = dtensor(torch.randn(_CLIP_PROBE_NUMEL) * 1e-3)
+
+        def clip(params: list[nn.Parameter] = params) -> None:
+            clip_gradients_(params, 1.0, grad_norm)
+
+        seconds.append(synchronised_seconds(clip))
+    (n1, n2), (s1, s2) = _CLIP_PROBE_TENSORS, seconds
+    slope = max((s2 - s1) / (n2 - n1), 0.0)
+    return max(s1 - slope * n1, 0.0)
 
 
 def rank_tp_module_s(rank: int, world: int, budget_s: float) -> float:

@@ -72,6 +72,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
         "step_slowdown": {str(n): v for n, v in profile.step_slowdown.items()},
         "step_skew": {str(n): v for n, v in profile.step_skew.items()},
+        "dtensor_clip_call_s": {str(n): v for n, v in profile.dtensor_clip_call_s.items()},
         "step_costs": {part: list(pair) for part, pair in profile.step_costs.items()},
         "op_s": profile.op_s,
         "fsdp_unit_s": {str(k): v for k, v in profile.fsdp_unit_s.items()},
@@ -128,6 +129,9 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         # older profiles: the slowdown from the matmul rates
         step_slowdown={int(n): float(v) for n, v in data.get("step_slowdown", {}).items()},
         step_skew={int(n): float(v) for n, v in data.get("step_skew", {}).items()},
+        dtensor_clip_call_s={
+            int(n): float(v) for n, v in data.get("dtensor_clip_call_s", {}).items()
+        },
         # absent in profiles saved before the per-step costs were calibrated: {} makes the
         # cost model use its memory-bound update (`Env.optimizer_s`), as it did then
         step_costs={

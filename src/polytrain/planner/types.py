@@ -252,6 +252,10 @@ class HostProfile:
     # for the slowest of them adds ([Note: ranks' skew] in planner/contention.py); {} = not
     # measured (none priced)
     step_skew: dict[int, float] = field(default_factory=dict)
+    # ranks of a mesh -> seconds per call of the clip over DTensor gradients on it beyond its
+    # per-tensor cost, its norm's all-reduce included ([Note: DTensor clip per call] in
+    # planner/probes.py); {} = not measured (the clip's reduce priced as a small all-reduce)
+    dtensor_clip_call_s: dict[int, float] = field(default_factory=dict)
     # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
     # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
     # global-norm clip), "check" (the non-finite check); "dtensor <part>" the same on DTensor

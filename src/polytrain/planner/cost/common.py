@@ -369,6 +369,20 @@ class Env:
             return 0.0
         return compute_s * interpolated(measured, ranks)
 
+    def dtensor_clip_call_s(self, ranks: int) -> float:
+        """Seconds per step of the clip over DTensor gradients on a mesh of ``ranks`` beyond its
+        per-tensor cost, its norm's all-reduce included ([Note: DTensor clip per call] in
+        planner/probes.py): the calibrated figure for that mesh size (between two measured
+        sizes, in proportion; past them, the nearest) on a calibrated CPU host whose mesh stays
+        on it; 0 otherwise (not measured: the caller prices the clip's reduce instead)."""
+        prof = self.profile
+        measured = prof.dtensor_clip_call_s if prof is not None else {}
+        if ranks <= 1 or not measured or self.cluster.device.key != "cpu":
+            return 0.0
+        if self.link(1, ranks) is not self.cluster.intra:
+            return 0.0
+        return interpolated(measured, ranks)
+
     def step_reduce_s(self, ranks: int, together: bool = True) -> float:
         """Seconds of one of the end of step's all-reduces of a few floats (loss, non-finite
         flag, squared norm) over ``ranks`` ranks. Reached ``together`` (every rank from the

@@ -103,7 +103,7 @@ def _optimizer(layout: Layout, stats: ModelStats, env: Env, blocks: Sequence[Blo
         clip=stats.grad_clip,
         dtensors=_dtensors(layout, blocks),
     )
-    return update + _step_reduce_s(layout, stats, env)
+    return update + _step_reduce_s(layout, stats, env, _dtensor_mesh(layout, blocks))
 
 
 def _dtensors(layout: Layout, blocks: Sequence[BlockStats]) -> float:
@@ -118,17 +118,35 @@ def _dtensors(layout: Layout, blocks: Sequence[BlockStats]) -> float:
     return float(sum(m.tensors for b in blocks for m in b.tp_applied(layout.tp)))
 
 
-def _step_reduce_s(layout: Layout, stats: ModelStats, env: Env) -> float:
+def _dtensor_mesh(layout: Layout, blocks: Sequence[BlockStats]) -> int:
+    """Ranks of the mesh a rank's DTensor gradients live on (1: none are DTensors): FSDP2's
+    (ZeRO-2/3; its ``replicate`` over the tp ranks for dp x tp) spans dp x tp, tensor
+    parallelism's alone the tp group ([Note: DTensor end of step] in planner/probes.py)."""
+    if _dtensors(layout, blocks) <= 0:
+        return 1
+    spmd = layout.sync == "allreduce" and layout.pp == 1
+    if spmd and (layout.zero >= 2 or (layout.dp > 1 and layout.tp > 1)):
+        return layout.dp * layout.tp
+    return layout.tp
+
+
+def _step_reduce_s(layout: Layout, stats: ModelStats, env: Env, mesh: int = 1) -> float:
     """`core.step.finish_step`'s collectives: one all-reduce of [loss, non-finite flag] (two
     floats) over the replicas, and, when clipping sharded gradients (tensor parallel, ZeRO,
     pipeline stages), one more of the squared norm over the shards' group. Latency-bound:
     `Env.step_reduce_s`; a pipeline's stages reach them apart (the last stage ends its flush
     first and waits), so they keep the isolated price ([Note: the step's reductions in a
-    step] in planner/probes.py)."""
+    step] in planner/probes.py). Over DTensor gradients on a ``mesh`` of several ranks the
+    clip's norm is priced per call as calibrated, its all-reduce included ([Note: DTensor clip
+    per call] in planner/probes.py), where the profile measured it."""
     ranks = layout.dp * layout.tp * layout.pp
+    together = layout.pp == 1
+    loss = env.step_reduce_s(ranks, together=together)
     sharded = layout.tp > 1 or layout.zero >= 2 or layout.pp > 1
-    reduces = 2 if stats.grad_clip and sharded else 1
-    return reduces * env.step_reduce_s(ranks, together=layout.pp == 1)
+    if not (stats.grad_clip and sharded):
+        return loss
+    call = env.dtensor_clip_call_s(mesh)
+    return loss + (call if call > 0 else env.step_reduce_s(ranks, together=together))
 
 
 def _loop(env: Env) -> tuple[float, float]:
