@@ -155,11 +155,10 @@ def rank_dtensor_step_costs(
     mesh of two; the clip's norm 0.2-0.3 against 1.0-1.6 ms. `calibrate` runs the check and the
     optimizers on two ranks, the group a tensor-parallel or a ZeRO pair holds its DTensors on.
     The clip stays on a mesh of one rank: its norm communicates inside DTensor's operators
-    (`parallel.grad_norm`), and the ranks' timing loops do not make matching calls; that
-    all-reduce is priced apart ([Note: the step's reductions in a step] in
-    planner/contention.py). The cost model still multiplies these figures by the shared-core
-    factor (1.03-1.08 for two ranks here), so a pair's contention counts twice: small beside
-    the mesh's own 1.7x. Run it under `testing.run_distributed`; each rank answers its own
+    (`parallel.grad_norm`), and the ranks' timing loops do not make matching calls; its call
+    on several ranks is priced apart ([Note: DTensor clip per call]). The cost model still
+    multiplies these figures by the shared-core factor (1.03-1.08 for two ranks here), so a
+    pair's contention counts twice: small beside the mesh's own 1.7x. Run it under `testing.run_distributed`; each rank answers its own
     figures."""
     mesh = init_device_mesh("cpu", (world,))
 
