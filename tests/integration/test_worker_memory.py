@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from polytrain.config.io import job_from_dict, save_job
-from polytrain.planner.calibrate_worker import WORKER_IMPORTS, fresh_worker_memory
 from polytrain.planner.memory import memory_per_rank, process_bytes
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout
+from polytrain.planner.worker_memory import WORKER_IMPORTS, fresh_worker_memory
 
 # WORKER_IMPORTS prints the peak after the imports; then the run, then the peak again
 _TRAIN = (

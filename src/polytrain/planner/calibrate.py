@@ -37,7 +37,6 @@ from polytrain.planner.calibrate_ranks import (
 from polytrain.planner.calibrate_wire import PS_PROBE_WORKERS, posted_p2p_curve, ps_exchange
 from polytrain.planner.calibrate_worker import (
     fit_pipeline_runtime,
-    fresh_worker_memory,
     rank_baseline,
     rank_loop_overhead,
     rank_pipeline_steps,
@@ -71,6 +70,7 @@ from polytrain.planner.profile_io import (
 )
 from polytrain.planner.timing import timed, timed_rounds
 from polytrain.planner.types import Curve, HostProfile
+from polytrain.planner.worker_memory import fresh_worker_memory
 from polytrain.testing.harness import run_distributed
 
 __all__ = [

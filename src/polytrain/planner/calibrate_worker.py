@@ -1,7 +1,7 @@
 """What a training worker itself costs, for `polytrain calibrate`: its loop's own Python per step
 and per micro-batch ([Note: loop overhead]), the pipeline runtime's per action and per flush
-([Note: pipeline runtime overhead]) and the memory it holds before it builds a model ([Note: a
-worker's own memory] in planner/memory.py). Moved out of `planner.calibrate`, which runs them
+([Note: pipeline runtime overhead]) and a rank's memory once it joined a group (`rank_baseline`;
+a fresh worker's own: `planner.worker_memory`). Moved out of `planner.calibrate`, which runs them
 and keeps their figures in the `HostProfile`.
 """
 
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import itertools
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -34,7 +32,6 @@ from polytrain.core.optim import lr_at
 from polytrain.core.strategy import Strategy, step_result
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
-from polytrain.errors import PlanError
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.parallel.family import build_spmd
@@ -48,9 +45,7 @@ from polytrain.planner.types import HostProfile, Layout
 
 __all__ = [
     "PIPE_MICROBATCHES",
-    "WORKER_IMPORTS",
     "fit_pipeline_runtime",
-    "fresh_worker_memory",
     "pipeline_probe_job",
     "rank_baseline",
     "rank_loop_overhead",
@@ -282,55 +277,6 @@ def _solve(
         if a < 0:  # no runtime cost to add: the caller refits the flush alone
             break
     return a, f
-
-
-WORKER_IMPORTS = (
-    "import torch, polytrain.trainer.worker, polytrain.parallel, polytrain.pipeline, "
-    "polytrain.ps, polytrain.gossip.strategy, polytrain.gossip.localsgd; "
-    "from polytrain.observe.metrics import peak_memory_mb; "
-    "print(peak_memory_mb(torch.device('cpu')))"
-)
-
-
-# [Note: a worker's own memory] in planner/memory.py: after the imports (their peak printed by
-# WORKER_IMPORTS), one optimizer (whose first construction imports torch._dynamo) and two steps
-# of a miniature of the default model (gpt: embedding, layer norm, attention, GELU,
-# cross-entropy), then the peak again and the seconds spent after the imports
-_WORKER_STEP = (
-    WORKER_IMPORTS + "; import time; t0 = time.perf_counter()"
-    "; from polytrain.config.job import ModelConfig, OptimConfig"
-    "; from polytrain.core.optim import build_optimizer"
-    "; from polytrain.data.datasets import DataSpec"
-    "; from polytrain.models.registry import build_model"
-    "; torch.set_num_threads(1)"
-    "; spec = DataSpec(kind='tokens', vocab_size=16, input_shape=(8,))"
-    "; model = build_model(ModelConfig(n_layer=1, n_embd=16, n_head=2, block_size=8), spec, 0)"
-    "; opt = build_optimizer(model.parameters(), OptimConfig())"
-    "; x = torch.zeros(2, 8, dtype=torch.long)"
-    "\nfor _ in range(2): model.loss(model(x), x).backward(); opt.step(); opt.zero_grad()"
-    "\nprint(peak_memory_mb(torch.device('cpu')))"
-    "\nprint(time.perf_counter() - t0)"
-)
-
-
-def fresh_worker_memory() -> tuple[float, float, float]:
-    """(baseline bytes, runtime bytes, seconds past the imports) of one fresh interpreter.
-
-    Baseline: the peak resident bytes once it imported what a training worker imports
-    (`polytrain.trainer.worker` and the strategy packages). Workers are fresh processes
-    (``python -m polytrain.trainer.worker``, spawned by the launcher), so their baseline holds
-    every page of torch and polytrain; a harness rank forked from a warm parent reports less
-    (the parent's pages it never touches are not its own). Runtime: what it then adds by
-    building an optimizer and running a step of a negligible model ([Note: a worker's own
-    memory] in planner/memory.py), which every worker holds whatever its model. The seconds
-    after the imports let the caller keep that work out of a start-up time."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _WORKER_STEP], capture_output=True, text=True, timeout=300
-    )
-    if proc.returncode != 0:
-        raise PlanError(f"measuring a worker's memory failed: {proc.stderr.strip()[-300:]}")
-    before, after, seconds = (float(v) for v in proc.stdout.strip().splitlines()[-3:])
-    return before * 2**20, max(after - before, 0.0) * 2**20, seconds
 
 
 def rank_baseline(rank: int, world: int) -> float:

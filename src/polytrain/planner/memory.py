@@ -103,18 +103,23 @@ def process_bytes(stats: ModelStats, profile: HostProfile) -> float:
       (``torch._compile._disable_dynamo``: ~220 modules, ~23 MiB of Python objects), and the
       first forward, backward and update touch the pages of the kernels they run (~13 MiB of
       libtorch's code). Calibrated by a fresh worker that builds the library's optimizer and runs
-      two steps of a miniature of the default model (`planner.calibrate_worker.fresh_worker_memory`;
+      two steps of a miniature of the default model (`planner.worker_memory.fresh_worker_memory`;
       44 MiB on the development host);
     * ``stats.data_bytes``: the token stream or (inputs, targets) tensors of the job's data set,
       which every worker loads whole (`data.datasets.build_datasets`; the pydoc corpus: 465k
-      int64 tokens, 3.5 MiB). Counted from the data set itself by `planner.stats`.
+      int64 tokens, 3.5 MiB). Counted from the data set itself by `planner.stats`;
+    * ``stats.import_bytes``: a user's model factory (``model.name = "pkg.module:function"``)
+      and the libraries it imports and builds with. transformers and a GPT-2 built from its
+      config add ~150 MiB to each worker; the built-ins add nothing. Measured by a fresh
+      interpreter (`planner.calibrate_worker.factory_import_bytes`) when the planner counts
+      the model.
 
     Measured phase by phase in one mlp tiny worker (VmHWM, 2026-11-25): imports 277 MiB, data
     set +7-11, optimizer and strategy +28, first step +14, then flat: 329 MiB against the 278
     MiB the baseline alone predicted (the 13-22% under-prediction of planner2's benchmark). The
     rest of the data set's part (the corpus text, the tokenizer's transient list) and DTensor's
     or FSDP2's own first-use pages (a few MiB more on tp and ZeRO layouts) are not modelled."""
-    return profile.baseline_bytes + profile.runtime_bytes + stats.data_bytes
+    return profile.baseline_bytes + profile.runtime_bytes + stats.data_bytes + stats.import_bytes
 
 
 def _in_flight(layout: Layout) -> list[int]:

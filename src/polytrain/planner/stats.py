@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -31,15 +32,17 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from polytrain._torch_private import TorchDispatchMode, storage_key
+from polytrain.config.io import save_job
 from polytrain.config.job import JobConfig
 from polytrain.core.step import autocast
-from polytrain.data.datasets import Dataset, TokenDataset, build_datasets
-from polytrain.models.base import BlockModel, one_input
-from polytrain.models.registry import block_size_of, build_model
+from polytrain.data.datasets import Dataset, DataSpec, TokenDataset, build_datasets
+from polytrain.models.base import BlockModel, Inputs, inputs_to
+from polytrain.models.registry import BUILTINS, block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
 from polytrain.planner.kernels import AttentionCounter, OpCounter
 from polytrain.planner.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.planner.types import BlockStats, ModelStats
+from polytrain.planner.worker_memory import factory_import_bytes
 
 __all__ = [
     "OpCounter",
@@ -174,6 +177,33 @@ def _heads(model: nn.Module) -> int:
     return math.gcd(*counts) if counts else 0
 
 
+def _rows(inputs: Inputs) -> int:
+    """Samples in a batch of one input tensor or of named ones."""
+    first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs.values()))
+    return first.shape[0]
+
+
+def _fresh(h: Inputs) -> Inputs:
+    """A block's input cut from what produced it, requiring grad when it is floating point, so
+    what the block saves counts toward it alone (named inputs, a user model's integer ids and
+    masks, pass as they are)."""
+    if isinstance(h, torch.Tensor) and h.is_floating_point():
+        return h.detach().requires_grad_(True)
+    return h
+
+
+def _call(block: nn.Module, h: Inputs) -> Any:
+    """``block`` on one input, or on named inputs as keyword arguments (a user model's first
+    block: ``model(input_ids=..., attention_mask=...)``, as `BlockModel.forward` calls it)."""
+    return block(**h) if isinstance(h, dict) else block(h)
+
+
+def _output_bytes(output: Any) -> int:
+    """Bytes of the tensors in a block's output: a tensor, or a user model's ``ModelOutput``
+    (a dict) or tuple."""
+    return sum(t.numel() * t.element_size() for t in _tensors(output))
+
+
 def _params_and_bytes(block: nn.Module) -> tuple[int, int]:
     params = list(block.parameters())
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
@@ -181,7 +211,7 @@ def _params_and_bytes(block: nn.Module) -> tuple[int, int]:
 
 def stats_of(
     model: BlockModel,
-    inputs: torch.Tensor,
+    inputs: Inputs,
     targets: torch.Tensor,
     *,
     name: str = "model",
@@ -200,14 +230,13 @@ def stats_of(
     ``tp_styles`` (module path -> tensor-parallel style) also counts what of the saved bytes
     every tensor-parallel rank holds whole (`SplitActivations`).
     """
-    batch = inputs.shape[0]
+    batch = _rows(inputs)
     exclude = storage_keys(model.parameters())
     out: list[BlockStats] = []
     h = inputs
     last = len(model.blocks) - 1
     for index, block in enumerate(model.blocks):
-        if h.is_floating_point():
-            h = h.detach().requires_grad_(True)
+        h = _fresh(h)
         linears = _LinearRows(block)
         split = SplitActivations(block, f"blocks.{index}", tp_styles) if tp_styles else None
         planned = TPModules(block, f"blocks.{index}", tp_styles or {}, batch)
@@ -215,7 +244,7 @@ def stats_of(
         try:
             with _counting(exclude, split) as (flops, saved), fwd_ops:
                 with AttentionCounter(flops, fwd_ops) as attention:
-                    y = block(h)
+                    y = _call(block, h)
                 result = model.loss(y, targets) if index == last else y
         finally:
             linears.close()
@@ -235,7 +264,7 @@ def stats_of(
                 param_bytes=param_bytes,
                 fwd_flops=flops.get_total_flops() / batch,
                 saved_bytes=saved.bytes / batch,
-                output_bytes=y.numel() * y.element_size() / batch,
+                output_bytes=_output_bytes(y) / batch,
                 linears=tuple(linears.shapes),
                 rows_per_sample=max(linears.rows // batch, 1),
                 tensors=len(list(block.parameters())),
@@ -252,7 +281,8 @@ def stats_of(
                 bwd_elementwise=bwd_ops.per_sample(batch),
             )
         )
-        h = y.detach()
+        if index < last:  # the last block's output may be a user model's ModelOutput
+            h = y.detach()
     dtype_bytes = next(model.parameters()).element_size()
     return ModelStats(
         name=name,
@@ -277,25 +307,25 @@ def _median_s(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def _time_blocks(
-    model: BlockModel, inputs: torch.Tensor, targets: torch.Tensor, repeats: int
+    model: BlockModel, inputs: Inputs, targets: torch.Tensor, repeats: int
 ) -> list[tuple[float, float]]:
     """Median (forward, backward) seconds of each block on ``inputs``' device (whole batch)."""
-    sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if targets.device.type == "cuda" else (lambda: None)
     out: list[tuple[float, float]] = []
     h = inputs
     last = len(model.blocks) - 1
     for index, block in enumerate(model.blocks):
-        x = h.detach().requires_grad_(True) if h.is_floating_point() else h
+        x = _fresh(h)
 
-        def forward(block: nn.Module = block, x: torch.Tensor = x, index: int = index) -> Any:
-            y = block(x)
+        def forward(block: nn.Module = block, x: Inputs = x, index: int = index) -> Any:
+            y = _call(block, x)
             result = model.loss(y, targets) if index == last else y
             sync()
             return result
 
         forward()  # warm-up (allocator, kernels)
         fwd = _median_s(forward, repeats)
-        y = block(x)
+        y = _call(block, x)
         result = model.loss(y, targets) if index == last else y
         grad = None if index == last else torch.ones_like(result)
 
@@ -307,7 +337,8 @@ def _time_blocks(
         bwd = _median_s(backward, repeats)
         block.zero_grad(set_to_none=True)
         out.append((fwd, bwd))
-        h = y.detach()
+        if index < last:
+            h = y.detach()
     return out
 
 
@@ -324,6 +355,11 @@ def held_data_bytes(*datasets: Dataset) -> int:
             tensors += [ds.targets, *(inputs.values() if isinstance(inputs, dict) else [inputs])]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
+
+
+def _label(job: JobConfig) -> str:
+    """The model's name in a plan: a built-in with its size (``gpt-tiny``), a factory as named."""
+    return f"{job.model.name}-{job.model.size}" if job.model.name in BUILTINS else job.model.name
 
 
 def _split_fixed_saved(one: ModelStats, two: ModelStats, batch: int) -> ModelStats:
@@ -345,22 +381,11 @@ def _split_fixed_saved(one: ModelStats, two: ModelStats, batch: int) -> ModelSta
     return replace(one, blocks=tuple(blocks))
 
 
-def model_stats(
-    job: JobConfig,
-    *,
-    device: str = "meta",
-    measure: bool = False,
-    measure_device: str = "cpu",
-    batch: int = 8,
-    repeats: int = 5,
-    threads: int | None = 1,
+def _counted(
+    job: JobConfig, device: str, train_set: Dataset, val_set: Dataset, spec: DataSpec
 ) -> ModelStats:
-    """`ModelStats` of ``job``'s model: counted on ``device`` (see `[Note: meta and real saved
-    bytes]`); with ``measure``, forward/backward seconds per sample from a batch of ``batch`` on
-    ``measure_device`` with ``threads`` intra-op threads (workers run one each)."""
-    block_size = block_size_of(job.model)
-    train_set, val_set, spec = build_datasets(job.data, block_size)
-    tokens = block_size if spec.kind == "tokens" else 1
+    """`ModelStats` of ``job``'s model counted on ``device`` (`model_stats`)."""
+    tokens = block_size_of(job.model) if spec.kind == "tokens" else 1
     with torch.device(device):
         model = build_model(job.model, spec, job.train.seed)
     # [Note: counted under autocast] On a real device the block passes run in the job's
@@ -381,9 +406,9 @@ def model_stats(
         with region:
             return stats_of(
                 model,
-                one_input(x).to(device),
+                inputs_to(x, torch.device(device)),
                 y.to(device),
-                name=f"{job.model.name}-{job.model.size}",
+                name=_label(job),
                 tokens_per_sample=tokens,
                 optimizer_state=optimizer_state_per_param(job),
                 optimizer=job.optim.name,
@@ -396,6 +421,40 @@ def model_stats(
     stats = count(_PROBE_BATCH)
     if autocasts:
         stats = _split_fixed_saved(stats, count(2 * _PROBE_BATCH), _PROBE_BATCH)
+    return stats
+
+
+def model_stats(
+    job: JobConfig,
+    *,
+    device: str = "meta",
+    measure: bool = False,
+    measure_device: str = "cpu",
+    batch: int = 8,
+    repeats: int = 5,
+    threads: int | None = 1,
+    imports: bool = True,
+) -> ModelStats:
+    """`ModelStats` of ``job``'s model: counted on ``device`` (see `[Note: meta and real saved
+    bytes]`); with ``measure``, forward/backward seconds per sample from a batch of ``batch`` on
+    ``measure_device`` with ``threads`` intra-op threads (workers run one each). For a user's
+    model factory, ``imports`` also reads what it adds to a worker's memory in a fresh
+    interpreter (`ModelStats.import_bytes`, a few seconds)."""
+    block_size = block_size_of(job.model)
+    train_set, val_set, spec = build_datasets(job.data, block_size)
+    try:
+        stats = _counted(job, device, train_set, val_set, spec)
+    except RuntimeError as exc:
+        # [Note: data-dependent forwards] A forward that reads tensor values (transformers
+        # builds BERT's or Llama's attention mask from the ``attention_mask`` values) cannot
+        # run on meta: count on the CPU instead, where the model must then fit.
+        if device != "meta" or "meta" not in str(exc):
+            raise
+        stats = _counted(job, "cpu", train_set, val_set, spec)
+    if imports and job.model.name not in BUILTINS:
+        with tempfile.TemporaryDirectory(prefix="polytrain-stats-") as tmp:
+            save_job(job, f"{tmp}/job.toml")
+            stats = replace(stats, import_bytes=factory_import_bytes(f"{tmp}/job.toml"))
     if not measure:
         return stats
     old_threads = torch.get_num_threads()
@@ -404,7 +463,8 @@ def model_stats(
     try:
         real = build_model(job.model, spec, job.train.seed).to(measure_device)
         xb, yb = train_set.get(torch.arange(batch))
-        times = _time_blocks(real, one_input(xb).to(measure_device), yb.to(measure_device), repeats)
+        here = torch.device(measure_device)
+        times = _time_blocks(real, inputs_to(xb, here), yb.to(here), repeats)
     finally:
         torch.set_num_threads(old_threads)
     blocks = tuple(
