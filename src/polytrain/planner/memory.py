@@ -110,7 +110,7 @@ def process_bytes(stats: ModelStats, profile: HostProfile) -> float:
       int64 tokens, 3.5 MiB). Counted from the data set itself by `planner.stats`;
     * ``stats.import_bytes``: a user's model factory (``model.name = "pkg.module:function"``)
       and the libraries it imports and builds with. transformers and a GPT-2 built from its
-      config add ~150 MiB to each worker; the built-ins add nothing. Measured by a fresh
+      config add ~120 MiB to each worker; the built-ins add nothing. Measured by a fresh
       interpreter (`planner.calibrate_worker.factory_import_bytes`) when the planner counts
       the model.
 

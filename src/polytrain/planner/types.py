@@ -172,7 +172,7 @@ class ModelStats:
     # worker loads the whole data set ([Note: a worker's own memory] in planner/memory.py)
     data_bytes: int = 0
     # resident bytes a worker adds by importing a user's model factory and building the model
-    # (transformers: ~150 MiB); 0 for the built-ins ([Note: a worker's own memory])
+    # (transformers: ~120 MiB); 0 for the built-ins ([Note: a worker's own memory])
     import_bytes: float = 0.0
 
     @property
