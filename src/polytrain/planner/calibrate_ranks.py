@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 _MB = 2**20
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 COLLECTIVE_ROUNDS = 3  # sweeps over every (collective, size), one timed call each ...
 SMALL_MESSAGE_BYTES, SMALL_MESSAGE_CALLS = _MB, 8
@@ -67,8 +67,8 @@ def matmul_rounds(
     fns: dict[tuple[str, int], Callable[[], object]] = {}
     for dtype in dtypes:
         for n in sizes:
-            a = torch.randn(n, n, device=device).to(DTYPES[dtype])
-            b = torch.randn(n, n, device=device).to(DTYPES[dtype])
+            a = torch.randn(n, n, device=device).to(_DTYPES[dtype])
+            b = torch.randn(n, n, device=device).to(_DTYPES[dtype])
             fns[(dtype, n)] = partial(torch.matmul, a, b)
     return Rounds(fns, device, budget_s, threads=threads)
 

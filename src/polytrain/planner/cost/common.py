@@ -361,13 +361,8 @@ class Env:
         planner/contention.py): the calibrated share for that many ranks (between two measured
         counts, in proportion; past them, the nearest) on a calibrated CPU host whose group
         stays on it; 0 otherwise (not measured: an accelerator's, or across hosts)."""
-        prof = self.profile
-        measured = prof.step_skew if prof is not None else {}
-        if ranks <= 1 or not measured or self.cluster.device.key != "cpu":
-            return 0.0
-        if self.link(stride, ranks) is not self.cluster.intra:
-            return 0.0
-        return compute_s * interpolated(measured, ranks)
+        share = self._on_host(self.profile.step_skew if self.profile else {}, ranks, stride)
+        return compute_s * share if share is not None else 0.0
 
     def dtensor_clip_call_s(self, ranks: int) -> float:
         """Seconds per step of the clip over DTensor gradients on a mesh of ``ranks`` beyond its
@@ -375,12 +370,18 @@ class Env:
         planner/probes.py): the calibrated figure for that mesh size (between two measured
         sizes, in proportion; past them, the nearest) on a calibrated CPU host whose mesh stays
         on it; 0 otherwise (not measured: the caller prices the clip's reduce instead)."""
-        prof = self.profile
-        measured = prof.dtensor_clip_call_s if prof is not None else {}
+        seconds = self._on_host(self.profile.dtensor_clip_call_s if self.profile else {}, ranks)
+        return seconds if seconds is not None else 0.0
+
+    def _on_host(self, measured: dict[int, float], ranks: int, stride: int = 1) -> float | None:
+        """A figure calibrated per group size (``measured``: ranks -> value) for a group of
+        ``ranks`` at ``stride``: between two measured sizes in proportion, past them the
+        nearest; None where it does not apply (one rank, not measured, not a CPU host, or a
+        group that leaves the host)."""
         if ranks <= 1 or not measured or self.cluster.device.key != "cpu":
-            return 0.0
-        if self.link(1, ranks) is not self.cluster.intra:
-            return 0.0
+            return None
+        if self.link(stride, ranks) is not self.cluster.intra:
+            return None
         return interpolated(measured, ranks)
 
     def step_reduce_s(self, ranks: int, together: bool = True) -> float:
