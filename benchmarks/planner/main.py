@@ -38,8 +38,18 @@ from polytrain.planner.validate import Trial, TrialSpec, held_state_bytes, run_t
 
 HERE = Path(__file__).resolve().parent
 
-MODELS: dict[str, dict[str, Any]] = {"gpt": {}, "mlp": {"model.name": "mlp"}}
-STEPS = {"gpt": 10, "mlp": 60}  # per run, the first --warmup dropped; the mean of the rest
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {},
+    "mlp": {"model.name": "mlp"},
+    # a user's own model (opt-in: --models gpt2): transformers' GPT-2, 4 layers of width 128
+    "gpt2": {"model.name": "benchmarks.planner.users_models:gpt2"},
+}
+DEFAULT_MODELS = ["gpt", "mlp"]
+STEPS = {
+    "gpt": 10,
+    "mlp": 60,
+    "gpt2": 10,
+}  # per run, the first --warmup dropped; the mean of the rest
 
 
 def layouts() -> list[Layout]:
@@ -421,7 +431,11 @@ def markdown_summary(summaries: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
+    ap.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help="comma-separated: gpt, mlp, gpt2 (transformers' GPT-2, a user's model)",
+    )
     ap.add_argument(
         "--layouts",
         default="default",
@@ -454,7 +468,7 @@ def main() -> None:
     args = ap.parse_args()
     items = select_layouts(args.layouts)
     models = select_models(args.models)
-    full = items == layouts() and models == list(MODELS)
+    full = items == layouts() and models == DEFAULT_MODELS
     out_path = (
         Path(args.out) if args.out else (HERE if full else Path(args.workdir)) / "results.json"
     )

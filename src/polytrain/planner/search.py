@@ -113,7 +113,8 @@ def enumerate_layouts(
     n: int, stats: ModelStats, cluster: Cluster, global_batch: int, localsgd_period: int = 8
 ) -> Iterator[Layout]:
     """Every layout on ``n`` devices the runtime can run (its pre-flight rules) for the batch."""
-    blocks = len(stats.blocks)
+    blocks = len(stats.pipeline_blocks)
+    layered = bool(stats.layer_blocks)  # [Note: layer view] in planner/layer_stats.py
     for tp in _divisors(n):
         if cluster.per_host % tp:  # tensor parallel stays inside a host and tiles it
             continue
@@ -121,8 +122,8 @@ def enumerate_layouts(
             continue  # heads (or the hidden width) must split evenly
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
-            if pp > blocks or global_batch % dp:
-                continue
+            if pp > blocks or global_batch % dp or (layered and pp > 1 and tp > 1):
+                continue  # the layer view counts no tensor-parallel shards per layer
             per_replica = global_batch // dp
             for recompute in (False, True):
                 if pp == 1:
@@ -135,8 +136,8 @@ def enumerate_layouts(
                     if m > per_replica or per_replica % m:
                         continue
                     for schedule in SCHEDULES:
-                        if schedule == "pipedream" and tp > 1:
-                            continue  # pre-flight rejects tp with PipeDream
+                        if schedule == "pipedream" and (tp > 1 or layered):
+                            continue  # pre-flight rejects tp and layer pipelines with PipeDream
                         yield Layout(
                             dp=dp,
                             tp=tp,

@@ -40,6 +40,7 @@ from polytrain.models.base import BlockModel, Inputs, inputs_to
 from polytrain.models.registry import BUILTINS, block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
 from polytrain.planner.kernels import AttentionCounter, OpCounter
+from polytrain.planner.layer_stats import layer_view
 from polytrain.planner.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.planner.types import BlockStats, ModelStats
 from polytrain.planner.worker_memory import factory_import_bytes
@@ -365,20 +366,28 @@ def _label(job: JobConfig) -> str:
 def _split_fixed_saved(one: ModelStats, two: ModelStats, batch: int) -> ModelStats:
     """``one`` (counted at ``batch`` samples) with each block's saved bytes split into a
     per-sample slope and a batch-independent part, from ``two`` (counted at ``2 batch``);
-    [Note: counted under autocast]."""
-    blocks = []
-    for a, b in zip(one.blocks, two.blocks, strict=True):
-        slope = max((b.saved_bytes * 2 * batch - a.saved_bytes * batch) / batch, 0.0)
-        fixed = max(a.saved_bytes * batch - slope * batch, 0.0)
-        blocks.append(
-            replace(
-                a,
-                saved_bytes=slope,
-                saved_fixed_bytes=fixed,
-                saved_whole_bytes=min(b.saved_whole_bytes, slope),
+    [Note: counted under autocast]. The layer view's blocks alike."""
+
+    def split(ones: tuple[BlockStats, ...], twos: tuple[BlockStats, ...]) -> tuple[BlockStats, ...]:
+        blocks = []
+        for a, b in zip(ones, twos, strict=True):
+            slope = max((b.saved_bytes * 2 * batch - a.saved_bytes * batch) / batch, 0.0)
+            fixed = max(a.saved_bytes * batch - slope * batch, 0.0)
+            blocks.append(
+                replace(
+                    a,
+                    saved_bytes=slope,
+                    saved_fixed_bytes=fixed,
+                    saved_whole_bytes=min(b.saved_whole_bytes, slope),
+                )
             )
-        )
-    return replace(one, blocks=tuple(blocks))
+        return tuple(blocks)
+
+    return replace(
+        one,
+        blocks=split(one.blocks, two.blocks),
+        layer_blocks=split(one.layer_blocks, two.layer_blocks),
+    )
 
 
 def _counted(
@@ -400,23 +409,28 @@ def _counted(
     shards = tp_shards(model, styles)
     data_bytes = held_data_bytes(train_set, val_set)
 
+    common: dict[str, Any] = dict(
+        name=_label(job),
+        tokens_per_sample=tokens,
+        optimizer_state=optimizer_state_per_param(job),
+        optimizer=job.optim.name,
+        grad_clip=job.optim.grad_clip > 0,
+        data_bytes=data_bytes,
+    )
+
     def count(batch: int) -> ModelStats:
         x, y = train_set.get(torch.arange(batch))
+        inputs, targets = inputs_to(x, torch.device(device)), y.to(device)
         region = autocast(torch.device(device), job.train.dtype) if autocasts else nullcontext()
         with region:
-            return stats_of(
-                model,
-                inputs_to(x, torch.device(device)),
-                y.to(device),
-                name=_label(job),
-                tokens_per_sample=tokens,
-                optimizer_state=optimizer_state_per_param(job),
-                optimizer=job.optim.name,
-                grad_clip=job.optim.grad_clip > 0,
-                shards=shards,
-                data_bytes=data_bytes,
-                tp_styles=styles,
-            )
+            stats = stats_of(model, inputs, targets, shards=shards, tp_styles=styles, **common)
+            view = layer_view(job, spec, device, inputs)  # [Note: layer view]
+            if view is None:
+                return stats
+            # the first stage runs from its context (the inputs), not from this argument
+            first = torch.zeros(batch, dtype=torch.long, device=device)
+            layers = stats_of(view, first, targets, **common)
+        return replace(stats, layer_blocks=layers.blocks)
 
     stats = count(_PROBE_BATCH)
     if autocasts:
@@ -464,11 +478,22 @@ def model_stats(
         real = build_model(job.model, spec, job.train.seed).to(measure_device)
         xb, yb = train_set.get(torch.arange(batch))
         here = torch.device(measure_device)
-        times = _time_blocks(real, inputs_to(xb, here), yb.to(here), repeats)
+        inputs, targets = inputs_to(xb, here), yb.to(here)
+        times = _time_blocks(real, inputs, targets, repeats)
+        view = layer_view(job, spec, measure_device, inputs) if stats.layer_blocks else None
+        first = torch.zeros(batch, dtype=torch.long, device=here)  # see `_counted`
+        layer_times = _time_blocks(view, first, targets, repeats) if view is not None else []
     finally:
         torch.set_num_threads(old_threads)
-    blocks = tuple(
-        replace(b, fwd_s=fwd / batch, bwd_s=bwd / batch)
-        for b, (fwd, bwd) in zip(stats.blocks, times, strict=True)
+
+    def timed(blocks: tuple[BlockStats, ...], seconds: list[tuple[float, float]]) -> Any:
+        return tuple(
+            replace(b, fwd_s=fwd / batch, bwd_s=bwd / batch)
+            for b, (fwd, bwd) in zip(blocks, seconds, strict=True)
+        )
+
+    return replace(
+        stats,
+        blocks=timed(stats.blocks, times),
+        layer_blocks=timed(stats.layer_blocks, layer_times),
     )
-    return replace(stats, blocks=blocks)

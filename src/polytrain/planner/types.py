@@ -174,6 +174,15 @@ class ModelStats:
     # resident bytes a worker adds by importing a user's model factory and building the model
     # (transformers: ~120 MiB); 0 for the built-ins ([Note: a worker's own memory])
     import_bytes: float = 0.0
+    # a user's one-module model as its layer pipeline cuts it, one block per repeated layer
+    # ([Note: layer view] in planner/layer_stats.py): what a pipeline's stages are priced on;
+    # empty when `blocks` are the pipeline's units (the built-ins) or it has none
+    layer_blocks: tuple[BlockStats, ...] = ()
+
+    @property
+    def pipeline_blocks(self) -> tuple[BlockStats, ...]:
+        """The units a pipeline's stages are cut from."""
+        return self.layer_blocks or self.blocks
 
     @property
     def params(self) -> int:

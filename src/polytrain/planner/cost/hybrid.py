@@ -30,6 +30,8 @@ __all__ = ["predict"]
 
 def predict(layout: Layout, stats: ModelStats, env: Env, global_batch: int) -> Prediction:
     """Step time, memory and breakdown of ``layout`` for a step of ``global_batch`` samples."""
+    if layout.pp > 1 and stats.layer_blocks:  # a user's model cut at its layers: their stages
+        stats = replace(stats, blocks=stats.layer_blocks)  # [Note: layer view]
     stages = balanced_stages(stats.blocks, layout.pp)
     replica_samples = global_batch / layout.dp
     micro = layout.microbatches if layout.pp > 1 else layout.grad_accum

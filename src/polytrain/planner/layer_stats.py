@@ -1,0 +1,74 @@
+"""A user's one-module model as its layer pipeline cuts it: one `LayerStage` per repeated layer.
+
+[Note: layer view] A transformers model is one block to the trainer ([Note: block view] in
+`models.blocks`), so `planner.stats` counts it whole, which prices every layout but a pipeline.
+A pipeline over its layers ([Note: layer pipeline] in `models.split`) runs `LayerStage`s: stage
+``s`` runs the model's own forward with the layer list cut to its slice, the part before the
+layers (embeddings, masks) on every stage (only the first trains it), the part after them
+(final norm, head) on the last, a tied tensor (GPT-2's ``wte`` / ``lm_head``) owned by both
+ends. The layer view is that runtime class itself at one layer per stage: each stage is built
+on its own copy of the model (a stage demotes what it does not own) and counted by
+`planner.stats.stats_of` as one block, so a stage of any partition is priced as the sum of its
+layers' blocks, what the pre part costs included, and the first and the last stage each hold
+the tie. Not offered: models with BatchNorm (a layer pipeline with more than one micro-batch
+cannot match one process: models/checks.py), and, in the search, PipeDream (pre-flight refuses
+weight stashing for layer pipelines) and tensor parallel inside the stages (its shards are not
+counted per layer here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from polytrain.config.job import JobConfig
+from polytrain.data.datasets import DataSpec
+from polytrain.models.base import BlockModel, Inputs
+from polytrain.models.checks import has_batchnorm
+from polytrain.models.registry import build_model
+from polytrain.models.split import trace_sides
+from polytrain.pipeline.layer_stage import LayerStage
+
+__all__ = ["layer_view"]
+
+
+class _StageBlock(nn.Module):
+    """One `LayerStage` as a block: the batch's model inputs are its context on every call
+    (the first stage runs from them and ignores its argument)."""
+
+    def __init__(self, stage: LayerStage, inputs: Inputs) -> None:
+        super().__init__()
+        self.stage = stage
+        self.inputs = inputs
+
+    def forward(self, hidden: torch.Tensor) -> Any:
+        self.stage.set_context(self.inputs)
+        return self.stage(hidden)
+
+
+def layer_view(job: JobConfig, spec: DataSpec, device: str, inputs: Inputs) -> BlockModel | None:
+    """``job``'s model as one block per repeated layer on ``device``, each running with
+    ``inputs`` as its context ([Note: layer view]); None for a model the trainer does not
+    pipeline over layers (the built-ins, an ``nn.Sequential``, a model without repeated layers
+    or with BatchNorm)."""
+    with torch.device(device):
+        model = build_model(job.model, spec, job.train.seed)
+    if len(model.blocks) != 1 or len(model.layers) < 2 or has_batchnorm(model):
+        return None
+    user = model.blocks[0]
+
+    def forward() -> Any:
+        with torch.no_grad():
+            return user(**inputs) if isinstance(inputs, dict) else user(inputs)
+
+    split = trace_sides(user, model.layers[0].rpartition(".")[0], forward)
+    ranges = [(i, i + 1) for i in range(len(model.layers))]
+    stages: list[nn.Module] = []
+    for index in range(len(ranges)):
+        if index:  # each stage demotes what it does not own: a model of its own
+            with torch.device(device):
+                model = build_model(job.model, spec, job.train.seed)
+        stages.append(_StageBlock(LayerStage(model, split, ranges, index), inputs))
+    return BlockModel(stages, model.loss_fn)
