@@ -147,7 +147,9 @@ def predict_all(
         cluster = host.with_size(layout.devices)
         env = p["cost"].Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
         pred = p["cost"].predict(layout, stats, env, job.train.global_batch_size)
-        stages = p["partition"].balanced_stages(stats.blocks, layout.pp)
+        # a user's model pipelines over its layers ([Note: layer view] in planner/layer_stats.py)
+        units = stats.pipeline_blocks if layout.pp > 1 else stats.blocks
+        stages = p["partition"].balanced_stages(units, layout.pp)
         micro = (layout.microbatches if layout.pp > 1 else 1) * layout.grad_accum
         mb = job.train.global_batch_size / layout.dp / micro
         # Model states exclude PipeDream's stashed weight versions on both sides (the runtime's

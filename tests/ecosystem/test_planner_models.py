@@ -2,9 +2,11 @@
 a mask built from the input values), from tiny configs with random weights.
 
 `planner.stats` counts them (BERT's data-dependent mask on the CPU: [Note: data-dependent
-forwards]), `polytrain plan` ranks layouts for them, and for one rank the planner's model states
-are the bytes the run held and its peak is the run's within 10% once the worker's import of the
-factory (transformers) is counted ([Note: a worker's own memory] in planner/memory.py).
+forwards]) whole and, for pipelines, stage by stage as the runtime's layer pipeline cuts them
+([Note: layer view] in planner/layer_stats.py); `polytrain plan` ranks layouts for them; the
+planner's model states are the bytes a run held, on one rank and on each stage of a layer
+pipeline, and a rank's peak is the run's within 10% once the worker's import of the factory
+(transformers) is counted ([Note: a worker's own memory] in planner/memory.py).
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from polytrain.config.io import job_from_dict
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.models.registry import build_model
+from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.cost import Env, predict
 from polytrain.planner.memory import memory_per_rank, process_bytes
+from polytrain.planner.search import enumerate_layouts
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout
-from polytrain.planner.validate import TrialSpec, run_trials
+from polytrain.planner.validate import TrialSpec, held_state_bytes, run_trials
 from polytrain.planner.worker_memory import fresh_worker_memory
 from tests.helpers import hf_models
 from tests.helpers.cli import run_main
@@ -89,3 +94,57 @@ def test_one_rank_states_and_peak_match_a_run(tmp_path: Path) -> None:
     assert abs(predicted / trial.peak_bytes - 1) < 0.10, (predicted / 2**20, trial.peak_bytes)
     # without the factory's imports the worker's own memory is short by a fifth and more
     assert (predicted - stats.import_bytes) / trial.peak_bytes < 0.85
+
+
+def _layered(name: str, data: Path) -> dict[str, object]:
+    layers = {"gpt2": {"n_layer": 4}, "bert": {"num_hidden_layers": 4}}[name]
+    return {**_fields(name, data), "model.args": layers}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_the_layer_view_has_a_block_per_layer_and_the_tie_on_both_ends(
+    tmp_path: Path, name: str
+) -> None:
+    job = _job(_layered(name, tmp_path / "data.safetensors"))
+    stats = model_stats(job, imports=False)
+    assert len(stats.blocks) == 1 and len(stats.layer_blocks) == 4
+    _, _, spec = build_datasets(job.data, 8)
+    with torch.device("meta"):
+        model = build_model(job.model, spec, 0)
+    # GPT-2's wte is also its lm_head: the first stage and the last each hold it
+    twice = sum(p.numel() for p in model.parameters(remove_duplicate=False))
+    assert sum(b.params for b in stats.layer_blocks) == twice
+    assert stats.layer_blocks[1].params == stats.layer_blocks[2].params  # one layer alone
+    # every stage re-runs the part before the layers (only the first trains it)
+    whole = stats.blocks[0].fwd_flops
+    assert whole <= sum(b.fwd_flops for b in stats.layer_blocks) < 1.2 * whole
+
+
+def test_the_search_offers_layer_pipelines_the_runtime_runs(tmp_path: Path) -> None:
+    stats = model_stats(_job(_layered("gpt2", tmp_path / "data.safetensors")), imports=False)
+    cluster = parse_cluster("1x4xcpu")
+    found = list(enumerate_layouts(4, stats, cluster, 8))
+    piped = [lay for lay in found if lay.pp > 1]
+    assert {lay.pp for lay in piped} == {2, 4}
+    # pre-flight refuses PipeDream over a user's layers; the view counts no tp shards per layer
+    assert all(lay.schedule != "pipedream" and lay.tp == 1 for lay in piped)
+    env = Env(cluster)
+    pred = predict(piped[0], stats, env, 8)
+    assert sum(pred.layout.partition) == 4  # layers per stage, as pipeline.partition takes them
+
+
+def test_each_stage_holds_the_states_the_planner_gives_it(tmp_path: Path) -> None:
+    fields = _layered("gpt2", tmp_path / "gpt2.safetensors")
+    stats = model_stats(_job(fields), imports=False)
+    layout = Layout(pp=2, schedule="1f1b", microbatches=2)
+    pred = predict(layout, stats, Env(parse_cluster("1x2xcpu")), 8)
+    counts = list(pred.layout.partition)
+    spec = TrialSpec(layout, 0.01, extra={"pipeline.partition": counts})
+    (trial,) = run_trials([spec], fields, tmp_path / "runs", steps=2)
+    assert trial.ok, trial.error
+    start = 0
+    for rank, count in zip(trial.ranks, counts, strict=True):
+        blocks = stats.layer_blocks[start : start + count]
+        start += count
+        # AdamW in fp32: weights, gradients and two moments
+        assert 4 * sum(b.param_bytes for b in blocks) == held_state_bytes(rank)
