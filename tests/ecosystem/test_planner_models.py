@@ -112,7 +112,7 @@ def test_the_layer_view_has_a_block_per_layer_and_the_tie_on_both_ends(
     with torch.device("meta"):
         model = build_model(job.model, spec, 0)
     # GPT-2's wte is also its lm_head: the first stage and the last each hold it
-    twice = sum(p.numel() for p in model.parameters(remove_duplicate=False))
+    twice = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     assert sum(b.params for b in stats.layer_blocks) == twice
     assert stats.layer_blocks[1].params == stats.layer_blocks[2].params  # one layer alone
     # every stage re-runs the part before the layers (only the first trains it)
