@@ -33,7 +33,9 @@ class TokenEmbedding(nn.Module):
         self.tok = nn.Embedding(vocab_size, dim)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx).flatten(1)  # (B, T*E)
+        # (B, T*E), a tensor of its own: FSDP2 warns on every step of a block whose output is a
+        # view (an in-place op on it would skip its pre-backward hook); the copy is B*T*E floats
+        return self.tok(idx).flatten(1).clone()
 
 
 class Dense(nn.Module):
