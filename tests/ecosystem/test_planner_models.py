@@ -62,6 +62,8 @@ def test_stats_count_each_parameter_once(tmp_path: Path, name: str) -> None:
         model = build_model(job.model, spec, 0)
     held = sum(p.numel() for p in model.parameters())  # a tied tensor once
     assert sum(b.params for b in stats.blocks) == held
+    # the tensor-parallel plan's shards hold the tie once too (a tp rank holds it once)
+    assert sum(n for b in stats.blocks for n, _ in b.tp_shards) == stats.param_bytes
     assert sum(b.fwd_flops for b in stats.blocks) > 0
     assert stats.name == _FACTORY + name
 

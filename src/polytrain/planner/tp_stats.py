@@ -55,12 +55,16 @@ def tp_shards(
         return [() for _ in model.blocks]
     infos = module_infos(model)
     out = []
+    seen: set[int] = set()  # a tied tensor (GPT-2's wte / lm_head) is held once
     for index, block in enumerate(model.blocks):
         pairs: list[tuple[float, int]] = []
         for sub, module in block.named_modules():
             path = f"blocks.{index}" + (f".{sub}" if sub else "")
             style, info = styles.get(path), infos.get(path)
             for pname, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
                 divisor = 1
                 if style is not None and info is not None:
                     divisor = _divisor(style, info, pname)
