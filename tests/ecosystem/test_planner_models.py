@@ -12,6 +12,7 @@ pipeline, and a rank's peak is the run's within 10% once the worker's import of 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,25 @@ def test_the_search_offers_layer_pipelines_the_runtime_runs(tmp_path: Path) -> N
     env = Env(cluster)
     pred = predict(piped[0], stats, env, 8)
     assert sum(pred.layout.partition) == 4  # layers per stage, as pipeline.partition takes them
+
+
+def test_zero_prices_the_units_fsdp2_shards(tmp_path: Path) -> None:
+    """ZeRO shards each repeated layer and the root ([Note: FSDP units of a user's model]):
+    five collectives each way for four layers, and ZeRO-3 gathers one layer, not the model."""
+    stats = model_stats(_job(_layered("gpt2", tmp_path / "data.safetensors")), imports=False)
+    units = stats.fsdp_units
+    assert len(units) == 5 and sum(b for b, _ in units) == stats.param_bytes
+    assert units[1] == units[2] == units[3] == units[4]  # the layers; the root holds the tie
+    env = Env(parse_cluster("1x2xcpu"))
+    whole = replace(stats, fsdp_units=())
+    for zero in (2, 3):
+        layout = Layout(dp=2, zero=zero)
+        split, one = predict(layout, stats, env, 8), predict(layout, whole, env, 8)
+        assert split.breakdown["dp_comm"] > one.breakdown["dp_comm"]  # more, smaller messages
+    mem = memory_per_rank(stats, Layout(dp=2, zero=3), [stats.blocks], 4.0)
+    mem_whole = memory_per_rank(whole, Layout(dp=2, zero=3), [whole.blocks], 4.0)
+    gathered = 2 * (stats.param_bytes - max(b for b, _ in units))
+    assert mem_whole.buffers - mem.buffers == pytest.approx(gathered)
 
 
 def test_each_stage_holds_the_states_the_planner_gives_it(tmp_path: Path) -> None:

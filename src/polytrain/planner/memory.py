@@ -182,8 +182,11 @@ def _stage(
     # are views into its buckets, so its buckets cost nothing beyond `grads`.
     buffers = 0.0
     if layout.zero == 3:
-        # the gathered parameters of the current and the prefetched block
+        # the gathered parameters of the current and the prefetched block (a user's model: its
+        # largest FSDP unit, [Note: FSDP units of a user's model] in planner/stats.py)
         largest = max(b.bytes_per_tp_rank(tp) for b in blocks)
+        if stats.fsdp_units and layout.pp == 1:
+            largest *= max(b for b, _ in stats.fsdp_units) / max(stats.param_bytes, 1)
         buffers += 2 * largest
     if layout.zero == 2:
         buffers += p_bytes  # all blocks' gathered parameters, kept from forward to backward

@@ -435,7 +435,27 @@ def _counted(
     stats = count(_PROBE_BATCH)
     if autocasts:
         stats = _split_fixed_saved(stats, count(2 * _PROBE_BATCH), _PROBE_BATCH)
-    return stats
+    return replace(stats, fsdp_units=_fsdp_units(model))
+
+
+def _fsdp_units(model: BlockModel) -> tuple[tuple[float, int], ...]:
+    """[Note: FSDP units of a user's model] ZeRO shards a user's one-module model one repeated
+    layer at a time and the rest (embeddings, final norm, head; a tie once) as the root unit
+    (`parallel.zero`, [Note: block view] in models.blocks), where a built-in's units are its
+    blocks. The cost model prices a unit's gather and reduce-scatter and its hooks, and ZeRO-3
+    holds the largest unit gathered twice (current and prefetched), so a one-block model
+    priced as one unit had one collective of everything and the whole model gathered.
+    (parameter bytes, tensors) per unit, the root first; () for a model whose blocks are its
+    units."""
+    if len(model.blocks) != 1 or not model.layers:
+        return ()
+    layers = [
+        (float(_params_and_bytes(unit)[1]), len(list(unit.parameters()))) for unit in model.units()
+    ]
+    whole = float(_params_and_bytes(model)[1])
+    tensors = len(list(model.parameters()))
+    root = (whole - sum(b for b, _ in layers), tensors - sum(t for _, t in layers))
+    return (root, *layers)
 
 
 def model_stats(

@@ -178,6 +178,10 @@ class ModelStats:
     # ([Note: layer view] in planner/layer_stats.py): what a pipeline's stages are priced on;
     # empty when `blocks` are the pipeline's units (the built-ins) or it has none
     layer_blocks: tuple[BlockStats, ...] = ()
+    # a user's one-module model's FSDP2 units ([Note: FSDP units of a user's model] in
+    # planner/stats.py), (parameter bytes, tensors) each in forward order, the root (what is
+    # not in a repeated layer) first; empty when `blocks` are the units (the built-ins)
+    fsdp_units: tuple[tuple[float, int], ...] = ()
 
     @property
     def pipeline_blocks(self) -> tuple[BlockStats, ...]:

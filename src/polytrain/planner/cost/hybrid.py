@@ -184,13 +184,18 @@ def _spmd(
     tp_s *= layout.grad_accum
     grad_bytes = [b.bytes_per_tp_rank(layout.tp) for b in blocks]
     dp, stride = layout.dp, layout.tp
+    units = n + 1  # FSDP2's: every block, then the root
     if layout.zero:
+        z_fwd, z_bwd, z_bytes = fwd, bwd, grad_bytes
+        if stats.fsdp_units:  # [Note: FSDP units of a user's model] in planner/stats.py
+            z_fwd, z_bwd, z_bytes = _fsdp_unit_split(stats, fwd, bwd, layout.tp)
+            units = len(stats.fsdp_units)
         # FSDP2 gathers every micro-step; with accumulation it reduce-scatters on the last only
-        f_end, b_end, exposed = zero_step(env, layout.zero, fwd, bwd, grad_bytes, dp, stride)
+        f_end, b_end, exposed = zero_step(env, layout.zero, z_fwd, z_bwd, z_bytes, dp, stride)
         step = f_end + b_end
         if layout.grad_accum > 1:
             f0, b0, e0 = zero_step(
-                env, layout.zero, fwd, bwd, grad_bytes, dp, stride, scatter=False
+                env, layout.zero, z_fwd, z_bwd, z_bytes, dp, stride, scatter=False
             )
             step += (f0 + b0) * (layout.grad_accum - 1)
             exposed += e0 * (layout.grad_accum - 1)
@@ -212,7 +217,7 @@ def _spmd(
     # FSDP2's replicate for dp x tp (parallel/family.py: DDP cannot take DTensor parameters)
     fsdp_stage = layout.zero if layout.zero else (0 if dp > 1 and layout.tp > 1 else -1)
     tensors = sum(b.tensors for b in blocks)
-    fsdp = env.fsdp_overhead_s(fsdp_stage, n + 1, tensors) if fsdp_stage >= 0 else 0.0
+    fsdp = env.fsdp_overhead_s(fsdp_stage, units, tensors) if fsdp_stage >= 0 else 0.0
     fsdp *= layout.grad_accum
     per_step, per_micro = _loop(env)
     loop = per_step + per_micro * layout.grad_accum
@@ -336,6 +341,22 @@ def _pipeline_stages(
     timing = pipeline_step(layout.schedule, layout.microbatches, fwd_s, bwd_s, send_f, send_b)
     m = layout.microbatches
     return _StagesRun(timing, flush_s, tp_total * m, per_micro * m, 2 * action_s * m)
+
+
+def _fsdp_unit_split(
+    stats: ModelStats, fwd: Sequence[float], bwd: Sequence[float], tp: int
+) -> tuple[list[float], list[float], list[float]]:
+    """A one-block user model's forward and backward seconds and this rank's parameter bytes
+    per FSDP2 unit (`ModelStats.fsdp_units`): the seconds in proportion to the units' bytes,
+    the bytes at the block's tensor-parallel share."""
+    whole = sum(b for b, _ in stats.fsdp_units) or 1.0
+    share = [b / whole for b, _ in stats.fsdp_units]
+    per_rank = sum(b.bytes_per_tp_rank(tp) for b in stats.blocks)
+    return (
+        [sum(fwd) * x for x in share],
+        [sum(bwd) * x for x in share],
+        [per_rank * x for x in share],
+    )
 
 
 def _input_bytes(block: BlockStats) -> float:
