@@ -1,4 +1,5 @@
-"""A user's one-module model as its layer pipeline cuts it: one `LayerStage` per repeated layer.
+"""A user's one-module model as the runtime cuts it: its layer pipeline (one `LayerStage` per
+repeated layer, `layer_view`) and its ZeRO units (`fsdp_units`).
 
 [Note: layer view] A transformers model is one block to the trainer ([Note: block view] in
 `models.blocks`), so `planner.stats` counts it whole, which prices every layout but a pipeline.
@@ -31,7 +32,7 @@ from polytrain.models.registry import build_model
 from polytrain.models.split import trace_sides
 from polytrain.pipeline.layer_stage import LayerStage
 
-__all__ = ["layer_view"]
+__all__ = ["fsdp_units", "layer_view"]
 
 
 class _StageBlock(nn.Module):
@@ -72,3 +73,25 @@ def layer_view(job: JobConfig, spec: DataSpec, device: str, inputs: Inputs) -> B
                 model = build_model(job.model, spec, job.train.seed)
         stages.append(_StageBlock(LayerStage(model, split, ranges, index), inputs))
     return BlockModel(stages, model.loss_fn)
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def fsdp_units(model: BlockModel) -> tuple[tuple[float, int], ...]:
+    """[Note: FSDP units of a user's model] ZeRO shards a user's one-module model one repeated
+    layer at a time and the rest (embeddings, final norm, head; a tie once) as the root unit
+    (`parallel.zero`, [Note: block view] in models.blocks), where a built-in's units are its
+    blocks. The cost model prices a unit's gather and reduce-scatter and its hooks, and ZeRO-3
+    holds the largest unit gathered twice (current and prefetched), so a one-block model
+    priced as one unit had one collective of everything and the whole model gathered.
+    (parameter bytes, tensors) per unit, the root first; () for a model whose blocks are its
+    units."""
+    if len(model.blocks) != 1 or not model.layers:
+        return ()
+    layers = [(float(_bytes(unit)), len(list(unit.parameters()))) for unit in model.units()]
+    whole = float(_bytes(model))
+    tensors = len(list(model.parameters()))
+    root = (whole - sum(b for b, _ in layers), tensors - sum(t for _, t in layers))
+    return (root, *layers)

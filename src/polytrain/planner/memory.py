@@ -183,7 +183,7 @@ def _stage(
     buffers = 0.0
     if layout.zero == 3:
         # the gathered parameters of the current and the prefetched block (a user's model: its
-        # largest FSDP unit, [Note: FSDP units of a user's model] in planner/stats.py)
+        # largest FSDP unit, [Note: FSDP units of a user's model] in planner/layer_stats.py)
         largest = max(b.bytes_per_tp_rank(tp) for b in blocks)
         if stats.fsdp_units and layout.pp == 1:
             largest *= max(b for b, _ in stats.fsdp_units) / max(stats.param_bytes, 1)

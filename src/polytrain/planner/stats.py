@@ -40,7 +40,7 @@ from polytrain.models.base import BlockModel, Inputs, inputs_to
 from polytrain.models.registry import BUILTINS, block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
 from polytrain.planner.kernels import AttentionCounter, OpCounter
-from polytrain.planner.layer_stats import layer_view
+from polytrain.planner.layer_stats import fsdp_units, layer_view
 from polytrain.planner.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.planner.types import BlockStats, ModelStats
 from polytrain.planner.worker_memory import factory_import_bytes
@@ -435,27 +435,7 @@ def _counted(
     stats = count(_PROBE_BATCH)
     if autocasts:
         stats = _split_fixed_saved(stats, count(2 * _PROBE_BATCH), _PROBE_BATCH)
-    return replace(stats, fsdp_units=_fsdp_units(model))
-
-
-def _fsdp_units(model: BlockModel) -> tuple[tuple[float, int], ...]:
-    """[Note: FSDP units of a user's model] ZeRO shards a user's one-module model one repeated
-    layer at a time and the rest (embeddings, final norm, head; a tie once) as the root unit
-    (`parallel.zero`, [Note: block view] in models.blocks), where a built-in's units are its
-    blocks. The cost model prices a unit's gather and reduce-scatter and its hooks, and ZeRO-3
-    holds the largest unit gathered twice (current and prefetched), so a one-block model
-    priced as one unit had one collective of everything and the whole model gathered.
-    (parameter bytes, tensors) per unit, the root first; () for a model whose blocks are its
-    units."""
-    if len(model.blocks) != 1 or not model.layers:
-        return ()
-    layers = [
-        (float(_params_and_bytes(unit)[1]), len(list(unit.parameters()))) for unit in model.units()
-    ]
-    whole = float(_params_and_bytes(model)[1])
-    tensors = len(list(model.parameters()))
-    root = (whole - sum(b for b, _ in layers), tensors - sum(t for _, t in layers))
-    return (root, *layers)
+    return replace(stats, fsdp_units=fsdp_units(model))
 
 
 def model_stats(

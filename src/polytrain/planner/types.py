@@ -179,7 +179,7 @@ class ModelStats:
     # empty when `blocks` are the pipeline's units (the built-ins) or it has none
     layer_blocks: tuple[BlockStats, ...] = ()
     # a user's one-module model's FSDP2 units ([Note: FSDP units of a user's model] in
-    # planner/stats.py), (parameter bytes, tensors) each in forward order, the root (what is
+    # planner/layer_stats.py), (parameter bytes, tensors) each in forward order, the root (what is
     # not in a repeated layer) first; empty when `blocks` are the units (the built-ins)
     fsdp_units: tuple[tuple[float, int], ...] = ()
 

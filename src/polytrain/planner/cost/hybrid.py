@@ -187,7 +187,7 @@ def _spmd(
     units = n + 1  # FSDP2's: every block, then the root
     if layout.zero:
         z_fwd, z_bwd, z_bytes = fwd, bwd, grad_bytes
-        if stats.fsdp_units:  # [Note: FSDP units of a user's model] in planner/stats.py
+        if stats.fsdp_units:  # [Note: FSDP units of a user's model] in planner/layer_stats.py
             z_fwd, z_bwd, z_bytes = _fsdp_unit_split(stats, fwd, bwd, layout.tp)
             units = len(stats.fsdp_units)
         # FSDP2 gathers every micro-step; with accumulation it reduce-scatters on the last only
