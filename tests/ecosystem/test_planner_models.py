@@ -22,6 +22,7 @@ from polytrain.config.io import job_from_dict
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.models.registry import build_model
+from polytrain.planner import layer_stats
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.memory import memory_per_rank, process_bytes
@@ -121,6 +122,22 @@ def test_the_layer_view_has_a_block_per_layer_and_the_tie_on_both_ends(
     # every stage re-runs the part before the layers (only the first trains it)
     whole = stats.blocks[0].fwd_flops
     assert whole <= sum(b.fwd_flops for b in stats.layer_blocks) < 1.2 * whole
+
+
+def test_a_model_counted_on_the_cpu_copies_itself_per_layer_only_when_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BERT's mask reads its inputs, so it is counted on the CPU, where the layer view's copies
+    of the model are real: past the cap it gets no layer view (no pipeline is offered)."""
+    job = _job(_layered("bert", tmp_path / "data.safetensors"))
+    monkeypatch.setattr(layer_stats, "_REAL_COPIES_BYTES", 0)
+    stats = model_stats(job, imports=False)
+    assert stats.blocks and not stats.layer_blocks
+    # GPT-2 counts on meta (its layer view costs nothing there) but is timed on the CPU
+    gpt2 = _job(_layered("gpt2", tmp_path / "gpt2.safetensors"))
+    timed = model_stats(gpt2, imports=False, measure=True, batch=2, repeats=1)
+    assert timed.blocks[0].fwd_s > 0 and len(timed.layer_blocks) == 4
+    assert all(b.fwd_s is None for b in timed.layer_blocks)  # untimed: priced from FLOPs
 
 
 def test_the_search_offers_layer_pipelines_the_runtime_runs(tmp_path: Path) -> None:

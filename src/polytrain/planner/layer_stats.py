@@ -8,7 +8,9 @@ A pipeline over its layers ([Note: layer pipeline] in `models.split`) runs `Laye
 layers (embeddings, masks) on every stage (only the first trains it), the part after them
 (final norm, head) on the last, a tied tensor (GPT-2's ``wte`` / ``lm_head``) owned by both
 ends. The layer view is that runtime class itself at one layer per stage: each stage is built
-on its own copy of the model (a stage demotes what it does not own) and counted by
+on its own copy of the model (a stage demotes what it does not own; on meta, so a copy costs
+nothing, except for a model `planner.stats` must count on the CPU, where the copies are capped
+at 1 GiB) and counted by
 `planner.stats.stats_of` as one block, so a stage of any partition is priced as the sum of its
 layers' blocks, what the pre part costs included, and the first and the last stage each hold
 the tie. Not offered: models with BatchNorm (a layer pipeline with more than one micro-batch
@@ -34,6 +36,10 @@ from polytrain.pipeline.layer_stage import LayerStage
 
 __all__ = ["fsdp_units", "layer_view"]
 
+# A model that cannot be counted on meta has its layer view built on the real device, one copy
+# of the model per layer: past this many bytes of copies it gets none (no pipeline offered).
+_REAL_COPIES_BYTES = 2**30
+
 
 class _StageBlock(nn.Module):
     """One `LayerStage` as a block: the batch's model inputs are its context on every call
@@ -58,6 +64,8 @@ def layer_view(job: JobConfig, spec: DataSpec, device: str, inputs: Inputs) -> B
         model = build_model(job.model, spec, job.train.seed)
     if len(model.blocks) != 1 or len(model.layers) < 2 or has_batchnorm(model):
         return None
+    if device != "meta" and len(model.layers) * _bytes(model) > _REAL_COPIES_BYTES:
+        return None  # a model counted on a real device ([Note: data-dependent forwards])
     user = model.blocks[0]
 
     def forward() -> Any:

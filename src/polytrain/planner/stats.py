@@ -482,7 +482,8 @@ def model_stats(
         times = _time_blocks(real, inputs, targets, repeats)
         view = layer_view(job, spec, measure_device, inputs) if stats.layer_blocks else None
         first = torch.zeros(batch, dtype=torch.long, device=here)  # see `_counted`
-        layer_times = _time_blocks(view, first, targets, repeats) if view is not None else []
+        # (a model too large to copy once per layer here keeps its layer blocks untimed)
+        layer_times = _time_blocks(view, first, targets, repeats) if view is not None else None
     finally:
         torch.set_num_threads(old_threads)
 
@@ -495,5 +496,9 @@ def model_stats(
     return replace(
         stats,
         blocks=timed(stats.blocks, times),
-        layer_blocks=timed(stats.layer_blocks, layer_times),
+        layer_blocks=(
+            timed(stats.layer_blocks, layer_times)
+            if layer_times is not None
+            else stats.layer_blocks
+        ),
     )
