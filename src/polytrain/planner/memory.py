@@ -111,7 +111,7 @@ def process_bytes(stats: ModelStats, profile: HostProfile) -> float:
     * ``stats.import_bytes``: a user's model factory (``model.name = "pkg.module:function"``)
       and the libraries it imports and builds with. transformers and a GPT-2 built from its
       config add ~120 MiB to each worker; the built-ins add nothing. Measured by a fresh
-      interpreter (`planner.calibrate_worker.factory_import_bytes`) when the planner counts
+      interpreter (`planner.worker_memory.factory_import_bytes`) when the planner counts
       the model.
 
     Measured phase by phase in one mlp tiny worker (VmHWM, 2026-11-25): imports 277 MiB, data
