@@ -55,31 +55,30 @@ class _StageBlock(nn.Module):
         return self.stage(hidden)
 
 
-def layer_view(job: JobConfig, spec: DataSpec, device: str, inputs: Inputs) -> BlockModel | None:
-    """``job``'s model as one block per repeated layer on ``device``, each running with
-    ``inputs`` as its context ([Note: layer view]); None for a model the trainer does not
-    pipeline over layers (the built-ins, an ``nn.Sequential``, a model without repeated layers
-    or with BatchNorm)."""
-    with torch.device(device):
-        model = build_model(job.model, spec, job.train.seed)
+def layer_view(
+    job: JobConfig, spec: DataSpec, model: BlockModel, inputs: Inputs
+) -> BlockModel | None:
+    """``job``'s model (built as ``model``, whose device the view takes) as one block per
+    repeated layer, each running with ``inputs`` as its context ([Note: layer view]); None for
+    a model the trainer does not pipeline over layers (the built-ins, an ``nn.Sequential``, a
+    model without repeated layers or with BatchNorm). ``model`` is only traced, not changed."""
     if len(model.blocks) != 1 or len(model.layers) < 2 or has_batchnorm(model):
         return None
-    if device != "meta" and len(model.layers) * _bytes(model) > _REAL_COPIES_BYTES:
+    device = next(model.parameters()).device
+    if device.type != "meta" and len(model.layers) * _bytes(model) > _REAL_COPIES_BYTES:
         return None  # a model counted on a real device ([Note: data-dependent forwards])
-    user = model.blocks[0]
 
     def forward() -> Any:
         with torch.no_grad():
-            return user(**inputs) if isinstance(inputs, dict) else user(inputs)
+            return model(inputs)  # BlockModel.forward passes named inputs as keywords
 
-    split = trace_sides(user, model.layers[0].rpartition(".")[0], forward)
+    split = trace_sides(model.blocks[0], model.layers[0].rpartition(".")[0], forward)
     ranges = [(i, i + 1) for i in range(len(model.layers))]
     stages: list[nn.Module] = []
     for index in range(len(ranges)):
-        if index:  # each stage demotes what it does not own: a model of its own
-            with torch.device(device):
-                model = build_model(job.model, spec, job.train.seed)
-        stages.append(_StageBlock(LayerStage(model, split, ranges, index), inputs))
+        with torch.device(device):  # each stage demotes what it does not own: a model of its own
+            copy = build_model(job.model, spec, job.train.seed)
+        stages.append(_StageBlock(LayerStage(copy, split, ranges, index), inputs))
     return BlockModel(stages, model.loss_fn)
 
 

@@ -424,7 +424,7 @@ def _counted(
         region = autocast(torch.device(device), job.train.dtype) if autocasts else nullcontext()
         with region:
             stats = stats_of(model, inputs, targets, shards=shards, tp_styles=styles, **common)
-            view = layer_view(job, spec, device, inputs)  # [Note: layer view]
+            view = layer_view(job, spec, model, inputs)  # [Note: layer view]
             if view is None:
                 return stats
             # the first stage runs from its context (the inputs), not from this argument
@@ -480,7 +480,7 @@ def model_stats(
         here = torch.device(measure_device)
         inputs, targets = inputs_to(xb, here), yb.to(here)
         times = _time_blocks(real, inputs, targets, repeats)
-        view = layer_view(job, spec, measure_device, inputs) if stats.layer_blocks else None
+        view = layer_view(job, spec, real, inputs) if stats.layer_blocks else None
         first = torch.zeros(batch, dtype=torch.long, device=here)  # see `_counted`
         # (a model too large to copy once per layer here keeps its layer blocks untimed)
         layer_times = _time_blocks(view, first, targets, repeats) if view is not None else None
