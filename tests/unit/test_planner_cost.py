@@ -12,7 +12,12 @@ from polytrain.planner.cost import Env, predict
 from polytrain.planner.cost.common import concurrent_rate
 from polytrain.planner.cost.dp import bucket_sizes, dp_backward
 from polytrain.planner.cost.overlap import overlap
-from polytrain.planner.cost.pipeline import pipeline_step
+from polytrain.planner.cost.pipeline import (
+    pipeline_step,
+    program,
+    simulate_program,
+    simulate_shared,
+)
 from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.sufficient_factor import dense_s, sf_s
 from polytrain.planner.cost.zero import zero_step
@@ -89,6 +94,39 @@ def test_pipeline_p2p_time_lengthens_the_fill() -> None:
     f0 = pipeline_step("1f1b", m, [1.0] * p, [2.0] * p, [0.0] * p, [0.0] * p)
     f1 = pipeline_step("1f1b", m, [1.0] * p, [2.0] * p, [c] * p, [c] * p)
     assert f1.makespan > f0.makespan + 2 * (p - 1) * c
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "pipedream"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 7), (4, 8), (4, 1)])
+def test_shared_core_simulation_at_full_speed_is_the_plain_one(
+    schedule: str, p: int, m: int
+) -> None:
+    """[Note: shared-core simulation]: with every speed 1 (no sharing) the global-clock
+    simulation gives the per-rank one's makespan and busy seconds, uneven stages and p2p times
+    included, and a fixed (waiting) part of each F and B changes nothing either."""
+    fwd, bwd = [1.0, 1.3, 0.7, 1.1][:p], [2.0, 2.2, 1.9, 2.5][:p]
+    args = (program(schedule, p, m), fwd, bwd, [0.1] * p, [0.05] * p)
+    span, busy = simulate_program(*args)
+    for fixed in (None, [0.3] * p):
+        shared_span, shared_busy = simulate_shared(*args, [1.0] * (p + 1), fixed)
+        assert shared_span == pytest.approx(span)
+        assert shared_busy == pytest.approx(busy)
+
+
+def test_shared_cores_speed_up_a_stage_computing_alone() -> None:
+    """GPipe over two stages with one micro-batch: only one stage ever computes, so every F and
+    B runs at the one-alone speed (twice the all-busy speed here): half the time. A fixed part
+    of each action (the runtime's waits) is not sped up. PipeDream's steady state has both
+    stages computing all the time: its per-step time stays at the all-busy price."""
+    alone_twice = [1.0, 2.0, 1.0]  # speed[n] with n of the 2 stages computing
+    one = ("gpipe", 1, [1.0] * 2, [1.0] * 2, [0.0] * 2, [0.0] * 2)
+    assert pipeline_step(*one).makespan == pytest.approx(4.0)
+    assert pipeline_step(*one, alone_twice).makespan == pytest.approx(2.0)
+    assert pipeline_step(*one, alone_twice, [0.5] * 2).makespan == pytest.approx(4 * 0.75)
+    stream = ("pipedream", 16, [1.0] * 2, [2.0] * 2, [0.0] * 2, [0.0] * 2)
+    assert pipeline_step(*stream, alone_twice).per_step == pytest.approx(16 * 3.0)
+    # its fill and drain, one stage alone, do run faster
+    assert pipeline_step(*stream, alone_twice).makespan < pipeline_step(*stream).makespan
 
 
 def test_pipedream_steady_state_has_no_bubble() -> None:

@@ -22,7 +22,7 @@ from tests.helpers.planner import cpu_profile
 STATS = gpt_stats(n_layer=4, n_embd=64, n_head=4, block_size=16, vocab_size=64)
 ACTION, FLUSH = 2e-4, 5e-4
 # ranks that share no cores: the stages' compute stays put whatever the runtime adds
-# ([Note: a pipeline's shared cores] in cost/hybrid.py prices it at the ranks' utilization)
+# ([Note: a pipeline's shared cores] in cost/hybrid.py shares the cores among the stages computing)
 UNSHARED = {1: 10e9, 2: 10e9, 4: 10e9}
 
 
@@ -106,11 +106,11 @@ def test_the_fit_recovers_what_the_model_would_have_to_add() -> None:
     assert actions == {"gpipe": 0.0, "pipedream": 0.0} and flushes == actions
 
 
-def test_a_pipeline_on_shared_cores_computes_at_its_ranks_utilization() -> None:
-    """[Note: a pipeline's shared cores]: GPipe's 4 stages with one micro-batch each compute a
-    quarter of the step, one rank at a time: priced as one rank alone (the step's end, which
-    all four run at once, keeps the host's full count). 1F1B's 2 stages over 8 micro-batches
-    are busy 8/9 of the step: ~1.8 ranks computing, between one alone and two at once."""
+def test_a_pipeline_on_shared_cores_computes_as_its_busy_stages_share_them() -> None:
+    """[Note: a pipeline's shared cores]: GPipe's 4 stages with one micro-batch each compute
+    one rank at a time: priced as one rank alone (the step's end, which all four run at once,
+    keeps the host's full count). 1F1B's 2 stages over 8 micro-batches compute together in
+    the steady state and alone in the fill and drain: between one alone and two at once."""
     shared = cpu_profile()  # 10, 6 and 2 GFLOP/s each with 1, 2 and 4 at once
 
     def compute(layout: Layout, profile: HostProfile) -> float:

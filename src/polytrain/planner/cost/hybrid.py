@@ -240,14 +240,17 @@ def _spmd(
 
 # [Note: a pipeline's shared cores] A pipeline's ranks do not all compute at once: a stage
 # idles in its bubble and while it waits for a message. On a host with more ranks than cores
-# ([Note: shared cores] in cost/common.py) the slowdown a stage's compute meets is the one for
-# the ranks that compute beside it on average, not for every rank on the host: the simulation
-# is run once at the full count, its utilization u (busy stage-seconds over stages x step) gives
-# u x ranks computing at once, and the stages are priced and simulated again at that count.
-# The step's end (optimizer, dp all-reduce, the loop's per-step Python), which every rank
-# runs at once, keeps the full count. Measured on the 2-core VM (2026-11-26, one calibration
-# reading 2.66x for four processes at once): gpt tiny pp4 1F1B m8 was priced 160 ms and dp2 x
-# pp2 143 ms against 115 and 98 measured, the ranks being busy about 70-80% of the step.
+# ([Note: shared cores] in cost/common.py) a stage computes faster while its peers wait than
+# while they compute. The stages' F and B are priced with every rank of the host computing
+# (the full count), and the simulation shares the cores among the stages computing at each
+# instant ([Note: shared-core simulation] in cost/pipeline.py): with n of p stages computing,
+# n x (host ranks / p) ranks compute on the host (a stage's dp replicas and tp ranks run in
+# step with it), and a stage advances at slowdown(full) / slowdown(that count) of its priced
+# speed. The step's end (optimizer, dp all-reduce, the loop's per-step Python), which every
+# rank runs at once, keeps the full count. Until 2026-11-27 the stages were priced at one count,
+# the mean (utilization x ranks): on five runs on two 2-vCPU hosts that priced gpt tiny's pp4
+# 1F1B m8 5-27% low (mean -18%), the instant count -17..+3% (mean -8%); docs/planner.md
+# "A pipeline's shared cores".
 
 
 def _pipeline(
@@ -260,14 +263,7 @@ def _pipeline(
     # PipelineStrategy.train_step runs the m-micro-batch program once per accumulation
     # micro-step, each with its flush (PipeDream streams instead and ignores accumulation).
     runs = 1 if layout.schedule == "pipedream" else layout.grad_accum
-    run = _pipeline_stages(layout, stats, env, stages, mb_samples)
-    if env.cpu_slowdown > 1.0:  # [Note: a pipeline's shared cores]
-        stage_seconds = len(run.timing.busy) * run.timing.per_step
-        # the runtime's own per-action figure is mostly waiting: not computing
-        computed = sum(run.timing.busy) - len(run.timing.busy) * run.runtime
-        busy = min(computed / stage_seconds, 1.0) if stage_seconds > 0 else 1.0
-        computing = max(env.host_ranks * busy, 1.0)
-        run = _pipeline_stages(layout, stats, replace(env, computing=computing), stages, mb_samples)
+    run = _pipeline_stages(layout, stats, env, stages, mb_samples, _shared_speed(env, len(stages)))
     timing = run.timing
     # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, stage by stage in
     # parallel: the slowest stage's is on the critical path. PipeDream's is deferred into
@@ -308,14 +304,31 @@ class _StagesRun:
     runtime: float
 
 
+def _shared_speed(env: Env, stages: int) -> list[float] | None:
+    """[Note: a pipeline's shared cores]: how fast a stage computes while ``n`` of the
+    pipeline's ``stages`` do (index n), against every rank of the host computing (what
+    ``env`` prices); None where the ranks do not share cores."""
+    full = env.cpu_slowdown
+    if full <= 1.0:
+        return None
+    per_stage = env.host_ranks / stages  # the replicas and tp ranks of a stage run with it
+    return [1.0] + [
+        full / replace(env, computing=max(n * per_stage, 1.0)).cpu_slowdown
+        for n in range(1, stages + 1)
+    ]
+
+
 def _pipeline_stages(
     layout: Layout,
     stats: ModelStats,
     env: Env,
     stages: Sequence[Sequence[BlockStats]],
     mb_samples: float,
+    speed: Sequence[float] | None = None,
 ) -> _StagesRun:
-    """One run of the m-micro-batch program of ``stages``, compute priced by ``env``."""
+    """One run of the m-micro-batch program of ``stages``, compute priced by ``env`` (every
+    rank of the host computing), the stages sharing its cores at ``speed``
+    (`cost.pipeline.simulate_shared`)."""
     n = len(stats.blocks)
     fwd_s, bwd_s, send_f, send_b, tp_total = [], [], [], [], 0.0
     start = 0
@@ -338,7 +351,11 @@ def _pipeline_stages(
         send_f.append(env.posted_p2p_s(out, pp_stride))
         inp = _input_bytes(blocks[0]) * mb_samples / layout.tp
         send_b.append(env.posted_p2p_s(inp, pp_stride))
-    timing = pipeline_step(layout.schedule, layout.microbatches, fwd_s, bwd_s, send_f, send_b)
+    # the runtime's own per-action figure is mostly waiting: it does not share the cores
+    fixed = [action_s] * len(stages)
+    timing = pipeline_step(
+        layout.schedule, layout.microbatches, fwd_s, bwd_s, send_f, send_b, speed, fixed
+    )
     m = layout.microbatches
     return _StagesRun(timing, flush_s, tp_total * m, per_micro * m, 2 * action_s * m)
 

@@ -12,6 +12,19 @@ the message arrives one p2p time later, after any earlier message on the same di
 (one message on the wire at a time). A receive blocks until its message has arrived. With all
 p2p times zero and equal stage times this gives exactly the bubble (p-1)/(m+p-1) of GPipe and
 1F1B; tests check it.
+
+[Note: shared-core simulation] On a host with more ranks than cores ([Note: shared cores] in
+cost/common.py) a stage computes faster while its peers wait than while they compute: the
+cores are shared among the processes that are runnable at that instant, and a rank blocked in
+a receive is not. `simulate_shared` runs the same programs on one global clock instead of one
+clock per rank, as processor sharing: every F or B in progress advances at ``speed[n]`` seconds
+of its priced duration per second, ``n`` the number of ranks computing at that instant (the
+durations are priced with every rank computing, so ``speed[p] = 1``; fewer busy, faster).
+With every speed 1 it is `simulate_program` exactly (a test checks it). The pipeline's fill and
+drain, where few stages compute, run fast; its steady state, where all do, at the full
+slowdown. Measured on two 2-vCPU hosts (2026-11-27; pricing at the mean busy count instead, the
+model before, priced gpt tiny's pp4 1F1B 5-27% low in five runs of five, at the full count
+4-42% high): docs/planner.md "Pipeline".
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ from functools import cache
 from polytrain.errors import PlanError
 from polytrain.pipeline.schedule import ActionKind, Schedule, build, lower
 
-__all__ = ["PipelineTiming", "pipeline_step", "program", "simulate_program"]
+__all__ = ["PipelineTiming", "pipeline_step", "program", "simulate_program", "simulate_shared"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,78 @@ def simulate_program(
     return max(clocks), tuple(busy)
 
 
+def simulate_shared(
+    program: Schedule,
+    fwd_s: Sequence[float],
+    bwd_s: Sequence[float],
+    send_f_s: Sequence[float],
+    send_b_s: Sequence[float],
+    speed: Sequence[float],
+    fixed_s: Sequence[float] | None = None,
+) -> tuple[float, tuple[float, ...]]:
+    """`simulate_program` with the ranks' compute sharing the host's cores: [Note: shared-core
+    simulation]. ``speed[n]`` (n = 1..p; ``speed[0]`` unused) is how fast an F or B advances
+    while ``n`` ranks compute; the last ``fixed_s[r]`` seconds of each of rank r's F and B
+    are not computing (the runtime's own waits) and take their time. Busy seconds are the wall
+    seconds of the F and B."""
+    p = len(program)
+    programs = [[a for a in program[r] if a is not None] for r in range(p)]
+    cursors = [0] * p
+    work = [0.0] * p  # priced seconds left of the rank's F or B in progress
+    computing = [False] * p
+    ready = [0.0] * p  # a rank in a receive (or its F or B's fixed end) resumes then
+    fixed = fixed_s if fixed_s is not None else [0.0] * p
+    busy = [0.0] * p
+    arrival: dict[tuple[ActionKind, int, int], float] = {}
+    link_free: dict[tuple[int, int], float] = {}
+    t = 0.0
+    while True:
+        moved = True
+        while moved:  # every rank not computing runs on until it computes or waits
+            moved = False
+            for r in range(p):
+                while not computing[r] and ready[r] <= t and cursors[r] < len(programs[r]):
+                    a = programs[r][cursors[r]]
+                    kind, i = a.kind, a.microbatch_index
+                    if kind is ActionKind.F or kind is ActionKind.B:
+                        secs = fwd_s[r] if kind is ActionKind.F else bwd_s[r]
+                        work[r] = max(secs - fixed[r], 0.0)
+                        computing[r] = work[r] > 0
+                        if not computing[r]:
+                            ready[r], busy[r] = t + secs, busy[r] + secs
+                    elif kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
+                        peer = r + 1 if kind is ActionKind.SEND_F else r - 1
+                        secs = send_f_s[r] if kind is ActionKind.SEND_F else send_b_s[r]
+                        start = max(t, link_free.get((r, peer), 0.0))
+                        link_free[(r, peer)] = start + secs
+                        recv = ActionKind.RECV_F if kind is ActionKind.SEND_F else ActionKind.RECV_B
+                        arrival[(recv, peer, i)] = start + secs
+                    else:  # a receive: wait for its message
+                        at = arrival.get((kind, r, i))
+                        if at is None:
+                            break
+                        ready[r] = max(ready[r], at)
+                    cursors[r] += 1
+                    moved = True
+        n = sum(computing)
+        rate = speed[n] if n else 1.0
+        steps = [work[r] / rate for r in range(p) if computing[r]]
+        steps += [ready[r] - t for r in range(p) if ready[r] > t]
+        if not steps:
+            if any(c < len(x) for c, x in zip(cursors, programs, strict=True)):
+                raise PlanError("pipeline simulation deadlocked: the schedule is not runnable")
+            return t, tuple(busy)
+        dt = min(steps)
+        for r in range(p):
+            if computing[r]:
+                busy[r] += dt
+                work[r] -= dt * rate
+                if work[r] <= 1e-12 * max(1.0, dt * rate):
+                    work[r], computing[r] = 0.0, False
+                    ready[r], busy[r] = t + dt + fixed[r], busy[r] + fixed[r]
+        t += dt
+
+
 @cache
 def program(schedule: str, num_stages: int, num_microbatches: int) -> Schedule:
     """The lowered action lists the runtime runs (cached: the search asks for each often)."""
@@ -101,16 +186,26 @@ def pipeline_step(
     bwd_s: Sequence[float],
     send_f_s: Sequence[float],
     send_b_s: Sequence[float],
+    speed: Sequence[float] | None = None,
+    fixed_s: Sequence[float] | None = None,
 ) -> PipelineTiming:
-    """One step of ``schedule`` with ``num_microbatches`` micro-batches per replica.
+    """One step of ``schedule`` with ``num_microbatches`` micro-batches per replica; with
+    ``speed``, its ranks share the host's cores, each F and B's last ``fixed_s`` not computing
+    ([Note: shared-core simulation], `simulate_shared`).
 
     PipeDream never flushes: its step costs the steady-state difference between a stream of
     2m and of m micro-batches (the fill and drain are paid once per run, not per step).
     """
     p = len(fwd_s)
     args = (fwd_s, bwd_s, send_f_s, send_b_s)
-    span, busy = simulate_program(program(schedule, p, num_microbatches), *args)
+
+    def run(m: int) -> tuple[float, tuple[float, ...]]:
+        if speed is None:
+            return simulate_program(program(schedule, p, m), *args)
+        return simulate_shared(program(schedule, p, m), *args, speed, fixed_s)
+
+    span, busy = run(num_microbatches)
     if schedule != "pipedream":
         return PipelineTiming(span, busy, span)
-    span2, _ = simulate_program(program(schedule, p, 2 * num_microbatches), *args)
+    span2, _ = run(2 * num_microbatches)
     return PipelineTiming(span, busy, span2 - span)
