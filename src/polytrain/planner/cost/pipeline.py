@@ -22,9 +22,10 @@ of its priced duration per second, ``n`` the number of ranks computing at that i
 durations are priced with every rank computing, so ``speed[p] = 1``; fewer busy, faster).
 With every speed 1 it is `simulate_program` exactly (a test checks it). The pipeline's fill and
 drain, where few stages compute, run fast; its steady state, where all do, at the full
-slowdown. Measured on two 2-vCPU hosts (2026-11-27; pricing at the mean busy count instead, the
-model before, priced gpt tiny's pp4 1F1B 5-27% low in five runs of five, at the full count
-4-42% high): docs/planner.md "Pipeline".
+slowdown. On five benchmark runs' measurements on two kinds of 2-vCPU host (2026-11-27),
+pricing every stage at the mean busy count (the model before) put gpt tiny's pp4 1F1B 5-27%
+low, at the full count 4-42% high, this simulation -18..+1%: docs/planner.md "A pipeline's
+shared cores".
 """
 
 from __future__ import annotations
