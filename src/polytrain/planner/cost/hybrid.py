@@ -249,7 +249,7 @@ def _spmd(
 # speed. The step's end (optimizer, dp all-reduce, the loop's per-step Python), which every
 # rank runs at once, keeps the full count. Until 2026-11-27 the stages were priced at one count,
 # the mean (utilization x ranks): on five runs on two 2-vCPU hosts that priced gpt tiny's pp4
-# 1F1B m8 5-27% low (mean -18%), the instant count -17..+3% (mean -8%); docs/planner.md
+# 1F1B m8 5-27% low (mean -18%), the instant count -18..+1% (mean -9%); docs/planner.md
 # "A pipeline's shared cores".
 
 
