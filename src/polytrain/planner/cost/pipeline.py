@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from polytrain.errors import PlanError
-from polytrain.pipeline.schedule import ActionKind, Schedule, build, lower
+from polytrain.pipeline.schedule import Action, ActionKind, Schedule, build, lower
 
 __all__ = ["PipelineTiming", "pipeline_step", "program", "simulate_program", "simulate_shared"]
 
@@ -50,6 +50,29 @@ class PipelineTiming:
     def bubble(self) -> float:
         """Idle seconds of the busiest stage (waiting for peers and messages)."""
         return max(0.0, self.per_step - max(self.busy, default=0.0))
+
+
+class _Links:
+    """The messages of one simulated run ([Note: timed simulation]): a send leaves when its
+    sender reaches it and its link is free (one message on a directed link at a time) and
+    arrives one p2p time later; `arrival` is when a receive's message is there (None: not
+    sent yet)."""
+
+    def __init__(self, send_f_s: Sequence[float], send_b_s: Sequence[float]) -> None:
+        self.send_s = {ActionKind.SEND_F: send_f_s, ActionKind.SEND_B: send_b_s}
+        self.free: dict[tuple[int, int], float] = {}
+        self.arrivals: dict[tuple[ActionKind, int, int], float] = {}  # (recv, rank, mb) -> t
+
+    def send(self, action: Action, rank: int, t: float) -> None:
+        forward = action.kind is ActionKind.SEND_F
+        peer = rank + 1 if forward else rank - 1
+        start = max(t, self.free.get((rank, peer), 0.0))
+        self.free[(rank, peer)] = end = start + self.send_s[action.kind][rank]
+        recv = ActionKind.RECV_F if forward else ActionKind.RECV_B
+        self.arrivals[(recv, peer, action.microbatch_index)] = end
+
+    def arrival(self, action: Action, rank: int) -> float | None:
+        return self.arrivals.get((action.kind, rank, action.microbatch_index))
 
 
 def simulate_program(
@@ -68,8 +91,7 @@ def simulate_program(
     clocks = [0.0] * p
     busy = [0.0] * p
     cursors = [0] * p
-    arrival: dict[tuple[ActionKind, int, int], float] = {}  # (kind, receiving stage, mb) -> t
-    link_free: dict[tuple[int, int], float] = {}
+    links = _Links(send_f_s, send_b_s)
     programs = [[a for a in program[r] if a is not None] for r in range(p)]
     remaining = sum(len(x) for x in programs)
     while remaining:
@@ -77,20 +99,15 @@ def simulate_program(
         for r in range(p):
             while cursors[r] < len(programs[r]):
                 a = programs[r][cursors[r]]
-                kind, i = a.kind, a.microbatch_index
+                kind = a.kind
                 if kind is ActionKind.F or kind is ActionKind.B:
                     secs = fwd_s[r] if kind is ActionKind.F else bwd_s[r]
                     clocks[r] += secs
                     busy[r] += secs
                 elif kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
-                    peer = r + 1 if kind is ActionKind.SEND_F else r - 1
-                    secs = send_f_s[r] if kind is ActionKind.SEND_F else send_b_s[r]
-                    start = max(clocks[r], link_free.get((r, peer), 0.0))
-                    link_free[(r, peer)] = start + secs
-                    recv = ActionKind.RECV_F if kind is ActionKind.SEND_F else ActionKind.RECV_B
-                    arrival[(recv, peer, i)] = start + secs
+                    links.send(a, r, clocks[r])
                 else:  # a receive: wait for its message
-                    t = arrival.get((kind, r, i))
+                    t = links.arrival(a, r)
                     if t is None:
                         break
                     clocks[r] = max(clocks[r], t)
@@ -124,8 +141,7 @@ def simulate_shared(
     ready = [0.0] * p  # a rank in a receive (or its F or B's fixed end) resumes then
     fixed = fixed_s if fixed_s is not None else [0.0] * p
     busy = [0.0] * p
-    arrival: dict[tuple[ActionKind, int, int], float] = {}
-    link_free: dict[tuple[int, int], float] = {}
+    links = _Links(send_f_s, send_b_s)
     t = 0.0
     while True:
         moved = True
@@ -134,7 +150,7 @@ def simulate_shared(
             for r in range(p):
                 while not computing[r] and ready[r] <= t and cursors[r] < len(programs[r]):
                     a = programs[r][cursors[r]]
-                    kind, i = a.kind, a.microbatch_index
+                    kind = a.kind
                     if kind is ActionKind.F or kind is ActionKind.B:
                         secs = fwd_s[r] if kind is ActionKind.F else bwd_s[r]
                         work[r] = max(secs - fixed[r], 0.0)
@@ -142,14 +158,9 @@ def simulate_shared(
                         if not computing[r]:
                             ready[r], busy[r] = t + secs, busy[r] + secs
                     elif kind is ActionKind.SEND_F or kind is ActionKind.SEND_B:
-                        peer = r + 1 if kind is ActionKind.SEND_F else r - 1
-                        secs = send_f_s[r] if kind is ActionKind.SEND_F else send_b_s[r]
-                        start = max(t, link_free.get((r, peer), 0.0))
-                        link_free[(r, peer)] = start + secs
-                        recv = ActionKind.RECV_F if kind is ActionKind.SEND_F else ActionKind.RECV_B
-                        arrival[(recv, peer, i)] = start + secs
+                        links.send(a, r, t)
                     else:  # a receive: wait for its message
-                        at = arrival.get((kind, r, i))
+                        at = links.arrival(a, r)
                         if at is None:
                             break
                         ready[r] = max(ready[r], at)
