@@ -22,7 +22,7 @@ from tests.helpers.planner import cpu_profile
 STATS = gpt_stats(n_layer=4, n_embd=64, n_head=4, block_size=16, vocab_size=64)
 ACTION, FLUSH = 2e-4, 5e-4
 # ranks that share no cores: the stages' compute stays put whatever the runtime adds
-# ([Note: a pipeline's shared cores] in cost/hybrid.py shares the cores among the stages computing)
+# ([Note: a pipeline's shared cores] in cost/stages.py shares the cores among the stages computing)
 UNSHARED = {1: 10e9, 2: 10e9, 4: 10e9}
 
 

@@ -149,7 +149,7 @@ def rank_loop_overhead(
 # price of that very job equal what was measured at both counts:
 #     price(m; action, flush) = t(m),  m = 2, 8
 # (the figures enter the model exactly so; the price is linear in both but for the shared
-# cores, [Note: a pipeline's shared cores] in cost/hybrid.py, so Newton's method on finite
+# cores, [Note: a pipeline's shared cores] in cost/stages.py, so Newton's method on finite
 # differences). The figures are their medians over the rounds, at least 0 (a negative action
 # refits the flush alone).
 # They are priced as measured, not slowed by the shared cores: most of a negligible stage's

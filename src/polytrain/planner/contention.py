@@ -140,7 +140,7 @@ def rank_step_skew(rank: int, world: int) -> float:
 
 # [Note: the step's reductions in a step]
 # `core.step.finish_step` all-reduces two floats every step (the loss and the non-finite flag)
-# and one more when it clips sharded gradients (the squared norm: `cost/hybrid._step_reduce_s`).
+# and one more when it clips sharded gradients (the squared norm: `cost/parts.step_reduce_s`).
 # The isolated curves price such a message at their smallest point, timed from a barrier (every
 # rank leaves it at a different moment, and the first waits for the last: [Note: a small
 # collective's price is its mean] in planner/calibrate.py): 1.4-1.6 ms on two ranks and 4.1-4.5

@@ -143,7 +143,7 @@ class Env:
     ps_chunk_bytes: float = 256.0 * 1024  # ps.chunk_kb
     straggler_s: float = 0.0  # extra seconds the slowest worker takes per step
     # ranks computing at once on one host, on average (0 = every device of a host); [Note:
-    # shared cores], [Note: a pipeline's shared cores] in cost/hybrid.py
+    # shared cores], [Note: a pipeline's shared cores] in cost/stages.py
     computing: float = 0
 
     # -- compute -------------------------------------------------------------------------

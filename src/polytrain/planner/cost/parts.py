@@ -1,0 +1,138 @@
+"""The parts every layout's step is priced from, whatever its strategy family.
+
+A block's forward and backward on a rank (its compute split tp ways, its tensor-parallel
+collectives and DTensor dispatch), the end of a step (non-finite check, clip, update, and
+`core.step.finish_step`'s small reductions), and the training loop's own Python. `cost.hybrid`
+composes them for SPMD, parameter-server and decentralized layouts, `cost.stages` for
+pipelines. Derivations: docs/planner.md "Compute", "Hybrids".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from polytrain.planner.cost.common import Env
+from polytrain.planner.cost.tp import tp_comm_s, tp_dispatch_s
+from polytrain.planner.types import BlockStats, Layout, ModelStats
+
+__all__ = [
+    "block_times",
+    "dtensor_mesh",
+    "dtensors",
+    "end_of_step_s",
+    "input_bytes",
+    "loop_s",
+    "step_reduce_s",
+]
+
+
+def block_times(
+    env: Env,
+    blocks: Sequence[BlockStats],
+    samples: float,
+    tp: int,
+    recompute: bool,
+    *,
+    first: int,
+    last: int,
+) -> tuple[list[float], list[float], float]:
+    """Per-block forward and backward seconds (compute / tp + tensor-parallel collectives)
+    and the tensor-parallel share of them. ``first``/``last``: model indices of the ends."""
+    fwd, bwd = [], []
+    tp_s = 0.0
+    for k, b in enumerate(blocks):
+        ends = {"first": k == first, "last": k == last}
+        comm_f = tp_comm_s(env, b, samples, tp, **ends)
+        comm_b = tp_comm_s(env, b, samples, tp, backward=True, **ends)
+        # [Note: DTensor module overhead]: half of a forward + backward's dispatch in each pass
+        dispatch = tp_dispatch_s(env, b, tp) / 2
+        f = env.fwd_s(b, samples, tp) + comm_f + dispatch
+        bw = env.bwd_s(b, samples, tp) + comm_b + dispatch + (f if recompute else 0.0)
+        tp_s += comm_f + comm_b + 2 * dispatch + (comm_f + dispatch if recompute else 0.0)
+        fwd.append(f)
+        bwd.append(bw)
+    return fwd, bwd, tp_s
+
+
+def end_of_step_s(
+    layout: Layout, stats: ModelStats, env: Env, blocks: Sequence[BlockStats]
+) -> float:
+    """The end of step on one rank holding ``blocks`` (its stage): non-finite check, clip and
+    update over its tensors and bytes (the tp shard; 1/dp of it under ZeRO-2/3), plus the
+    step's small reductions (`step_reduce_s`)."""
+    shard = sum(b.params_per_tp_rank(layout.tp) for b in blocks)
+    shard /= layout.dp if layout.zero >= 2 else 1
+    update = env.optimizer_s(
+        shard,
+        stats.optimizer_state_per_param,
+        stats.dtype_bytes,
+        tensors=sum(b.tensors for b in blocks),
+        optimizer=stats.optimizer,
+        clip=stats.grad_clip,
+        dtensors=dtensors(layout, blocks),
+    )
+    return update + step_reduce_s(layout, stats, env, dtensor_mesh(layout, blocks))
+
+
+def dtensors(layout: Layout, blocks: Sequence[BlockStats]) -> float:
+    """[Note: DTensor end of step] in planner/probes.py: how many of a rank's parameter
+    tensors are DTensors. FSDP2 makes every one of them a DTensor (ZeRO-2/3, and its
+    ``replicate`` for dp x tp); tensor parallelism alone the parameters of the modules its
+    plan parallelizes (`BlockStats.tp_modules`; unknown: none counted). A PS or gossip
+    replica, DDP and a pipeline stage without tp hold plain tensors."""
+    spmd = layout.sync == "allreduce" and layout.pp == 1
+    if spmd and (layout.zero >= 2 or (layout.dp > 1 and layout.tp > 1)):
+        return float(sum(b.tensors for b in blocks))
+    return float(sum(m.tensors for b in blocks for m in b.tp_applied(layout.tp)))
+
+
+def dtensor_mesh(layout: Layout, blocks: Sequence[BlockStats]) -> int:
+    """Ranks of the mesh a rank's DTensor gradients live on (1: none are DTensors): FSDP2's
+    (ZeRO-2/3; its ``replicate`` over the tp ranks for dp x tp) spans dp x tp, tensor
+    parallelism's alone the tp group ([Note: DTensor end of step] in planner/probes.py)."""
+    if dtensors(layout, blocks) <= 0:
+        return 1
+    spmd = layout.sync == "allreduce" and layout.pp == 1
+    if spmd and (layout.zero >= 2 or (layout.dp > 1 and layout.tp > 1)):
+        return layout.dp * layout.tp
+    return layout.tp
+
+
+def step_reduce_s(layout: Layout, stats: ModelStats, env: Env, mesh: int = 1) -> float:
+    """`core.step.finish_step`'s collectives: one all-reduce of [loss, non-finite flag] (two
+    floats) over the replicas, and, when clipping sharded gradients (tensor parallel, ZeRO,
+    pipeline stages), one more of the squared norm over the shards' group. Latency-bound:
+    `Env.step_reduce_s`; a pipeline's stages reach them apart (the last stage ends its flush
+    first and waits), so they keep the isolated price ([Note: the step's reductions in a
+    step] in planner/probes.py). Over DTensor gradients on a ``mesh`` of several ranks the
+    clip's norm is priced per call as calibrated, its all-reduce included ([Note: DTensor clip
+    per call] in planner/probes.py), where the profile measured it."""
+    ranks = layout.dp * layout.tp * layout.pp
+    together = layout.pp == 1
+    loss = env.step_reduce_s(ranks, together=together)
+    sharded = layout.tp > 1 or layout.zero >= 2 or layout.pp > 1
+    if not (stats.grad_clip and sharded):
+        return loss
+    call = env.dtensor_clip_call_s(mesh)
+    return loss + (call if call > 0 else env.step_reduce_s(ranks, together=together))
+
+
+def loop_s(env: Env) -> tuple[float, float]:
+    """(seconds per step, seconds per micro-batch) of the training step's own Python, as
+    calibrated ([Note: loop overhead] in planner/calibrate_worker.py), slowed like all CPU work by
+    shared cores; (0, 0) without a profile that measured it."""
+    prof = env.profile
+    if prof is None:
+        return 0.0, 0.0
+    return prof.loop_step_s * env.cpu_slowdown, prof.loop_microbatch_s * env.cpu_slowdown
+
+
+def input_bytes(block: BlockStats) -> float:
+    """Bytes per sample of ``block``'s input (what a pipeline stage receives in its forward and
+    sends back as a gradient): its output scaled back through its first Linear."""
+    if block.linears:
+        fan_in, fan_out = block.linears[0]
+        return (
+            block.output_bytes * fan_in / fan_out if block.rows_per_sample else block.output_bytes
+        )
+    return block.output_bytes
