@@ -9,7 +9,6 @@ import pytest
 from polytrain.pipeline.schedule import bubble_fraction
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
-from polytrain.planner.cost.common import concurrent_rate
 from polytrain.planner.cost.dp import bucket_sizes, dp_backward
 from polytrain.planner.cost.overlap import overlap
 from polytrain.planner.cost.pipeline import (
@@ -19,6 +18,7 @@ from polytrain.planner.cost.pipeline import (
     simulate_shared,
 )
 from polytrain.planner.cost.ps import ps_step
+from polytrain.planner.cost.rates import concurrent_rate
 from polytrain.planner.cost.sufficient_factor import dense_s, sf_s
 from polytrain.planner.cost.zero import zero_step
 from polytrain.planner.stats_pure import gpt_stats
@@ -411,7 +411,7 @@ def test_small_weights_run_their_matmuls_at_the_calibrated_small_size_rate() -> 
     """[Note: matmul size]: a block of 128-wide Linears is priced at the 128 rate, one of
     1024-wide Linears at the largest size's, one in between by log-log interpolation; without
     rates by size (or Linear shapes) the single calibrated rate stays."""
-    from polytrain.planner.cost.common import size_rate
+    from polytrain.planner.cost.rates import size_rate
     from polytrain.planner.types import BlockStats
 
     by_size = {128: 4e9, 1024: 10e9}

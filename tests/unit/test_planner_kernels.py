@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from polytrain.config.job import JobConfig, ModelConfig
 from polytrain.planner.cluster import parse_cluster
-from polytrain.planner.cost.common import Env, grid_rate
+from polytrain.planner.cost.common import Env
+from polytrain.planner.cost.rates import grid_rate
 from polytrain.planner.kernels import AttentionCounter, attention_rates, gemm_rates
 from polytrain.planner.stats import model_stats
 from polytrain.planner.types import BlockStats

@@ -41,7 +41,7 @@ from polytrain.planner.calibrate_worker import (
     rank_loop_overhead,
     rank_pipeline_steps,
 )
-from polytrain.planner.cost.common import host_slowdown
+from polytrain.planner.cost.rates import host_slowdown
 from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
 from polytrain.planner.host import (
     host_identity,
