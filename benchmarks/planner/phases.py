@@ -4,8 +4,8 @@ The real `SPMDStrategy` of the default job (gpt tiny, or ``--model mlp``) under 
 `parallel.family.build_spmd` on gloo ranks (`testing.run_distributed`, one thread each), runs
 3 warm-up steps and then ``--steps`` steps timed phase by phase as `core.step.finish_step` runs
 them: forward, backward, the non-finite check, the loss and flag reduction, the clip (by
-`parallel.grad_norm`), the optimizer step. Prints rank 0's median of each (ms), one JSON line
-per layout. ``--profile`` adds one `torch.profiler` step's operator table on rank 0.
+`parallel.grad_norm`), the optimizer step. Prints rank 0's median of each (ms) and under
+"means" their means (what the trainer's step time is), one JSON line per layout. ``--profile`` adds one `torch.profiler` step's operator table on rank 0.
 
     PYTHONPATH=src:. python benchmarks/planner/phases.py --layouts dp2,zero2,zero3,tp2,dp2-tp2
 
@@ -89,6 +89,9 @@ def _rank(
     for n in range(3, 3 + steps):
         step(n, True)
     out: dict[str, Any] = {phase: round(statistics.median(v), 2) for phase, v in times.items()}
+    # the trainer times a step's mean: a phase whose mean is well above its median waits now
+    # and then (docs/planner.md "Ranks' skew": waiting per synchronization)
+    out["means"] = {phase: round(statistics.mean(v), 2) for phase, v in times.items()}
     out["tensors"] = len(params)
     out["dtensors"] = sum(isinstance(p, DTensor) for p in params)
     if profile:
