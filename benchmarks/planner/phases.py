@@ -5,7 +5,8 @@ The real `SPMDStrategy` of the default job (gpt tiny, or ``--model mlp``) under 
 3 warm-up steps and then ``--steps`` steps timed phase by phase as `core.step.finish_step` runs
 them: forward, backward, the non-finite check, the loss and flag reduction, the clip (by
 `parallel.grad_norm`), the optimizer step. Prints rank 0's median of each (ms) and under
-"means" their means (what the trainer's step time is), one JSON line per layout. ``--profile`` adds one `torch.profiler` step's operator table on rank 0.
+"means" their means (what the trainer's step time is), one JSON line per layout.
+``--profile`` adds one `torch.profiler` step's operator table on rank 0.
 
     PYTHONPATH=src:. python benchmarks/planner/phases.py --layouts dp2,zero2,zero3,tp2,dp2-tp2
 
