@@ -14,7 +14,7 @@ __all__ = ["concurrent_rate", "grid_rate", "host_slowdown", "interpolated", "siz
 
 def size_rate(by_size: dict[int, float], dim: float) -> float:
     """The calibrated matmul rate at size ``dim``: log-log interpolation between the measured
-    sizes, clamped to their range; [Note: matmul size]."""
+    sizes, clamped to their range; [Note: matmul size] in cost/common.py."""
     sizes = sorted(by_size)
     if dim <= sizes[0]:
         return by_size[sizes[0]]
@@ -28,7 +28,8 @@ def size_rate(by_size: dict[int, float], dim: float) -> float:
 
 def grid_rate(grid: dict[tuple[int, int], float], t: float, d: float) -> float:
     """The rate at (``t``, ``d``) of a calibrated grid (the product of two axes): bilinear in
-    log-log between the measured points, clamped to their range; [Note: attention kernels]."""
+    log-log between the measured points, clamped to their range; [Note: attention kernels] in
+    planner/kernels.py."""
     ts, ds = sorted({k[0] for k in grid}), sorted({k[1] for k in grid})
 
     def bracket(axis: list[int], x: float) -> tuple[int, int, float]:
