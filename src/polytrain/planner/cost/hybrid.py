@@ -156,7 +156,7 @@ def _ps(
     tensors = sum(b.tensors for b in stats.blocks)
     parts = ("check", "clip") if stats.grad_clip else ("check",)
     compute += env.step_cost_s(parts, tensors, float(stats.param_bytes))
-    per_step, per_micro = loop_s(env)  # a worker's own loop ([Note: loop overhead])
+    per_step, per_micro = loop_s(env)  # a worker's own loop (see `cost.parts.loop_s`)
     loop = per_step + per_micro
     # sync: every worker waits for the slowest at the servers each step ([Note: ranks' skew])
     skew = env.skew_s(compute, layout.dp) if layout.ps_mode == "sync" else 0.0
@@ -194,7 +194,7 @@ def _decentralized(
         env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
     )
     opt = end_of_step_s(layout, stats, env, stats.blocks)
-    per_step, per_micro = loop_s(env)  # [Note: loop overhead]
+    per_step, per_micro = loop_s(env)  # see `cost.parts.loop_s`
     loop = per_step + per_micro
     model_bytes = float(stats.param_bytes)  # the flat fp32 model (gossip.compress = "none")
     if layout.sync == "gossip":

@@ -44,7 +44,8 @@ def block_times(
         ends = {"first": k == first, "last": k == last}
         comm_f = tp_comm_s(env, b, samples, tp, **ends)
         comm_b = tp_comm_s(env, b, samples, tp, backward=True, **ends)
-        # [Note: DTensor module overhead]: half of a forward + backward's dispatch in each pass
+        # [Note: DTensor module overhead] in planner/probes.py: half of a forward + backward's
+        # dispatch in each pass
         dispatch = tp_dispatch_s(env, b, tp) / 2
         f = env.fwd_s(b, samples, tp) + comm_f + dispatch
         bw = env.bwd_s(b, samples, tp) + comm_b + dispatch + (f if recompute else 0.0)

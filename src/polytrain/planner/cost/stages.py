@@ -127,9 +127,10 @@ def _pipeline_stages(
     n = len(stats.blocks)
     fwd_s, bwd_s, send_f, send_b, tp_total = [], [], [], [], 0.0
     start = 0
-    # [Note: loop overhead]: every stage calls its module and runs a backward per micro-batch
-    # (the first fetches its inputs, the last its targets), so a micro-batch's share of the
-    # loop's Python goes half into each F and B of every stage, through the simulation
+    # [Note: loop overhead] in planner/calibrate_worker.py: every stage calls its module and
+    # runs a backward per micro-batch (the first fetches its inputs, the last its targets), so
+    # a micro-batch's share of the loop's Python goes half into each F and B of every stage,
+    # through the simulation
     per_micro = loop_s(env)[1]
     action_s, flush_s = _pipeline_runtime(env, layout.schedule)
     pp_stride = layout.dp * layout.tp  # pp is the outermost mesh axis
