@@ -75,7 +75,8 @@ def host_slowdown(n: float, *, step: dict[int, float], matmul: dict[int, float])
     """How much slower one process computes with ``n`` computing at once than alone (>= 1): the
     measured ``step`` slowdowns (count -> factor, [Note: shared cores, measured on a step] in
     planner/contention.py) read as rates 1 / factor (shared evenly past the largest count), else
-    the concurrent ``matmul`` rates (count -> FLOP/s of each), else 1. [Note: shared cores] in cost/common.py"""
+    the concurrent ``matmul`` rates (count -> FLOP/s of each), else 1. [Note: shared cores] in
+    cost/common.py."""
     rates = matmul
     if step:
         rates = {1: 1.0, **{k: 1.0 / v for k, v in step.items() if v > 0}}
