@@ -38,6 +38,7 @@ from polytrain.parallel.spmd import SPMDStrategy
 from polytrain.testing.harness import run_distributed
 
 LAYOUTS: dict[str, dict[str, int]] = {
+    "dp1": {"parallel.dp": 1},
     "dp2": {"parallel.dp": 2},
     "zero2": {"parallel.dp": 2, "parallel.zero": 2},
     "zero3": {"parallel.dp": 2, "parallel.zero": 3},
@@ -119,7 +120,7 @@ def main() -> None:
         raise SystemExit(f"--layouts: unknown {bad}; known: {', '.join(LAYOUTS)}")
     run: Callable[..., list[dict[str, Any]]] = run_distributed
     for name in names:
-        world = 4 if name == "dp2-tp2" else 2
+        world = {"dp1": 1, "dp2-tp2": 4}.get(name, 2)
         first = run(_rank, world, args.model, name, args.steps, args.profile, timeout_s=600.0)[0]
         table = first.pop("table", None)
         print(name, json.dumps(first), flush=True)

@@ -57,7 +57,9 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert "tp all-reduce" in first.stdout
     # [Note: shared cores, measured on a step]: two processes at once, a positive factor
     assert set(profile.step_slowdown) == {2} and profile.step_slowdown[2] > 0
-    # [Note: ranks' skew]: a share of the step, per world size the plan runs
+    # [Note: ranks' skew]: seconds per synchronization and a share of the compute between,
+    # per world size the plan runs
+    assert set(profile.sync_wait_s) == {2} and 0 <= profile.sync_wait_s[2] < 0.1
     assert set(profile.step_skew) == {2} and 0 <= profile.step_skew[2] < 1
     # [Note: DTensor clip per call]: seconds per call on a mesh of each world size
     assert set(profile.dtensor_clip_call_s) == {2} and 0 <= profile.dtensor_clip_call_s[2] < 1

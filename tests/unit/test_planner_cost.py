@@ -573,3 +573,45 @@ def test_ranks_that_wait_for_each_other_pay_the_calibrated_skew() -> None:
     assert extra(Layout(dp=2, sync="ps", ps_servers=1, ps_mode="async")) == 0.0
     assert extra(Layout(pp=2, microbatches=2)) == 0.0
     assert extra(Layout()) == 0.0
+
+
+def test_each_synchronization_priced_apart_pays_the_calibrated_wait() -> None:
+    """[Note: ranks' skew], [Note: synchronizations priced apart]: beside the share of its
+    compute, a step pays the calibrated seconds per synchronization for each collective whose
+    price was timed without compute before it: DDP's one bucket, FSDP2's replicate's one
+    all-reduce per block, each tensor-parallel collective of every micro-step (recomputation's
+    forward again), the DTensor clip's norm; not the end of step's reduce or FSDP2's
+    in-step-timed gathers."""
+    prof = _cpu_profile(sync_wait_s={2: 1e-3, 4: 2e-3})
+    four = Env(parse_cluster("1x4xcpu"), profile=prof)
+    assert four.skew_s(0.0, 2, syncs=3) == pytest.approx(3e-3)
+    assert four.skew_s(0.0, 3, syncs=1) == pytest.approx(1.5e-3)
+    assert four.skew_s(0.0, 1, syncs=3) == 0.0
+    assert Env(parse_cluster("2x2xcpu:eth10"), profile=prof).skew_s(0.0, 4, syncs=3) == 0.0
+    assert Env(parse_cluster("1x4xA100-40GB"), profile=prof).skew_s(0.0, 4, syncs=3) == 0.0
+
+    stats = gpt_stats(n_layer=2, n_embd=64, n_head=4, block_size=16, vocab_size=64)
+    col = TPModule("colwise", 64, 2, 256.0, 256.0, linear=(64, 64))  # a backward all-reduce
+    row = TPModule("rowwise", 64, 2, 256.0, 256.0, linear=(64, 64))  # a forward all-reduce
+    planned = replace(stats, blocks=tuple(replace(b, tp_modules=(col, row)) for b in stats.blocks))
+    call = {2: 1e-3}  # the clip's per call figure, with and without the waits
+    clipped = Env(parse_cluster("1x4xcpu"), profile=_cpu_profile(dtensor_clip_call_s=call))
+    plain = Env(parse_cluster("1x4xcpu"), profile=_cpu_profile())
+
+    def syncs(layout: Layout, model: ModelStats = stats, clip: bool = False) -> float:
+        base = clipped if clip else plain
+        env = replace(base, profile=replace(base.profile, sync_wait_s={2: 1e-3, 4: 2e-3}))
+        waits = predict(layout, model, env, 8).step_s - predict(layout, model, base, 8).step_s
+        return waits / (1e-3 if layout.devices == 2 else 2e-3)
+
+    blocks = len(stats.blocks)
+    assert syncs(Layout(dp=2)) == pytest.approx(1)  # one bucket
+    assert syncs(Layout(tp=2), planned) == pytest.approx(2 * blocks)
+    assert syncs(Layout(tp=2), planned, clip=True) == pytest.approx(2 * blocks + 1)
+    assert syncs(Layout(tp=2, recompute=True), planned) == pytest.approx(3 * blocks)
+    assert syncs(Layout(tp=2, grad_accum=2), planned) == pytest.approx(4 * blocks)
+    assert syncs(Layout(dp=2, tp=2), planned) == pytest.approx(blocks + 2 * blocks)
+    assert syncs(Layout(dp=2, zero=3)) == pytest.approx(0)
+    assert syncs(Layout(dp=2, zero=3), clip=True) == pytest.approx(1)
+    assert syncs(Layout(pp=2, microbatches=2)) == 0.0
+    assert syncs(Layout(dp=2, sync="ps", ps_servers=1, ps_mode="sync")) == 0.0

@@ -48,6 +48,7 @@ PROFILE = cpu_profile(
     collectives={"all_reduce": {2: Curve(((16.0, 1e-3), (2**20, 5e-3)))}},
     tp_in_step={2: Curve(((1e3, 1e-3),))},
     reduce_in_step={2: 4e-4},
+    sync_wait_s={2: 6e-4},
     step_skew={2: 0.03},
     dtensor_clip_call_s={2: 2e-3},
     ps_exchange_s={"sync": {1: 2e-3}},
@@ -92,6 +93,7 @@ def test_each_family_moves_with_its_figure_and_the_wire_stays() -> None:
     assert slow.speed["matmul fp32"] == 0.8e11  # the figures describe the host now
     wire = ("collectives", "tp_in_step", "fsdp_in_step", "reduce_in_step", "ps_exchange_s")
     wire += ("dtensor_clip_call_s",)  # mostly its norm's all-reduce: [Note: DTensor clip per call]
+    wire += ("sync_wait_s",)  # the others' stalls: [Note: ranks' skew]
     for same in (*wire, "step_slowdown", "step_skew"):  # shares of the step: no speed in them
         assert getattr(slow, same) == getattr(PROFILE, same)
 

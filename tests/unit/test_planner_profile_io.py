@@ -33,6 +33,7 @@ def _profile() -> HostProfile:
         runtime_bytes=4.5e7,
         matmul_concurrent={1: 5e10, 4: 2.5e10},
         step_slowdown={2: 1.1, 4: 2.4},
+        sync_wait_s={2: 6e-4, 4: 1.1e-3},
         step_skew={2: 0.03, 4: 0.07},
         dtensor_clip_call_s={2: 1.9e-3, 4: 2.8e-3},
         step_costs={"adamw": (2e-5, 3e-10), "check": (4e-6, 1e-11), "dtensor adamw": (1e-4, 0)},

@@ -71,7 +71,9 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
         table.add_row(f"transformer layer step, {n} processes at once", f"{factor:.2f}x alone")
     for n, share in sorted(profile.step_skew.items()):  # [Note: ranks' skew]
         what = f"waiting for the slowest of {n} ranks every step"
-        table.add_row(what, f"+{share:.1%} of the step's compute")
+        wait = profile.sync_wait_s.get(n)
+        per_sync = f"{wait * 1e3:.2f} ms per synchronization + " if wait is not None else "+"
+        table.add_row(what, f"{per_sync}{share:.1%} of the compute between")
     for n, secs in sorted(profile.dtensor_clip_call_s.items()):  # [Note: DTensor clip per call]
         table.add_row(f"clip over DTensor gradients, mesh of {n}", f"{secs * 1e3:.2f} ms per call")
     if profile.op_s > 0:

@@ -331,6 +331,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
         threads=threads,
         matmul_concurrent=concurrent,
         step_slowdown=slowdown,
+        sync_wait_s=worlds.sync_wait,
         step_skew=worlds.step_skew,
         step_costs=costs,
         op_s=op_s,

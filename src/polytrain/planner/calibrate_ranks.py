@@ -17,7 +17,7 @@ import torch
 
 from polytrain.comm.collectives import barrier
 from polytrain.comm.probe import COLLECTIVES, time_collective
-from polytrain.planner.contention import rank_reduce_in_step, rank_step_skew, rank_step_slowdown
+from polytrain.planner.contention import rank_reduce_in_step, rank_step_slowdown, rank_sync_wait
 from polytrain.planner.probes import rank_dtensor_clip_call, rank_fsdp_in_step, rank_tp_in_step
 from polytrain.planner.timing import Rounds, median_and_spread
 from polytrain.planner.types import Curve
@@ -97,8 +97,9 @@ def rank_collectives(
     first sweep: 4 calls where the single run of before made 3 to 6), and its seconds are the
     median of the sweeps; the matmul's rounds run between the sweeps, every rank's after a
     barrier. Under "step_slowdown" (world, rank 0's `rank_step_slowdown`: [Note: shared cores,
-    measured on a step] in planner/contention.py), under "step_skew" (world, `rank_step_skew`:
-    [Note: ranks' skew]), under "reduce_in_step" (world, `rank_reduce_in_step`: [Note: the
+    measured on a step] in planner/contention.py), under "sync_wait" (world, seconds per
+    synchronization) and "step_skew" (world, share) the two of `rank_sync_wait` ([Note: ranks'
+    skew]), under "reduce_in_step" (world, `rank_reduce_in_step`: [Note: the
     step's reductions in a step]), under "dtensor_clip_call" (world, `rank_dtensor_clip_call`:
     [Note: DTensor clip per call] in planner/probes.py)."""
     cpu = torch.device("cpu")
@@ -129,7 +130,9 @@ def rank_collectives(
     out["matmul"] = [(float(matmul_n), rate)]
     out["matmul_spread"] = [(float(matmul_n), spread)]
     out["step_slowdown"] = [(float(world), rank_step_slowdown(rank, world, budget_s / 4))]
-    out["step_skew"] = [(float(world), rank_step_skew(rank, world))]
+    wait, share = rank_sync_wait(rank, world)
+    out["sync_wait"] = [(float(world), wait)]
+    out["step_skew"] = [(float(world), share)]
     out["reduce_in_step"] = [(float(world), rank_reduce_in_step(rank, world))]
     out["dtensor_clip_call"] = [(float(world), rank_dtensor_clip_call(rank, world))]
     return out
@@ -142,7 +145,8 @@ class WorldFigures:
     collectives: dict[str, dict[int, Curve]]  # op -> world -> (bytes, seconds)
     matmul_concurrent: dict[int, float]  # fp32 FLOP/s of the slowest rank, all multiplying
     step_slowdown: dict[int, float]  # [Note: shared cores, measured on a step]
-    step_skew: dict[int, float]  # [Note: ranks' skew]
+    sync_wait: dict[int, float]  # [Note: ranks' skew]: seconds per synchronization
+    step_skew: dict[int, float]  # [Note: ranks' skew]: share of the compute between them
     reduce_in_step: dict[int, float]  # [Note: the step's reductions in a step]
     dtensor_clip_call: dict[int, float]  # [Note: DTensor clip per call]
     spread: dict[str, float]  # [Note: timing rounds]
@@ -157,7 +161,7 @@ def measure_worlds(
 ) -> WorldFigures:
     """`rank_collectives` on each of ``world_sizes`` (p2p on two ranks only), one launch each;
     ``tell`` hears each world size done."""
-    figures = WorldFigures({op: {} for op in COLLECTIVES}, {}, {}, {}, {}, {}, {})
+    figures = WorldFigures({op: {} for op in COLLECTIVES}, {}, {}, {}, {}, {}, {}, {})
     for world in world_sizes:
         ops = COLLECTIVES if world == 2 else tuple(op for op in COLLECTIVES if op != "p2p")
         results = run_distributed(
@@ -172,7 +176,8 @@ def measure_worlds(
         )
         figures.matmul_concurrent[world] = min(r.pop("matmul")[0][1] for r in results)  # slowest
         figures.step_slowdown[world] = results[0]["step_slowdown"][0][1]  # rank 0's: the figure
-        figures.step_skew[world] = results[0]["step_skew"][0][1]  # every rank's: the slowest
+        figures.sync_wait[world] = results[0]["sync_wait"][0][1]  # every rank's: the slowest
+        figures.step_skew[world] = results[0]["step_skew"][0][1]  # likewise
         figures.reduce_in_step[world] = results[0]["reduce_in_step"][0][1]  # likewise
         figures.dtensor_clip_call[world] = results[0]["dtensor_clip_call"][0][1]  # likewise
         figures.spread[f"matmul fp32, {world} at once"] = max(

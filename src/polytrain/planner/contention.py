@@ -3,8 +3,8 @@
 Three probes, each run on every world size the calibration measures and kept per rank count in
 the `HostProfile`: how much slower one process computes beside the others ([Note: shared
 cores, measured on a step]: `step_slowdown`), how much a step that waits for every rank adds
-for the slowest of them ([Note: ranks' skew]: `step_skew`), and what the end of step's small
-all-reduces cost between the ranks' compute ([Note: the step's reductions in a step]:
+for the slowest of them ([Note: ranks' skew]: `sync_wait_s`, `step_skew`), and what the end of
+step's small all-reduces cost between the ranks' compute ([Note: the step's reductions in a step]:
 `reduce_in_step`).
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from polytrain.planner.timing import synchronised_seconds, timed
 
-__all__ = ["rank_reduce_in_step", "rank_step_skew", "rank_step_slowdown"]
+__all__ = ["rank_reduce_in_step", "rank_step_slowdown", "rank_sync_wait"]
 
 
 def _layer_step() -> Callable[[], None]:
@@ -85,57 +85,77 @@ def rank_step_slowdown(rank: int, world: int, budget_s: float) -> float:
 # 2-vCPU Xeon VM (2026-11-27, gpt tiny's forward + backward of 16 samples on two ranks, a
 # one-float all-reduce after each step against none): 2-4% more per step on two ranks, 7-8% on
 # four; the two-rank gpt tiny layouts of the planner benchmark read 5-20% slower than priced in
-# every run of 2026-11-26, where dp1 was priced within 3%. `rank_step_skew` times rounds of
-# `_SKEW_STEPS` steps of a few transformer layers each (~40 ms on that VM), free and with that
-# all-reduce after each step, and the all-reduce alone; the figure is the median over rounds of
-# (synced - all-reduce) / free - 1, >= 0: the share of a step's compute that waiting for the
-# slowest rank adds. `calibrate` keeps it per rank count (`HostProfile.step_skew`), and
-# `Env.skew_s` adds that share of each rank's own work (compute, the end of step, FSDP2's
-# hooks, the loop) to the layouts whose ranks all wait for each other every step (data and
-# tensor parallel, ZeRO, their hybrids; a synchronous parameter server's workers, their
-# compute with its check and clip). A pipeline's waits are its simulated schedule's;
-# asynchronous modes wait for nobody. The one-float all-reduce is priced apart
-# (`Env.step_reduce_s`), hence taken out.
-_SKEW_LAYERS = 4  # transformer layers per step of the skew probe
+# every run of 2026-11-26, where dp1 was priced within 3%.
+# The wait is mostly a price per synchronization, not a share of the step: on the 2-vCPU AMD
+# VM (2026-11-27 21:20), compute then a one-float all-reduce, against the compute alone and
+# the all-reduce alone, waited 0.7-1.0 ms per synchronization after 2.4-3 ms of matmuls and
+# 0.8-1.9 ms after a 27 ms transformer layer on two ranks; 0.9-1.2 and 2.0-2.1 ms on four.
+# Read as a share of the compute alone (the first version of this probe, 4 layers) it priced
+# the mlp tiny's steps of a few ms, with two to five synchronizations each, at 0.06 ms where
+# `benchmarks/planner/phases.py` found ~0.8 ms per synchronizing phase (each phase's mean over
+# its median). `rank_sync_wait` times rounds of `_SKEW_STEPS` steps of two lengths (`_SHORT`
+# matmuls of 160, then one transformer layer), free and with that all-reduce after each, and
+# the all-reduce alone; over the rounds' medians it fits wait = a + b x compute through the
+# two lengths: ``a`` seconds per synchronization (`HostProfile.sync_wait_s`) and ``b`` the
+# share of the compute between them (`HostProfile.step_skew`), both >= 0, per rank count.
+# `Env.skew_s` prices ``a`` for each synchronization a layout's step makes at a price timed
+# without compute before it (DDP's buckets and FSDP2's replicate at the isolated curves,
+# tensor parallelism's collectives, the DTensor clip's norm: [Note: synchronizations priced
+# apart] in cost/hybrid.py) and ``b`` of each rank's own work (compute, the end of step,
+# FSDP2's hooks, the loop) for the layouts whose ranks all wait for each other every step
+# (data and tensor parallel, ZeRO, their hybrids; a synchronous parameter server's workers pay
+# the share of their compute with its check and clip: their exchange's figure is timed in the
+# real step loop, its waits in it). A pipeline's waits are its simulated schedule's;
+# asynchronous modes wait for nobody. The one-float all-reduce is priced
+# apart (`Env.step_reduce_s`), hence taken out.
 _SKEW_STEPS = 6  # steps per timed run
-_SKEW_ROUNDS = 8
+_SKEW_ROUNDS = 12
 _SKEW_REDUCES = 20  # back-to-back all-reduces timed for the one the synced steps carry
+_SHORT = 10  # 160 x 160 matmuls of the short step (a few ms on a 2-vCPU VM)
 
 
-def rank_step_skew(rank: int, world: int) -> float:
-    """[Note: ranks' skew] The share of a step's compute that waiting for the slowest of
-    ``world`` ranks adds when they all synchronize after every step (every rank answers the
-    same figure)."""
+def rank_sync_wait(rank: int, world: int) -> tuple[float, float]:
+    """[Note: ranks' skew] (seconds per synchronization, share of the compute between them)
+    that waiting for the slowest of ``world`` ranks adds when they all synchronize after every
+    step (every rank answers the same figures)."""
     layer = _layer_step()
+    a = torch.randn(160, 160)
     flag = torch.zeros(1)
 
-    def compute() -> None:
-        for _ in range(_SKEW_LAYERS):
-            layer()
-
-    def synced() -> None:
-        compute()
-        torch.distributed.all_reduce(flag)
+    def short() -> None:
+        for _ in range(_SHORT):
+            torch.mm(a, a)
 
     def reduce() -> None:
         torch.distributed.all_reduce(flag)
 
-    def slowest(fn: Callable[[], None], calls: int) -> float:
+    def slowest(fn: Callable[[], None], calls: int, then: Callable[[], None] | None) -> float:
         torch.distributed.barrier()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+            if then is not None:
+                then()
         mean = torch.tensor([(time.perf_counter() - t0) / calls])
         torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.MAX)
         return float(mean.item())
 
-    synced()
-    shares = []
+    layer()
+    reduce()
+    free: dict[int, list[float]] = {0: [], 1: []}
+    waited: dict[int, list[float]] = {0: [], 1: []}
     for _ in range(_SKEW_ROUNDS):
-        free = slowest(compute, _SKEW_STEPS)
-        waited = slowest(synced, _SKEW_STEPS) - slowest(reduce, _SKEW_REDUCES)
-        shares.append(waited / free - 1.0)
-    return max(statistics.median(shares), 0.0)
+        alone = slowest(reduce, _SKEW_REDUCES, None)
+        for k, compute in enumerate((short, layer)):
+            bare = slowest(compute, _SKEW_STEPS, None)
+            free[k].append(bare)
+            waited[k].append(slowest(compute, _SKEW_STEPS, reduce) - alone - bare)
+    (c0, c1), (w0, w1) = (
+        [statistics.median(free[k]) for k in (0, 1)],
+        [statistics.median(waited[k]) for k in (0, 1)],
+    )
+    share = max((w1 - w0) / (c1 - c0), 0.0) if c1 > c0 else 0.0
+    return max(w0 - share * c0, 0.0), share
 
 
 # [Note: the step's reductions in a step]

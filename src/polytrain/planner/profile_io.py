@@ -71,6 +71,7 @@ def profile_to_dict(profile: HostProfile, identity: dict[str, str] | None = None
         "threads": profile.threads,
         "matmul_concurrent": {str(n): v for n, v in profile.matmul_concurrent.items()},
         "step_slowdown": {str(n): v for n, v in profile.step_slowdown.items()},
+        "sync_wait_s": {str(n): v for n, v in profile.sync_wait_s.items()},
         "step_skew": {str(n): v for n, v in profile.step_skew.items()},
         "dtensor_clip_call_s": {str(n): v for n, v in profile.dtensor_clip_call_s.items()},
         "step_costs": {part: list(pair) for part, pair in profile.step_costs.items()},
@@ -128,6 +129,8 @@ def profile_from_dict(data: dict[str, Any]) -> HostProfile:
         matmul_concurrent={int(n): float(v) for n, v in data.get("matmul_concurrent", {}).items()},
         # older profiles: the slowdown from the matmul rates
         step_slowdown={int(n): float(v) for n, v in data.get("step_slowdown", {}).items()},
+        # older profiles: the share alone ([Note: ranks' skew])
+        sync_wait_s={int(n): float(v) for n, v in data.get("sync_wait_s", {}).items()},
         step_skew={int(n): float(v) for n, v in data.get("step_skew", {}).items()},
         dtensor_clip_call_s={
             int(n): float(v) for n, v in data.get("dtensor_clip_call_s", {}).items()

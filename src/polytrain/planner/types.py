@@ -264,9 +264,11 @@ class HostProfile:
     # takes on each than on one alone ([Note: shared cores, measured on a step] in
     # planner/contention.py); {} = not measured (the matmul rates above decide)
     step_slowdown: dict[int, float] = field(default_factory=dict)
-    # ranks that wait for each other every step -> the share of a step's compute that waiting
-    # for the slowest of them adds ([Note: ranks' skew] in planner/contention.py); {} = not
-    # measured (none priced)
+    # ranks that wait for each other every step -> the seconds that waiting for the slowest of
+    # them adds per synchronization, and the share of the compute between synchronizations it
+    # adds ([Note: ranks' skew] in planner/contention.py); {} = not measured (none priced;
+    # profiles saved before the seconds were measured hold the share alone)
+    sync_wait_s: dict[int, float] = field(default_factory=dict)
     step_skew: dict[int, float] = field(default_factory=dict)
     # ranks of a mesh -> seconds per call of the clip over DTensor gradients on it beyond its
     # per-tensor cost, its norm's all-reduce included ([Note: DTensor clip per call] in

@@ -289,14 +289,17 @@ class Env:
         reduce = self.collective_s("all_reduce", nbytes, tp, stride)
         return in_step * isolated / reduce if reduce > 0 else isolated
 
-    def skew_s(self, compute_s: float, ranks: int, stride: int = 1) -> float:
-        """Seconds that waiting for the slowest of ``ranks`` ranks adds to ``compute_s`` seconds
-        of compute between their synchronizations ([Note: ranks' skew] in
-        planner/contention.py): the calibrated share for that many ranks (between two measured
-        counts, in proportion; past them, the nearest) on a calibrated CPU host whose group
-        stays on it; 0 otherwise (not measured: an accelerator's, or across hosts)."""
-        share = self._on_host(self.profile.step_skew if self.profile else {}, ranks, stride)
-        return compute_s * share if share is not None else 0.0
+    def skew_s(self, compute_s: float, ranks: int, syncs: float = 0.0, stride: int = 1) -> float:
+        """Seconds that waiting for the slowest of ``ranks`` ranks adds to a step with
+        ``compute_s`` seconds of each rank's own work and ``syncs`` synchronizations priced
+        without that wait ([Note: ranks' skew] in planner/contention.py): the calibrated
+        seconds per synchronization and share of the compute for that many ranks (between two
+        measured counts, in proportion; past them, the nearest) on a calibrated CPU host whose
+        group stays on it; 0 otherwise (not measured: an accelerator's, or across hosts)."""
+        prof = self.profile
+        share = self._on_host(prof.step_skew if prof else {}, ranks, stride)
+        wait = self._on_host(prof.sync_wait_s if prof else {}, ranks, stride)
+        return compute_s * (share or 0.0) + syncs * (wait or 0.0)
 
     def dtensor_clip_call_s(self, ranks: int) -> float:
         """Seconds per step of the clip over DTensor gradients on a mesh of ``ranks`` beyond its

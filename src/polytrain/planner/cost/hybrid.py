@@ -15,11 +15,12 @@ from dataclasses import replace
 
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.decentralized import gossip_exchange_s, localsgd_average_s
-from polytrain.planner.cost.dp import dp_backward, replicate_backward
-from polytrain.planner.cost.parts import block_times, end_of_step_s, loop_s
+from polytrain.planner.cost.dp import bucket_sizes, dp_backward, replicate_backward
+from polytrain.planner.cost.parts import block_times, dtensor_mesh, end_of_step_s, loop_s
 from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.stages import stages_step
 from polytrain.planner.cost.sufficient_factor import sf_block_s
+from polytrain.planner.cost.tp import tp_collectives
 from polytrain.planner.cost.zero import zero_step
 from polytrain.planner.memory import memory_per_rank, ps_server_memory
 from polytrain.planner.partition import balanced_stages
@@ -113,7 +114,8 @@ def _spmd(
     loop = per_step + per_micro * layout.grad_accum
     # every rank waits for every other each step (the collectives, the end of step's reduce):
     # for the stalls of the others' own work since ([Note: ranks' skew] in planner/contention.py)
-    skew = env.skew_s(compute - tp_s + opt + fsdp + loop, dp * layout.tp)
+    syncs = _syncs(layout, stats, env, grad_bytes)
+    skew = env.skew_s(compute - tp_s + opt + fsdp + loop, dp * layout.tp, syncs)
     step += opt + fsdp + loop + skew
     return step, {
         "compute": compute - tp_s,
@@ -126,6 +128,44 @@ def _spmd(
         "loop": loop,
         "skew": skew,
     }
+
+
+# [Note: synchronizations priced apart]
+# The wait for the slowest rank at a synchronization ([Note: ranks' skew] in
+# planner/contention.py) is in the price of the collectives whose figures were timed in a step,
+# between compute: the end of step's [loss, flag] reduce (`reduce_in_step`) and FSDP2's
+# gathers and reduce-scatters (`fsdp_in_step`). The others are priced without it, and
+# `_syncs` counts them for `Env.skew_s`: DDP's bucket all-reduces and FSDP2's replicate's
+# per-block ones (the isolated curves, timed from a barrier), tensor parallelism's collectives
+# (`tp_in_step`: the slope over chained Linear pairs with next to no compute between them),
+# and the DTensor clip's norm (`dtensor_clip_call_s`, timed from a barrier). A gradient
+# accumulation's micro-steps repeat the tensor-parallel ones (and recomputation their
+# forward's); DDP and replicate synchronize on the last micro-step only.
+def _syncs(layout: Layout, stats: ModelStats, env: Env, grad_bytes: Sequence[float]) -> float:
+    """Synchronizations a step of an SPMD ``layout`` makes at a price without the wait for the
+    slowest rank ([Note: synchronizations priced apart])."""
+    blocks, dp, tp = stats.blocks, layout.dp, layout.tp
+    n = len(blocks)
+    syncs = 0.0
+    if dp > 1 and not layout.zero and not layout.sufficient_factor:
+        if tp > 1:  # FSDP2's replicate: one all-reduce per block
+            syncs += n
+        else:  # DDP: one per bucket
+            buckets = bucket_sizes(list(reversed(grad_bytes)), env.bucket_bytes)
+            syncs += sum(count for per_block in buckets for count, _ in per_block)
+    if tp > 1:
+        # forward, backward, and with recomputation the forward's again
+        passes = (False, True, False) if layout.recompute else (False, True)
+        per_micro = sum(
+            tp_collectives(b, tp, first=k == 0, last=k == n - 1, backward=backward)
+            for k, b in enumerate(blocks)
+            for backward in passes
+        )
+        syncs += per_micro * layout.grad_accum
+    sharded = tp > 1 or layout.zero >= 2
+    if stats.grad_clip and sharded and env.dtensor_clip_call_s(dtensor_mesh(layout, blocks)) > 0:
+        syncs += 1
+    return syncs
 
 
 def _fsdp_unit_split(

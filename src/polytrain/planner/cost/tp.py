@@ -36,7 +36,13 @@ from __future__ import annotations
 from polytrain.planner.cost.common import Env
 from polytrain.planner.types import BlockStats, TPModule
 
-__all__ = ["collectives_per_pass", "module_collectives", "tp_comm_s", "tp_dispatch_s"]
+__all__ = [
+    "collectives_per_pass",
+    "module_collectives",
+    "tp_collectives",
+    "tp_comm_s",
+    "tp_dispatch_s",
+]
 
 # style -> ((forward op, on its "in" or "out" bytes) ..., ), ((backward ...), ...)
 _COLLECTIVES: dict[str, tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]] = {
@@ -92,6 +98,18 @@ def tp_comm_s(
     if last:  # the head's collective moves the (small) input, not the vocabulary-wide logits
         nbytes = _input_bytes(block) * samples
     return n * env.tp_collective_s("all_reduce", nbytes, tp)
+
+
+def tp_collectives(
+    block: BlockStats, tp: int, *, first: bool, last: bool, backward: bool = False
+) -> int:
+    """How many collectives one pass (``backward`` or forward) of ``block`` makes over ``tp``
+    ranks, counted as `tp_comm_s` prices them."""
+    if tp <= 1:
+        return 0
+    if block.tp_modules is not None:
+        return sum(len(module_collectives(m, backward)) for m in block.tp_applied(tp))
+    return collectives_per_pass(block, first, last)
 
 
 def tp_dispatch_s(env: Env, block: BlockStats, tp: int) -> float:
