@@ -87,7 +87,7 @@ def rank_step_slowdown(rank: int, world: int, budget_s: float) -> float:
 # four; the two-rank gpt tiny layouts of the planner benchmark read 5-20% slower than priced in
 # every run of 2026-11-26, where dp1 was priced within 3%.
 # The wait is mostly a price per synchronization, not a share of the step: on the 2-vCPU AMD
-# VM (2026-11-27 21:20), compute then a one-float all-reduce, against the compute alone and
+# VM (2026-11-27 20:40), compute then a one-float all-reduce, against the compute alone and
 # the all-reduce alone, waited 0.7-1.0 ms per synchronization after 2.4-3 ms of matmuls and
 # 0.8-1.9 ms after a 27 ms transformer layer on two ranks; 0.9-1.2 and 2.0-2.1 ms on four.
 # Read as a share of the compute alone (the first version of this probe, 4 layers) it priced
