@@ -16,7 +16,13 @@ from dataclasses import replace
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.decentralized import gossip_exchange_s, localsgd_average_s
 from polytrain.planner.cost.dp import bucket_sizes, dp_backward, replicate_backward
-from polytrain.planner.cost.parts import block_times, dtensor_mesh, end_of_step_s, loop_s
+from polytrain.planner.cost.parts import (
+    block_times,
+    clips_shards,
+    dtensor_mesh,
+    end_of_step_s,
+    loop_s,
+)
 from polytrain.planner.cost.ps import ps_step
 from polytrain.planner.cost.stages import stages_step
 from polytrain.planner.cost.sufficient_factor import sf_block_s
@@ -162,8 +168,7 @@ def _syncs(layout: Layout, stats: ModelStats, env: Env, grad_bytes: Sequence[flo
             for backward in passes
         )
         syncs += per_micro * layout.grad_accum
-    sharded = tp > 1 or layout.zero >= 2
-    if stats.grad_clip and sharded and env.dtensor_clip_call_s(dtensor_mesh(layout, blocks)) > 0:
+    if clips_shards(layout, stats) and env.dtensor_clip_call_s(dtensor_mesh(layout, blocks)) > 0:
         syncs += 1
     return syncs
 

@@ -17,6 +17,7 @@ from polytrain.planner.types import BlockStats, Layout, ModelStats
 
 __all__ = [
     "block_times",
+    "clips_shards",
     "dtensor_mesh",
     "dtensors",
     "end_of_step_s",
@@ -111,11 +112,16 @@ def step_reduce_s(layout: Layout, stats: ModelStats, env: Env, mesh: int = 1) ->
     ranks = layout.dp * layout.tp * layout.pp
     together = layout.pp == 1
     loss = env.step_reduce_s(ranks, together=together)
-    sharded = layout.tp > 1 or layout.zero >= 2 or layout.pp > 1
-    if not (stats.grad_clip and sharded):
+    if not clips_shards(layout, stats):
         return loss
     call = env.dtensor_clip_call_s(mesh)
     return loss + (call if call > 0 else env.step_reduce_s(ranks, together=together))
+
+
+def clips_shards(layout: Layout, stats: ModelStats) -> bool:
+    """Whether the step clips gradients sharded over ranks (tensor parallel, ZeRO-2/3,
+    pipeline stages): its norm takes one all-reduce more (`step_reduce_s`)."""
+    return stats.grad_clip and (layout.tp > 1 or layout.zero >= 2 or layout.pp > 1)
 
 
 def loop_s(env: Env) -> tuple[float, float]:
