@@ -14,9 +14,18 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 from polytrain.errors import ConfigError
 
-__all__ = ["FieldInfo", "describe_field", "from_dict", "option", "to_dict"]
+__all__ = ["FieldInfo", "describe_field", "from_dict", "option", "positive", "to_dict"]
 
 T = TypeVar("T")
+
+
+def positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
+    """A `ConfigError` unless ``value`` (``section.name``) is positive (non-negative with
+    ``allow_zero``)."""
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        need = "a non-negative" if allow_zero else "a positive"
+        raise ConfigError(f"{section}.{name} = {value!r}: expected {need} number")
 
 
 def option(default: Any, help: str) -> Any:

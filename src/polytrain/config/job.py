@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from polytrain.config.base import option
+from polytrain.config.base import option, positive
 from polytrain.config.bounds import check_bounds
 from polytrain.config.decentralized import GossipConfig, LocalSGDConfig, check_decentralized
+from polytrain.config.parallel import ParallelConfig, PipelineConfig, PSConfig
 from polytrain.errors import ConfigError, MeshError
 
 __all__ = [
@@ -30,13 +31,6 @@ __all__ = [
     "PipelineConfig",
     "TrainConfig",
 ]
-
-
-def _positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    if not ok:
-        need = "a non-negative" if allow_zero else "a positive"
-        raise ConfigError(f"{section}.{name} = {value!r}: expected {need} number")
 
 
 @dataclass
@@ -77,7 +71,7 @@ class ModelConfig:
         for name in ("n_layer", "n_embd", "n_head", "block_size"):
             value = getattr(self, name)
             if value is not None:
-                _positive("model", name, value)
+                positive("model", name, value)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout = {self.dropout!r}: expected a value in [0, 1)")
 
@@ -118,10 +112,10 @@ class OptimConfig:
     min_lr_ratio: float = option(0.1, "cosine floor as a fraction of lr")
 
     def __post_init__(self) -> None:
-        _positive("optim", "lr", self.lr)
-        _positive("optim", "grad_clip", self.grad_clip, allow_zero=True)
-        _positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
-        _positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
+        positive("optim", "lr", self.lr)
+        positive("optim", "grad_clip", self.grad_clip, allow_zero=True)
+        positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
+        positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"optim.momentum = {self.momentum!r}: expected a value in [0, 1)")
         for name in ("beta1", "beta2", "min_lr_ratio"):
@@ -146,250 +140,14 @@ class TrainConfig:
     sample_tokens: int = option(200, "characters generated at the end (gpt only, 0 = none)")
 
     def __post_init__(self) -> None:
-        _positive("train", "steps", self.steps)
-        _positive("train", "global_batch_size", self.global_batch_size)
-        _positive("train", "grad_accum", self.grad_accum)
-        _positive("train", "eval_every", self.eval_every, allow_zero=True)
-        _positive("train", "eval_batches", self.eval_batches)
-        _positive("train", "sample_tokens", self.sample_tokens, allow_zero=True)
+        positive("train", "steps", self.steps)
+        positive("train", "global_batch_size", self.global_batch_size)
+        positive("train", "grad_accum", self.grad_accum)
+        positive("train", "eval_every", self.eval_every, allow_zero=True)
+        positive("train", "eval_batches", self.eval_batches)
+        positive("train", "sample_tokens", self.sample_tokens, allow_zero=True)
         if self.seed < 0:
             raise ConfigError(f"train.seed = {self.seed}: expected a non-negative integer")
-
-
-@dataclass
-class ParallelConfig:
-    dp: int = option(0, "data-parallel degree (0 = whatever the world size leaves)")
-    tp: int = option(1, "tensor-parallel degree")
-    pp: int = option(1, "pipeline-parallel degree (stages)")
-    zero: int = option(0, "ZeRO stage: 0 (replicated, DDP), 2 or 3 (FSDP2)")
-    sync: Literal["allreduce", "ps", "gossip", "localsgd"] = option(
-        "allreduce",
-        "how replicas combine: all-reduce gradients, parameter servers, gossip with neighbours, "
-        "or periodic model averaging",
-    )
-    bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
-    grad_compression: Literal["none", "bf16", "fp16", "powersgd", "topk", "sign"] = option(
-        "none",
-        "compress gradients for the all-reduce: to this dtype, rank-1 PowerSGD, or top-k / "
-        "1-bit sign packets all-gathered (the last three with error feedback)",
-    )
-    grad_topk_ratio: float = option(
-        0.01, "grad_compression = 'topk': fraction of each gradient bucket's values sent"
-    )
-    sufficient_factor: Literal["auto", "on", "off"] = option(
-        "off", "sufficient-factor (late multiply) exchange for large linear layers"
-    )
-    recompute: bool = option(False, "recompute activations in backward instead of storing them")
-    hierarchical: Literal["auto", "on", "off"] = option(
-        "auto",
-        "DDP all-reduce in two levels (reduce inside a host, all-reduce across hosts, broadcast "
-        "back): on, off, or auto (measured at start-up, used where faster)",
-    )
-    tp_plan: list[str] = option(
-        [],
-        "tensor-parallel plan rows 'module.path.pattern=style' (colwise, colwise_gather, "
-        "rowwise, vocab); empty = the built-in plan of gpt / mlp",
-    )
-
-    hybrid: list[str] = option(
-        [],
-        "hybrid parallelism (PAI; Krizhevsky's 'one weird trick'): the Linear layers these "
-        "tp-plan rows name ('pattern=style') are split over the data-parallel ranks and run on "
-        "the whole batch, the rest stays data parallel; ['auto'] picks the layers whose weights "
-        "outweigh their activations; [] = off",
-    )
-
-    spatial: int = option(
-        1,
-        "spatial parallelism: split every image's rows over this many ranks (all of them: "
-        "spatial = the data-parallel degree), halos exchanged before each convolution; 1 = off",
-    )
-
-    def __post_init__(self) -> None:
-        _positive("parallel", "dp", self.dp, allow_zero=True)
-        _positive("parallel", "spatial", self.spatial)
-        _positive("parallel", "tp", self.tp)
-        _positive("parallel", "pp", self.pp)
-        _positive("parallel", "bucket_mb", self.bucket_mb)
-        if self.zero == 1:
-            raise ConfigError(
-                "parallel.zero = 1 is not offered: FSDP2 has no optimizer-only sharding; use "
-                "zero = 2 (shards optimizer state and gradients, a superset of ZeRO-1's saving)"
-            )
-        if self.zero not in (0, 2, 3):
-            raise ConfigError(f"parallel.zero = {self.zero!r}: expected one of 0, 2, 3")
-        if not 0 < self.grad_topk_ratio <= 1:
-            raise ConfigError(
-                f"parallel.grad_topk_ratio = {self.grad_topk_ratio}: expected a value in (0, 1] "
-                "(the fraction of each gradient bucket sent)"
-            )
-        if self.zero and self.grad_compression not in ("none", "bf16", "fp16"):
-            raise ConfigError(
-                f"parallel.grad_compression = {self.grad_compression!r} is a DDP hook, and ZeRO "
-                f"{self.zero} (FSDP2) reduce-scatters without DDP: use --grad-compression "
-                "bf16/fp16 (FSDP2's reduce dtype) or --zero 0"
-            )
-        if self.tp > 1 and self.grad_compression != "none":
-            raise ConfigError(
-                f"parallel.grad_compression = {self.grad_compression!r} is a DDP hook, and a "
-                f"tensor-parallel model (parallel.tp = {self.tp}) is replicated without DDP: "
-                "set --grad-compression none"
-            )
-        if self.hierarchical == "on" and self.grad_compression != "none":
-            raise ConfigError(
-                "parallel.hierarchical = 'on' and parallel.grad_compression = "
-                f"{self.grad_compression!r} are both DDP communication hooks and DDP takes one: "
-                "drop one of them"
-            )
-        if self.spatial > 1:
-            clash = {
-                "tp": self.tp > 1,
-                "pp": self.pp > 1,
-                "zero": self.zero > 0,
-                "sync": self.sync != "allreduce",
-                "grad_compression": self.grad_compression != "none",
-                "sufficient_factor": self.sufficient_factor != "off",
-                "hybrid": bool(self.hybrid),
-                "recompute": self.recompute,
-            }
-            bad = [k for k, v in clash.items() if v]
-            if bad:
-                raise ConfigError(
-                    f"parallel.spatial = {self.spatial} splits images over the data-parallel "
-                    f"ranks and works with plain data parallel only, but parallel.{bad[0]} = "
-                    f"{getattr(self, bad[0])!r}: drop that option or set parallel.spatial = 1"
-                )
-        if self.hybrid:
-            clash = {
-                "tp": self.tp > 1,
-                "pp": self.pp > 1,
-                "zero": self.zero > 0,
-                "sync": self.sync != "allreduce",
-                "grad_compression": self.grad_compression != "none",
-                "sufficient_factor": self.sufficient_factor != "off",
-                "recompute": self.recompute,
-            }
-            bad = [k for k, v in clash.items() if v]
-            if bad:
-                raise ConfigError(
-                    f"parallel.hybrid = {self.hybrid!r} splits layers over the data-parallel "
-                    f"ranks and works with plain data parallel only, but parallel.{bad[0]} = "
-                    f"{getattr(self, bad[0])!r}: drop that option or set parallel.hybrid = []"
-                )
-        if self.sufficient_factor != "off":
-            clash = {
-                "tp": self.tp > 1,
-                "pp": self.pp > 1,
-                "zero": self.zero > 0,
-                "sync": self.sync != "allreduce",
-                "grad_compression": self.grad_compression != "none",
-            }
-            bad = [k for k, v in clash.items() if v]
-            if bad:
-                raise ConfigError(
-                    f"parallel.sufficient_factor = {self.sufficient_factor!r} works with plain "
-                    f"data parallel only, but parallel.{bad[0]} = {getattr(self, bad[0])!r}: "
-                    "set --sufficient-factor off or drop that option"
-                )
-
-
-@dataclass
-class PipelineConfig:
-    schedule: Literal["gpipe", "1f1b", "pipedream"] = option("1f1b", "pipeline schedule")
-    microbatches: int = option(1, "micro-batches per replica per step")
-    partition: str | list[int] = option(
-        "uniform", "'auto' (profiled), 'uniform', or blocks per stage, e.g. [3, 5]"
-    )
-    memory_limit_mb: float = option(0.0, "per-stage memory limit in MiB for 'auto' (0 = none)")
-    split_points: list[str] = option(
-        [],
-        "a user model's layers where stages 2, 3, ... begin, as module paths (e.g. "
-        "'transformer.h.2'); overrides partition (pp - 1 paths)",
-    )
-    partition_trials: int = option(
-        4,
-        "'auto': time the profile's best partition and up to N - 1 neighbours (one boundary "
-        "moved by 1-2 blocks) for a few steps inside the pipeline and keep the fastest "
-        "(0 or 1: the profile's choice)",
-    )
-    pipedream_update: Literal["step", "microbatch"] = option(
-        "step",
-        "pipedream: one update per step from its micro-batches' gradients (PipeDream-2BW), "
-        "or one after every micro-batch (PipeDream 2019)",
-    )
-
-    def __post_init__(self) -> None:
-        _positive("pipeline", "microbatches", self.microbatches)
-        _positive("pipeline", "memory_limit_mb", self.memory_limit_mb, allow_zero=True)
-        _positive("pipeline", "partition_trials", self.partition_trials, allow_zero=True)
-        if isinstance(self.partition, str) and self.partition not in ("auto", "uniform"):
-            raise ConfigError(
-                f"pipeline.partition = {self.partition!r}: expected 'auto', 'uniform' or a list "
-                "of block counts such as [3, 5]"
-            )
-        # A list of counts is checked against the model and parallel.pp in pre-flight, in one
-        # place (`pipeline.partition.check_counts`).
-
-
-@dataclass
-class PSConfig:
-    servers: int = option(1, "dedicated parameter-server ranks")
-    mode: Literal["sync", "async", "ssp"] = option("sync", "consistency model")
-    staleness: int = option(0, "ssp: how many clocks a worker may run ahead of the slowest")
-    hierarchical: bool = option(False, "reduce within a host first; one worker per host talks")
-    chunk_kb: int = option(
-        0, "chunk size of pipelined pushes and pulls in KiB (0 = auto: from the shard size)"
-    )
-    overlap: bool = option(
-        True, "sync: push each layer's gradient from backward, pull first layers into forward"
-    )
-    colocate: bool = option(
-        False, "sync: no server ranks; worker ranks 0..servers-1 also serve one shard each"
-    )
-    ranks_per_host: int = option(
-        0, "hierarchical: worker ranks per host (0 = LOCAL_WORLD_SIZE, else launch.nproc)"
-    )
-    worker_timeout_s: float = option(
-        300.0, "async/ssp: a worker silent this long is dropped (a closed connection at once)"
-    )
-    spare_workers: int = option(
-        0, "async/ssp: the last N worker ranks join the running job after join_delay_s"
-    )
-    join_delay_s: float = option(2.0, "seconds a spare worker waits before it joins")
-    straggler_delay_s: float = option(
-        0.0, "fault injection (benchmarks): the last worker sleeps this long every step"
-    )
-
-    def __post_init__(self) -> None:
-        _positive("ps", "servers", self.servers)
-        _positive("ps", "chunk_kb", self.chunk_kb, allow_zero=True)
-        _positive("ps", "ranks_per_host", self.ranks_per_host, allow_zero=True)
-        _positive("ps", "worker_timeout_s", self.worker_timeout_s)
-        _positive("ps", "spare_workers", self.spare_workers, allow_zero=True)
-        _positive("ps", "join_delay_s", self.join_delay_s, allow_zero=True)
-        _positive("ps", "straggler_delay_s", self.straggler_delay_s, allow_zero=True)
-        if self.staleness < 0:
-            raise ConfigError(
-                f"ps.staleness = {self.staleness}: expected a non-negative number of clocks "
-                f"(0 means synchronous)"
-            )
-        if self.staleness and self.mode != "ssp":  # the rule of ps.consistency.check_consistency
-            raise ConfigError(
-                f"ps.staleness = {self.staleness} has no effect with ps.mode = {self.mode!r}: "
-                f"set ps.mode = 'ssp' to bound staleness, or remove ps.staleness"
-            )
-        if self.colocate and (self.mode != "sync" or self.hierarchical):
-            raise ConfigError(
-                f"ps.colocate = true with ps.mode = {self.mode!r}, hierarchical = "
-                f"{self.hierarchical}: colocated servers run in sync mode without host "
-                f"reduction; set ps.mode = 'sync' and ps.hierarchical = false, or ps.colocate = false"
-            )
-        if self.spare_workers and (self.mode == "sync" or self.hierarchical):
-            raise ConfigError(
-                f"ps.spare_workers = {self.spare_workers}: joining workers need ps.mode = "
-                f"'async' or 'ssp' without ps.hierarchical (got mode {self.mode!r}, "
-                f"hierarchical {self.hierarchical}); set ps.spare_workers = 0"
-            )
 
 
 @dataclass
@@ -407,8 +165,8 @@ class CheckpointConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive("checkpoint", "every", self.every, allow_zero=True)
-        _positive("checkpoint", "keep", self.keep)
+        positive("checkpoint", "every", self.every, allow_zero=True)
+        positive("checkpoint", "keep", self.keep)
         if self.resume and not self.dir:
             raise ConfigError(
                 "checkpoint.resume = true needs checkpoint.dir: pass --checkpoint-dir DIR"
@@ -423,7 +181,7 @@ class ObserveConfig:
     trace: str = option("", "write a Chrome trace of the run to this path")
 
     def __post_init__(self) -> None:
-        _positive("observe", "log_every", self.log_every)
+        positive("observe", "log_every", self.log_every)
 
 
 @dataclass
@@ -439,10 +197,10 @@ class LaunchConfig:
     backend: Literal["auto", "gloo", "nccl"] = option("auto", "c10d backend")
 
     def __post_init__(self) -> None:
-        _positive("launch", "nproc", self.nproc)
-        _positive("launch", "nnodes", self.nnodes)
-        _positive("launch", "max_restarts", self.max_restarts, allow_zero=True)
-        _positive("launch", "timeout_s", self.timeout_s)
+        positive("launch", "nproc", self.nproc)
+        positive("launch", "nnodes", self.nnodes)
+        positive("launch", "max_restarts", self.max_restarts, allow_zero=True)
+        positive("launch", "timeout_s", self.timeout_s)
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"launch.node_rank = {self.node_rank}: expected 0..{self.nnodes - 1} "
