@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from polytrain.config.base import option
+from polytrain.config.base import option, positive
 from polytrain.errors import ConfigError
 
 __all__ = ["HogwildConfig", "HogwildResult", "SparseProblem", "make_problem", "run_hogwild"]
@@ -58,8 +58,7 @@ class HogwildConfig:
                 f"hogwild.nonzeros = {self.nonzeros} exceeds hogwild.features = "
                 f"{self.features}: use fewer non-zeros per example"
             )
-        if not self.lr > 0:
-            raise ConfigError(f"hogwild.lr = {self.lr!r}: expected a positive number")
+        positive("hogwild", "lr", self.lr)
 
 
 @dataclass
