@@ -25,6 +25,14 @@ here has none in torch 2.13:
 - ``TorchDispatchMode``: a mode that sees every ATen operator call, forward and backward (the
   planner counts operator calls and the bytes the non-matmul ones move; torch's public
   ``FlopCounterMode`` is built on it but counts FLOPs only).
+- ``scale_``: multiply a list of tensors by one device scalar in one multi-tensor kernel per
+  device and dtype (``torch._foreach_mul_``; torch's public ``clip_grads_with_norm_`` takes
+  parameters, not the local shards of DTensor gradients our clipping scales).
+- ``step_skipped_if``: the ``found_inf`` protocol of torch's fused optimizers (GradScaler's):
+  with ``optimizer.found_inf`` set, a fused Adam/AdamW/SGD step is a no-op on the device when
+  the flag is non-zero (its step counts are put back too), so the step's non-finite decision
+  never reaches the host. ``supports_found_inf`` tells whether an optimizer honours it
+  (``_step_supports_amp_scaling``, set by torch on fused optimizers).
 - ``strided_shard``: DTensor's ``_StridedShard`` placement, the only one that describes a fused
   projection split so that each rank holds its share of every chunk ([q_r | k_r | v_r] of
   GPT-2's ``c_attn``) while ``full_tensor()`` and state dicts keep the user's layout.
@@ -35,7 +43,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -59,9 +67,12 @@ __all__ = [
     "gloo_options",
     "queue_backward_callback",
     "replicate",
+    "scale_",
     "set_store_server_factory",
+    "step_skipped_if",
     "storage_key",
     "strided_shard",
+    "supports_found_inf",
 ]
 
 
@@ -150,3 +161,29 @@ def strided_shard(dim: int, chunks: int) -> Placement:
     """Split ``dim`` into ``chunks`` equal chunks, and each chunk over the mesh dimension: a
     rank's local tensor is its piece of every chunk, concatenated in chunk order."""
     return _StridedShard(dim, split_factor=chunks)
+
+
+def scale_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
+    """``t *= factor`` for every tensor of ``tensors`` (plain tensors, any devices and dtypes),
+    one multi-tensor kernel per device and dtype; ``factor`` is a 0-d tensor."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for (device, _), group in groups.items():
+        torch._foreach_mul_(group, factor.to(device))
+
+
+def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` honours a ``found_inf`` flag on the device (torch's fused
+    Adam, AdamW and SGD)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_skipped_if(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()``, a no-op on the device where ``found_inf`` (a 0-d float tensor on
+    the parameters' device) is non-zero. Only for optimizers that `supports_found_inf`."""
+    optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]

@@ -107,6 +107,11 @@ class OptimConfig:
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.99, "AdamW beta2")
     grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 = off)")
+    fused: bool = option(
+        True,
+        "torch's fused optimizer kernel: one pass over every tensor, and the step's NaN/Inf "
+        "decision stays on the device (false: torch's default implementation)",
+    )
     schedule: Literal["cosine", "constant"] = option("cosine", "learning-rate schedule")
     warmup_steps: int = option(20, "linear warm-up steps")
     min_lr_ratio: float = option(0.1, "cosine floor as a fraction of lr")

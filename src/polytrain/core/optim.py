@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from polytrain.config.job import OptimConfig
 
@@ -13,31 +15,55 @@ __all__ = ["build_optimizer", "lr_at"]
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, *, fused: bool = False
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, *, fused: bool | None = None
 ) -> torch.optim.Optimizer:
     """``cfg``'s optimizer over ``params`` (those that require a gradient).
 
-    ``fused`` asks for torch's fused kernel: the whole update of every tensor in one pass, the
-    same formula with a different order of float operations (results differ in the last bits).
-    Only for plain tensors on the CPU or a GPU ([Note: fused server optimizer] in
-    `polytrain.ps.server`); the default is torch's own choice (per-tensor loop on the CPU).
+    ``fused`` (default: ``optim.fused``, true) asks for torch's fused kernel: the whole update
+    of every tensor in one pass, on the CPU and on GPUs (AdamW on DTensors too; SGD on plain
+    tensors only, for want of a DTensor rule in torch). It is
+    the same formula with a different order of float operations (results differ in the last
+    bits from torch's default, a per-tensor loop on the CPU and ``foreach`` on a GPU), and it
+    takes a ``found_inf`` flag, which keeps the step's NaN/Inf decision on the device ([Note:
+    the step stays on the device] in `polytrain.core.step`).
+
+    [Note: fused SGD's first step] torch's fused SGD with momentum creates its momentum buffers
+    uninitialised on its first step and leaves them so when ``found_inf`` skips that step, so a
+    non-finite first step would poison every later one. The buffers start at zero here instead:
+    the first update is then ``0 * momentum + g = g``, exactly what the first step writes.
     """
     params = [p for p in params if p.requires_grad]
+    fused = cfg.fused if fused is None else fused
     if cfg.name == "sgd":
-        return torch.optim.SGD(
+        # DTensor has no sharding rule for fused SGD (it has for fused AdamW): torch's default
+        # update there, whose non-finite decision is read on the host.
+        fused = fused and not any(isinstance(p, DTensor) for p in params)
+        sgd = torch.optim.SGD(
             params,
             lr=cfg.lr,
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
             fused=fused or None,
         )
+        if fused and cfg.momentum:  # [Note: fused SGD's first step]
+            for p in params:
+                sgd.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        return sgd
     return torch.optim.AdamW(
-        params,
+        _apart(params) if fused else params,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         weight_decay=cfg.weight_decay,
         fused=fused or None,
     )
+
+
+def _apart(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """``params`` as one parameter group, or two when DTensors and plain tensors mix (tensor
+    parallelism leaves modules outside its plan plain): a fused kernel call takes one kind."""
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": group} for group in (dtensors, plain) if group] or [{"params": params}]
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

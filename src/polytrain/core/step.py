@@ -14,6 +14,17 @@ same way, through `finish_step`:
    strategy says how its norm is summed over its groups, the coefficient is applied here);
 4. the update: the optimizer step, or a strategy's own (a parameter-server worker's push).
 
+[Note: the step stays on the device] Reading the loss or the flag on the host makes the host
+wait for the device at every step, so on a GPU it cannot queue the next step while this one
+runs. Where the update is an optimizer that takes a ``found_inf`` flag (torch's fused AdamW
+and SGD, the default: `core.optim.build_optimizer`), steps 2-4 happen on the device: the
+update is applied as a no-op when the reduced flag says non-finite (in ``stop`` and ``skip``
+alike, so no non-finite update is ever applied), and the step returns a deferred result
+(`StepOutput.complete`, [Note: deferred step results]) that reads [loss, flag] when the loop
+logs, with ``flag`` for the loop's early, non-blocking check under ``stop``. Other updates (a
+custom ``update``, an optimizer without ``found_inf``) read the flag on the host first, as
+before. Norms and flags are multi-tensor reductions (one kernel per device and dtype).
+
 Strategies whose update cannot wait for the end of the step (PipeDream updates inside its
 stream) use the pieces, `apply_update` and `nonfinite_outcome`, as far as their semantics allow.
 """
@@ -24,11 +35,13 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from polytrain._torch_private import scale_, step_skipped_if, supports_found_inf
 from polytrain.comm.collectives import all_reduce_mean, all_reduce_sum_
 from polytrain.config.job import JobConfig
 from polytrain.core.strategy import NonFiniteLossError, StepOutput
@@ -51,8 +64,9 @@ __all__ = [
 ]
 
 # Reduces this rank's stacked [loss share, non-finite flag] in place over the strategy's groups
-# and returns (the job's loss, whether any rank saw a non-finite value).
-Reduce = Callable[[torch.Tensor], tuple[float, bool]]
+# and returns it, still on the device: [the job's loss, > 0 where any rank saw a non-finite
+# gradient].
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 # The global norm of this rank's gradients, summed over the strategy's groups.
 GradNorm = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 
@@ -83,24 +97,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def nonfinite_flag(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """1.0 if any local gradient (a DTensor's local shard) holds NaN or Inf, else 0.0.
+    """1.0 if any local gradient (a DTensor's local shard) holds NaN or Inf, else 0.0 (0-d, on
+    ``device``, not read on the host).
 
     A NaN can enter the gradient while the loss stays finite (an overflowing backward, a bad
-    custom autograd function), so the loss check alone misses it. One reduction per gradient
-    and one sum: NaN and Inf propagate through sums, so a single finite-check of the total
-    answers for every element.
+    custom autograd function), so the loss check alone misses it. The largest magnitude over
+    all gradients (the infinity norm: one multi-tensor reduction per device and dtype) is NaN
+    or Inf exactly when some element is, and cannot overflow on finite values.
     """
-    sums = []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        local = g.to_local() if isinstance(g, DTensor) else g
-        sums.append(local.float().sum())
-    if not sums:
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not grads:
         return torch.zeros((), device=device)
-    total = torch.stack(sums).sum()
-    return (~torch.isfinite(total)).float().to(device)
+    largest = torch.nn.utils.get_total_norm(grads, math.inf)
+    return (~torch.isfinite(largest)).float().to(device)
 
 
 def mean_over(*groups: Any) -> Reduce:
@@ -109,10 +118,10 @@ def mean_over(*groups: Any) -> Reduce:
     No groups: this rank's own values (a worker that meets nobody, e.g. async parameter server).
     """
 
-    def reduce(stats: torch.Tensor) -> tuple[float, bool]:
+    def reduce(stats: torch.Tensor) -> torch.Tensor:
         for group in groups:
             all_reduce_mean(stats, group)
-        return float(stats[0]), float(stats[1]) > 0
+        return stats
 
     return reduce
 
@@ -124,9 +133,10 @@ def sum_over(group: Any, divisor: float) -> Reduce:
     replica (and per tensor-parallel rank of the last stage) is divided by their number.
     """
 
-    def reduce(stats: torch.Tensor) -> tuple[float, bool]:
+    def reduce(stats: torch.Tensor) -> torch.Tensor:
         all_reduce_sum_(stats, group)
-        return float(stats[0]) / divisor, float(stats[1]) > 0
+        stats[0] /= divisor
+        return stats
 
     return reduce
 
@@ -151,16 +161,14 @@ def clip_gradients_(
     """Scale the gradients of ``params`` so their global norm is at most ``max_norm``.
 
     ``grad_norm`` sums the norm over the strategy's groups (default: this rank's gradients
-    only, for a strategy whose rank holds every parameter or clips per stage). Returns the norm.
+    only, for a strategy whose rank holds every parameter or clips per stage). Returns the norm
+    (on the device: nothing is read on the host).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
     total = (grad_norm or _local_norm)(grads)
-    coef = clip_coefficient(max_norm, total)
-    for g in grads:
-        local = _local(g)
-        local.mul_(coef.to(local.device, local.dtype))
+    scale_([_local(g) for g in grads], clip_coefficient(max_norm, total))
     return total
 
 
@@ -222,18 +230,36 @@ def finish_step(
     optimizer's ``zero_grad``). ``hint`` is appended to the non-finite stop's message.
     """
     params = list(params)
-    stats = torch.stack([loss.detach().float(), nonfinite_flag(params, loss.device)])
-    value, bad_grad = reduce(stats)
-    if not math.isfinite(value) or bad_grad:
+    stats = reduce(torch.stack([loss.detach().float(), nonfinite_flag(params, loss.device)]))
+    span = tracer.span("optimizer", cat="optim", step=step) if tracer else contextlib.nullcontext()
+    if update is None and optimizer is not None and supports_found_inf(optimizer):
+        # [Note: the step stays on the device]
+        bad = (~torch.isfinite(stats[0]) | (stats[1] > 0)).float()
+        with span:
+            if rules.grad_clip > 0:
+                clip_gradients_(params, rules.grad_clip, grad_norm)
+            step_skipped_if(optimizer, bad)
+        return StepOutput(
+            loss=math.nan, complete=partial(_read_result, step, stats, rules, hint), flag=bad
+        )
+    value, flag = stats.tolist()
+    if not math.isfinite(value) or flag > 0:
         # Every rank holds the same reduced loss and flag, so every rank takes this branch.
         if drop is not None:
             drop()
         elif optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
-        return nonfinite_outcome(step, value, bad_grad, rules, hint=hint)
-    span = tracer.span("optimizer", cat="optim", step=step) if tracer else contextlib.nullcontext()
+        return nonfinite_outcome(step, value, flag > 0, rules, hint=hint)
     with span:
         apply_update(params, rules, optimizer=optimizer, grad_norm=grad_norm, update=update)
+    return StepOutput(loss=value)
+
+
+def _read_result(step: int, stats: torch.Tensor, rules: StepRules, hint: str) -> StepOutput:
+    """The deferred result of a step ended on the device: reads [loss, flag] on the host."""
+    value, flag = stats.tolist()
+    if not math.isfinite(value) or flag > 0:  # the update was a no-op on the device
+        return nonfinite_outcome(step, value, flag > 0, rules, hint=hint)
     return StepOutput(loss=value)
 
 

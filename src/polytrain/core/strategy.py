@@ -31,20 +31,26 @@ class NonFiniteLossError(PolytrainError):
 class StepOutput:
     """What one training step reports.
 
-    [Note: deferred step results] A strategy whose ranks run out of step with each other
-    (PipeDream's stream has no flush) would lose its overlap to a world collective that ends
-    every step. It may return ``loss = nan`` and ``complete``: a function that waits for the
-    step's reduction (started without blocking) and returns the final output. The loop calls
-    ``complete`` after it has started the next step, or at once before an evaluation, a
-    checkpoint or the last step; a non-finite stop is then raised one step later, naming the
-    step it belongs to. Code that calls ``train_step`` directly reads a result with
-    `step_result`.
+    [Note: deferred step results] A step's result may be read later than the step: ``loss =
+    nan`` and ``complete``, a function that returns the final output (reading it on the host,
+    waiting for a reduction started without blocking, raising `NonFiniteLossError` under
+    ``stop``). Two kinds of strategy return one. A step ended on the device ([Note: the step
+    stays on the device] in `polytrain.core.step`) sets ``flag`` too, a 0-d device tensor that
+    is non-zero where the step was non-finite: the loop reads such results only when it logs,
+    evaluates, checkpoints or ends, and under ``stop`` copies each flag to the host without
+    blocking and stops as soon as a copy shows one set, naming its step. A strategy whose ranks
+    run out of step with each other (PipeDream's stream has no flush) would lose its overlap to
+    a world collective that ends every step; it returns ``complete`` alone, and the loop calls it
+    after it has started the next step (or at once before an evaluation, a checkpoint or the
+    last step), so a non-finite stop is raised one step later, naming the step it belongs to.
+    Code that calls ``train_step`` directly reads a result with `step_result`.
     """
 
     loss: float  # mean loss over the global batch (the same value on every rank)
     skipped: bool = False
     metrics: dict[str, float] = field(default_factory=dict)  # extra fields for the record
     complete: Callable[[], StepOutput] | None = None
+    flag: torch.Tensor | None = None  # non-zero on the device where the step was non-finite
 
 
 def step_result(out: StepOutput) -> StepOutput:

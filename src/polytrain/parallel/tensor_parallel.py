@@ -286,19 +286,25 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def grad_square_sum(grads: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
     """Sum of squares of ``grads`` over this rank's tensor-parallel group: a sharded gradient's
-    squares are summed over its shards, a replicated one (equal on every tp rank) counted once."""
-    sharded = torch.zeros((), dtype=torch.float32)
-    replicated = torch.zeros((), dtype=torch.float32)
-    for g in grads:
-        part = local_tensor(g).detach().float().pow(2).sum().cpu()
-        if isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements):
-            sharded += part
-        else:
-            replicated += part
-    if mesh.dims.tp > 1:
-        all_reduce_sum_(sharded, mesh.group("tp"))
+    squares are summed over its shards, a replicated one (equal on every tp rank) counted once.
+    Multi-tensor norms on the gradients' device (nothing is read on the host)."""
     device = grads[0].device if grads else torch.device("cpu")
-    return (sharded + replicated).to(device)
+    sharded: list[torch.Tensor] = []
+    replicated: list[torch.Tensor] = []
+    for g in grads:
+        is_sharded = isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
+        (sharded if is_sharded else replicated).append(local_tensor(g).detach())
+    sharded_sq = _square_norm(sharded, device)
+    if mesh.dims.tp > 1:
+        all_reduce_sum_(sharded_sq, mesh.group("tp"))
+    return sharded_sq + _square_norm(replicated, device)
+
+
+def _square_norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The squared 2-norm of ``tensors`` together, in float32 on ``device``."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.nn.utils.get_total_norm(tensors).to(device, torch.float32).square()
 
 
 def full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ from polytrain.trainer.build import build_strategy
 from polytrain.trainer.checkpoint import Checkpointer, check_same_job, restart_count
 from polytrain.trainer.export import save_weights
 from polytrain.trainer.outputs import publish_new
+from polytrain.trainer.results import PendingResults
 
 __all__ = ["TrainResult", "train"]
 
@@ -143,12 +144,10 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     with _progress(console, show) as progress, Checkpointer.guard(checkpointer):
         task = progress.add_task(strategy.name, total=steps, loss="-", speed="", completed=start)
 
-        def finish_step(step: int, out: StepOutput, step_time: float) -> None:
-            """Record step ``step`` (0-based), then evaluate and checkpoint when due."""
+        def record_step(step: int, out: StepOutput, step_time: float) -> None:
+            """Record step ``step`` (0-based, its result read), then evaluate and checkpoint
+            when due."""
             nonlocal loss, val_loss
-            if out.complete is not None:  # [Note: deferred step results]
-                with watchdog.guard(f"the end of train step {step + 1} of {strategy.name}"):
-                    out = out.complete()
             loss = out.loss
             record: dict[str, Any] = {
                 "step": step + 1,
@@ -185,7 +184,13 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
                 with watchdog.guard(f"the checkpoint save after step {step + 1}"):
                     checkpointer.save(step + 1)
 
-        deferred: tuple[int, StepOutput, float] | None = None
+        def read(keep_newest: bool = False) -> None:
+            for done in pending.read(watchdog.guard, keep_newest=keep_newest):
+                record_step(done.step, done.out, done.step_time_s)
+            pending.restart_window()
+
+        # [Note: reading results late] in trainer/results.py: results are read when logged.
+        pending = PendingResults(ctx.device, stop=job.train.on_nonfinite == "stop")
         for step in range(start, steps):
             if step == steps - 1 and out_dir is not None:
                 at_update.arm()
@@ -194,14 +199,19 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             t0 = time.perf_counter()
             with watchdog.guard(f"train step {step + 1} of {strategy.name}"):
                 out = strategy.train_step(step)
-            step_time = time.perf_counter() - t0
-            if deferred is not None:
-                finish_step(*deferred)
-                deferred = None
-            if out.complete is not None and not (evaluation_due(step) or checkpoint_due(step)):
-                deferred = (step, out, step_time)  # finished after the next step has started
-            else:
-                finish_step(step, out, step_time)
+            pending.add(step, out, time.perf_counter() - t0)
+            logged = (step + 1) % job.observe.log_every == 0
+            if (
+                out.complete is None
+                or logged
+                or step + 1 == steps
+                or evaluation_due(step)
+                or checkpoint_due(step)
+                or pending.stop_seen()
+            ):
+                read()
+            elif pending.unread_without_flag():  # [Note: deferred step results]
+                read(keep_newest=True)
 
     at_update.close()
     if out_dir is not None:
