@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["HostReads", "READS"]
+__all__ = ["READS", "HostReads"]
 
 # The Tensor methods that hand a value to Python (or move it to the host).
 READS = frozenset(
