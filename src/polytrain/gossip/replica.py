@@ -35,7 +35,7 @@ from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel, inputs_to
+from polytrain.models.base import BlockModel, inputs_to, to_device
 from polytrain.observe.trace import Tracer
 
 __all__ = ["ReplicaStrategy"]
@@ -93,7 +93,7 @@ class ReplicaStrategy(Strategy):
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
             x, y = self.batches.train(step, self.rank, self.world_size, micro, accum)
-            x, y = inputs_to(x, self.device), y.to(self.device)
+            x, y = inputs_to(x, self.device), to_device(y, self.device)
             with self.tracer.span("forward", microbatch=micro, step=step):
                 with autocast(self.device, self.job.train.dtype):
                     loss = self.model.loss(self.model(x), y) / accum

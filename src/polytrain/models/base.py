@@ -19,7 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BlockModel", "Inputs", "LossFn", "cross_entropy_loss", "inputs_to", "one_input"]
+__all__ = [
+    "BlockModel",
+    "Inputs",
+    "LossFn",
+    "cross_entropy_loss",
+    "inputs_to",
+    "one_input",
+    "to_device",
+]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 Inputs = torch.Tensor | dict[str, torch.Tensor]  # one tensor, or named ones (keyword arguments)
@@ -31,11 +39,21 @@ def one_input(x: Inputs) -> torch.Tensor:
     return x
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. From the CPU to a GPU the copy goes through pinned memory without
+    blocking the host: it is queued on the current stream ahead of the step's kernels, so the
+    host gathers the next batch while the device still runs this one (torch's caching host
+    allocator keeps the pinned buffer until the copy has run)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def inputs_to(x: Inputs, device: torch.device) -> Inputs:
-    """``x`` on ``device``, a dict of named inputs included (dtypes kept)."""
+    """``x`` on ``device`` (`to_device`), a dict of named inputs included (dtypes kept)."""
     if isinstance(x, Mapping):
-        return {k: v.to(device) for k, v in x.items()}
-    return x.to(device)
+        return {k: to_device(v, device) for k, v in x.items()}
+    return to_device(x, device)
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

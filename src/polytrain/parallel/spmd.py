@@ -30,7 +30,7 @@ from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel, Inputs, inputs_to
+from polytrain.models.base import BlockModel, Inputs, inputs_to, to_device
 from polytrain.models.contract import top1_correct
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.grad_norm import grad_norm
@@ -102,7 +102,7 @@ class SPMDStrategy(Strategy):
             x, y = self._batch(
                 partial(self.batches.train, step, microbatch=micro, num_microbatches=accum)
             )
-            x, y = inputs_to(x, self.device), y.to(self.device)
+            x, y = inputs_to(x, self.device), to_device(y, self.device)
             with self._sync_context(micro == accum - 1):
                 with self.tracer.span("forward", microbatch=micro, step=step):
                     with autocast(self.device, self.job.train.dtype):

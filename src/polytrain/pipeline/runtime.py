@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from polytrain.comm.p2p import P2P, PendingSends, Work
-from polytrain.models.base import LossFn
+from polytrain.models.base import LossFn, to_device
 from polytrain.observe.trace import Tracer
 from polytrain.pipeline.layer_stage import LayerStage
 from polytrain.pipeline.saved_tensors import count_saved_bytes, storage_keys
@@ -344,7 +344,7 @@ class StageRuntime:
     def _forward(self, i: int, feed: Feed) -> torch.Tensor | None:
         state = self._flight.setdefault(i, _InFlight())
         if self.is_first:
-            state.input = feed.inputs(i).to(self.device)
+            state.input = to_device(feed.inputs(i), self.device)
         x = state.input
         assert x is not None
         weights = self.stash.forward(i) if self.stash is not None else None
@@ -353,7 +353,7 @@ class StageRuntime:
         with self._count_saved(state), self._autocast():
             out = self.stage(x, weights)
             if self.is_last:
-                state.loss = self.loss_fn(out, feed.targets(i).to(self.device)) * feed.scale
+                state.loss = self.loss_fn(out, to_device(feed.targets(i), self.device)) * feed.scale
             else:
                 state.output = out
         self.stats.live_activation_bytes += state.activation_bytes
