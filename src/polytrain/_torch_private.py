@@ -33,6 +33,8 @@ here has none in torch 2.13:
   the flag is non-zero (its step counts are put back too), so the step's non-finite decision
   never reaches the host. ``supports_found_inf`` tells whether an optimizer honours it
   (``_step_supports_amp_scaling``, set by torch on fused optimizers).
+- ``update_loss_scale``: torch's in-place update of a dynamic loss scale and its growth counter
+  from a found-inf flag (``torch._amp_update_scale_``, GradScaler's kernel), on the device.
 - ``strided_shard``: DTensor's ``_StridedShard`` placement, the only one that describes a fused
   projection split so that each rank holds its share of every chunk ([q_r | k_r | v_r] of
   GPT-2's ``c_attn``) while ``full_tensor()`` and state dicts keep the user's layout.
@@ -73,6 +75,7 @@ __all__ = [
     "storage_key",
     "strided_shard",
     "supports_found_inf",
+    "update_loss_scale",
 ]
 
 
@@ -187,3 +190,16 @@ def step_skipped_if(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -
         optimizer.step()
     finally:
         del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+def update_loss_scale(
+    scale: torch.Tensor,
+    good_steps: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth: float,
+    backoff: float,
+    interval: int,
+) -> None:
+    """In place: ``scale *= backoff`` and ``good_steps = 0`` where ``found_inf`` is non-zero;
+    else ``good_steps += 1``, and ``scale *= growth`` once it reaches ``interval``."""
+    torch._amp_update_scale_(scale, good_steps, found_inf, growth, backoff, interval)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from polytrain.core import (
     Strategy,
     finish_step,
     mean_over,
+    step_result,
 )
+from polytrain.core.loss_scale import LossScale
 from polytrain.errors import CheckpointError
 from polytrain.observe.trace import Tracer
 from polytrain.trainer.build import strategy_family
@@ -137,3 +140,165 @@ def test_the_family_table_picks_one_family(
 ) -> None:
     job = job_from_dict({"parallel": parallel, "launch": {"nproc": nproc}})
     assert strategy_family(job).name == family
+
+
+# -- the step on the device ([Note: the step stays on the device]) ----------------------------
+
+
+def _fused(model: nn.Module, name: str = "adamw") -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_fused_step_is_read_later_and_equals_the_host_step(name: str) -> None:
+    model, loss = _model_with_grads()
+    ref = copy.deepcopy(model)
+    for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+        assert p.grad is not None
+        r.grad = p.grad.clone()
+    rules = StepRules("stop", 1.0)
+    out = finish_step(
+        0, loss, model.parameters(), rules, reduce=mean_over(), optimizer=_fused(model, name)
+    )
+    assert out.complete is not None and out.flag is not None and math.isnan(out.loss)
+    assert step_result(out) == StepOutput(loss=float(loss))
+    ref_opt = _fused(ref, name)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
+def test_a_fused_nonfinite_step_applies_no_update_in_either_mode(on_nonfinite: str) -> None:
+    model, loss = _model_with_grads(nan=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = _fused(model)
+    out = finish_step(
+        2,
+        loss,
+        model.parameters(),
+        StepRules(on_nonfinite, 1.0),
+        reduce=mean_over(),
+        optimizer=opt,  # type: ignore[arg-type]
+    )
+    assert out.flag is not None and float(out.flag) == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    assert all(float(s["step"]) == 0 for s in opt.state.values())  # the step count put back
+    if on_nonfinite == "skip":
+        assert step_result(out).skipped
+    else:
+        with pytest.raises(
+            NonFiniteLossError, match=r"^a gradient is NaN/Inf \(loss .*\) at step 3:"
+        ):
+            step_result(out)
+
+
+def test_fused_sgd_with_momentum_survives_a_skipped_first_step() -> None:
+    """[Note: fused SGD's first step] in core/optim.py."""
+    from polytrain.config.job import OptimConfig
+    from polytrain.core.optim import build_optimizer
+
+    model, loss = _model_with_grads(nan=True)
+    cfg = OptimConfig(name="sgd", momentum=0.9, lr=0.1)
+    opt = build_optimizer(model.parameters(), cfg)
+    finish_step(
+        0, loss, model.parameters(), StepRules("skip", 0.0), reduce=mean_over(), optimizer=opt
+    )
+    model.zero_grad()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
+    out = finish_step(
+        1, loss, model.parameters(), StepRules("skip", 0.0), reduce=mean_over(), optimizer=opt
+    )
+    assert not step_result(out).skipped
+    for a, b in zip(model.parameters(), before, strict=True):  # the first real step: p - lr * g
+        torch.testing.assert_close(a, b - 0.1)
+
+
+def test_loss_scale_halves_on_overflow_and_grows_after_its_interval() -> None:
+    scale = LossScale(torch.device("cpu"), init=8.0, interval=2)
+    scale.update(torch.tensor(1.0))
+    assert float(scale.factor) == 4.0
+    scale.update(torch.tensor(0.0))
+    scale.update(torch.tensor(0.0))
+    assert float(scale.factor) == 8.0
+
+
+def test_an_fp16_overflow_skips_the_step_even_under_stop() -> None:
+    model, loss = _model_with_grads()
+    scale = LossScale(torch.device("cpu"), init=4.0)
+    for p in model.parameters():
+        assert p.grad is not None
+        p.grad.mul_(4.0)  # as backward from the scaled loss leaves them
+    model.bias.grad[0] = float("inf")  # type: ignore[index]
+    before = [p.detach().clone() for p in model.parameters()]
+    out = finish_step(
+        0,
+        loss,
+        model.parameters(),
+        StepRules("stop", 1.0),
+        reduce=mean_over(),
+        optimizer=_fused(model),
+        loss_scale=scale,
+    )
+    assert step_result(out).skipped and float(scale.factor) == 2.0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+
+
+def test_an_fp16_step_unscales_before_it_clips_and_steps() -> None:
+    model, loss = _model_with_grads()
+    ref = copy.deepcopy(model)
+    for r, p in zip(ref.parameters(), model.parameters(), strict=True):
+        assert p.grad is not None
+        r.grad = p.grad.clone()
+        p.grad.mul_(1024.0)
+    scale = LossScale(torch.device("cpu"), init=1024.0)
+    out = finish_step(
+        0,
+        loss,
+        model.parameters(),
+        StepRules("stop", 1.0),
+        reduce=mean_over(),
+        optimizer=_fused(model),
+        loss_scale=scale,
+    )
+    assert not step_result(out).skipped
+    ref_opt = _fused(ref)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+# -- results read when the loop logs ([Note: reading results late]) ---------------------------
+
+
+def test_pending_results_read_in_order_and_stop_on_a_landed_flag() -> None:
+    import contextlib
+
+    from polytrain.trainer.results import PendingResults
+
+    pending = PendingResults(torch.device("cpu"), stop=True)
+
+    def out(value: float, bad: bool) -> StepOutput:
+        def complete() -> StepOutput:
+            if bad:
+                raise NonFiniteLossError(f"loss is nan at step {int(value)}")
+            return StepOutput(loss=value)
+
+        return StepOutput(loss=math.nan, complete=complete, flag=torch.tensor(float(bad)))
+
+    pending.add(0, out(1.0, False), 0.5)
+    assert not pending.stop_seen()
+    pending.add(1, out(2.0, False), 0.25)
+    read = pending.read(lambda what: contextlib.nullcontext())
+    assert [(r.step, r.out.loss, r.step_time_s) for r in read] == [(0, 1.0, 0.5), (1, 2.0, 0.25)]
+    assert len(pending) == 0
+    pending.add(2, out(3.0, True), 0.5)
+    assert pending.stop_seen()
+    with pytest.raises(NonFiniteLossError, match="step 3"):
+        pending.read(lambda what: contextlib.nullcontext())

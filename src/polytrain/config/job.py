@@ -137,7 +137,9 @@ class TrainConfig:
     seed: int = option(0, "seed of the initial weights and of the batch order")
     eval_every: int = option(200, "validation loss every N steps (0 = only at the end)")
     eval_batches: int = option(4, "batches in each validation")
-    dtype: Literal["fp32", "bf16"] = option("fp32", "autocast compute dtype")
+    dtype: Literal["fp32", "bf16", "fp16"] = option(
+        "fp32", "autocast compute dtype (fp16: with dynamic loss scaling, for GPUs without bf16)"
+    )
     device: Literal["auto", "cpu", "cuda"] = option("cpu", "device of each worker")
     on_nonfinite: Literal["stop", "skip"] = option(
         "stop", "on a NaN/Inf loss: stop the run, or skip the update"
@@ -253,6 +255,24 @@ class JobConfig:
         check_bounds(self)  # infinities and values too large to work, in any section
         self._resolve_mesh()
         self._check_batch()
+        self._check_fp16()
+
+    def _check_fp16(self) -> None:
+        """fp16's loss scaling lives in the step contract of the all-reduce families
+        ([Note: dynamic loss scaling] in polytrain.core.loss_scale)."""
+        if self.train.dtype != "fp16":
+            return
+        if self.parallel.sync != "allreduce":
+            raise ConfigError(
+                f"train.dtype = 'fp16' with parallel.sync = {self.parallel.sync!r}: dynamic "
+                "loss scaling runs under sync = 'allreduce' only; use dtype 'bf16' or 'fp32'"
+            )
+        if self.parallel.pp > 1 and self.pipeline.schedule == "pipedream":
+            raise ConfigError(
+                "train.dtype = 'fp16' with pipeline.schedule = 'pipedream': PipeDream updates "
+                "inside its stream, where a loss-scale overflow cannot skip the step; use "
+                "gpipe or 1f1b, or dtype 'bf16'"
+            )
 
     def _resolve_mesh(self) -> None:
         p = self.parallel

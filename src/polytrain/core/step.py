@@ -44,10 +44,12 @@ from torch.distributed.tensor import DTensor
 from polytrain._torch_private import scale_, step_skipped_if, supports_found_inf
 from polytrain.comm.collectives import all_reduce_mean, all_reduce_sum_
 from polytrain.config.job import JobConfig
+from polytrain.core.loss_scale import LossScale
 from polytrain.core.strategy import NonFiniteLossError, StepOutput
 from polytrain.observe.trace import Tracer
 
 __all__ = [
+    "AUTOCAST_DTYPES",
     "GradNorm",
     "Reduce",
     "StepRules",
@@ -83,10 +85,13 @@ class StepRules:
         return cls(on_nonfinite=job.train.on_nonfinite, grad_clip=job.optim.grad_clip)
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager[Any]:
-    """``train.dtype``'s autocast region (bf16) or nothing (fp32)."""
-    if dtype == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    """``train.dtype``'s autocast region (bf16, fp16) or nothing (fp32)."""
+    if dtype in AUTOCAST_DTYPES:
+        return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[dtype])
     return contextlib.nullcontext()
 
 
@@ -221,6 +226,7 @@ def finish_step(
     drop: Callable[[], None] | None = None,
     tracer: Tracer | None = None,
     hint: str = "",
+    loss_scale: LossScale | None = None,
 ) -> StepOutput:
     """End step ``step`` ([Note: one step contract]): reduce, check, clip, update.
 
@@ -228,19 +234,30 @@ def finish_step(
     with their gradients. ``update`` replaces the optimizer step (a parameter-server push);
     ``drop`` replaces discarding the gradients when the step is non-finite (default: the
     optimizer's ``zero_grad``). ``hint`` is appended to the non-finite stop's message.
+    ``loss_scale``: fp16's, whose factor scaled the backward ([Note: dynamic loss scaling]).
     """
     params = list(params)
+    if loss_scale is not None:
+        loss_scale.unscale_([_local(p.grad) for p in params if p.grad is not None])
     stats = reduce(torch.stack([loss.detach().float(), nonfinite_flag(params, loss.device)]))
     span = tracer.span("optimizer", cat="optim", step=step) if tracer else contextlib.nullcontext()
+    scaled = loss_scale is not None
     if update is None and optimizer is not None and supports_found_inf(optimizer):
         # [Note: the step stays on the device]
-        bad = (~torch.isfinite(stats[0]) | (stats[1] > 0)).float()
+        loss_bad = ~torch.isfinite(stats[0])
+        bad = (loss_bad | (stats[1] > 0)).float()
         with span:
             if rules.grad_clip > 0:
                 clip_gradients_(params, rules.grad_clip, grad_norm)
             step_skipped_if(optimizer, bad)
+        if loss_scale is not None:
+            loss_scale.update(bad)
+        # An fp16 overflow skips the step; only a non-finite loss is watched for a stop.
+        watched = loss_bad.float() if scaled else bad
         return StepOutput(
-            loss=math.nan, complete=partial(_read_result, step, stats, rules, hint), flag=bad
+            loss=math.nan,
+            complete=partial(_read_result, step, stats, rules, hint, scaled),
+            flag=watched,
         )
     value, flag = stats.tolist()
     if not math.isfinite(value) or flag > 0:
@@ -249,18 +266,34 @@ def finish_step(
             drop()
         elif optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
-        return nonfinite_outcome(step, value, flag > 0, rules, hint=hint)
+        if loss_scale is not None:
+            loss_scale.update(torch.ones(()))
+        return _outcome(step, value, flag > 0, rules, hint, scaled)
     with span:
         apply_update(params, rules, optimizer=optimizer, grad_norm=grad_norm, update=update)
+    if loss_scale is not None:
+        loss_scale.update(torch.zeros(()))
     return StepOutput(loss=value)
 
 
-def _read_result(step: int, stats: torch.Tensor, rules: StepRules, hint: str) -> StepOutput:
+def _read_result(
+    step: int, stats: torch.Tensor, rules: StepRules, hint: str, scaled: bool
+) -> StepOutput:
     """The deferred result of a step ended on the device: reads [loss, flag] on the host."""
     value, flag = stats.tolist()
     if not math.isfinite(value) or flag > 0:  # the update was a no-op on the device
-        return nonfinite_outcome(step, value, flag > 0, rules, hint=hint)
+        return _outcome(step, value, flag > 0, rules, hint, scaled)
     return StepOutput(loss=value)
+
+
+def _outcome(
+    step: int, value: float, bad_grad: bool, rules: StepRules, hint: str, scaled: bool
+) -> StepOutput:
+    """A non-finite step's result; under loss scaling a gradient overflow with a finite loss is
+    a skipped step whatever ``on_nonfinite`` says ([Note: dynamic loss scaling])."""
+    if scaled and math.isfinite(value):
+        return StepOutput(loss=value, skipped=True)
+    return nonfinite_outcome(step, value, bad_grad, rules, hint=hint)
 
 
 def all_finite(flat: torch.Tensor) -> bool:

@@ -26,6 +26,7 @@ from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.compression import SentBytes
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import JobConfig
+from polytrain.core.loss_scale import backward, loss_scale_of
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
@@ -59,6 +60,7 @@ class SPMDStrategy(Strategy):
         self.modules = [model]
         self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
         self.rules = StepRules.of(job)
+        self.loss_scale = loss_scale_of(job.train.dtype, device)
         # [loss, non-finite flag] averaged over every rank in ONE all-reduce: the mesh is the
         # world (pp = 1); tensor-parallel peers hold the same loss and different gradient
         # shards, whose flags count too. Over dp and then over tp was two in a row (dp2 x tp2
@@ -108,7 +110,7 @@ class SPMDStrategy(Strategy):
                     with autocast(self.device, self.job.train.dtype):
                         loss = self.base.loss(self.model(x), y) / accum
                 with self.tracer.span("backward", microbatch=micro, step=step):
-                    loss.backward()
+                    backward(loss, self.loss_scale)
             total += loss.detach()
         out = finish_step(
             step,
@@ -118,6 +120,7 @@ class SPMDStrategy(Strategy):
             reduce=self.reduce,
             optimizer=self.optimizer,
             grad_norm=grad_norm,
+            loss_scale=self.loss_scale,
         )
         if self.sent is None:
             return out

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from polytrain.comm.p2p import P2P, PendingSends, Work
+from polytrain.core.loss_scale import LossScale
 from polytrain.models.base import LossFn, to_device
 from polytrain.observe.trace import Tracer
 from polytrain.pipeline.layer_stage import LayerStage
@@ -282,6 +283,9 @@ class StageRuntime:
         self.stats = _Stats()
         self._flight: dict[int, _InFlight] = {}
         self._params = dict(stage.named_parameters())
+        # fp16's factor: the last stage's backward starts from the scaled loss ([Note: dynamic
+        # loss scaling] in polytrain.core.loss_scale); set by the strategy that owns it.
+        self.loss_scale: LossScale | None = None
 
     @property
     def is_first(self) -> bool:
@@ -366,6 +370,8 @@ class StageRuntime:
         state = self._flight[i]
         root = state.loss if self.is_last else state.output
         assert root is not None
+        if self.is_last and self.loss_scale is not None:
+            root = self.loss_scale.scaled(root)
         grad = None if self.is_last else state.output_grad
         x = state.input
         wants_input_grad = x is not None and x.requires_grad and not self.is_first

@@ -61,8 +61,10 @@ from polytrain.comm.p2p import (
     send_all,
 )
 from polytrain.config.job import JobConfig
+from polytrain.core.loss_scale import loss_scale_of
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import (
+    AUTOCAST_DTYPES,
     StepRules,
     finish_step,
     sum_over,
@@ -148,7 +150,7 @@ class PipelineStrategy(Strategy):
         self._act_group = new_group_of(pp_groups, mesh.rank)
         self._grad_group = new_group_of(pp_groups, mesh.rank)
         self.tp = mesh.dims.tp
-        self._dtype = torch.bfloat16 if job.train.dtype == "bf16" else None
+        self._dtype = AUTOCAST_DTYPES.get(job.train.dtype)
         self.stage: StageModule | LayerStage
         self.layer_split: LayerSplit | None = None
         self._tie_group: Any = None
@@ -260,6 +262,8 @@ class PipelineStrategy(Strategy):
         """The stage's runtime and this stage's program of the synchronous schedule
         (`pipeline.pipedream.PipeDreamStrategy` overrides it with its stream)."""
         self.runtime = self._make_runtime(model)
+        self.loss_scale = loss_scale_of(job.train.dtype, self.device)
+        self.runtime.loss_scale = self.loss_scale
         self._program = self._stage_program(self.schedule_name, self.microbatches, check=True)
 
     def _make_runtime(
@@ -391,6 +395,7 @@ class PipelineStrategy(Strategy):
             grad_norm=self._global_norm,
             tracer=self.tracer,
             hint=SYNC_ONLY,
+            loss_scale=self.loss_scale,
         )
 
     def _feed(self, where: Callable[[int], tuple[int, int]], scale: float, step: int) -> Feed:
