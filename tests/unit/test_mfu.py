@@ -3,6 +3,7 @@ hardware catalog's dense peak for the device and the job's dtype (planner/mfu.py
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from polytrain.models.registry import block_size_of
 from polytrain.planner import mfu
 from polytrain.planner.catalog import dense_peak, device
 from polytrain.planner.stats import model_stats, train_flops_per_sample
-from polytrain.planner.types import BACKWARD_FLOPS_PER_FORWARD
+from polytrain.planner.types import BACKWARD_FLOPS_PER_FORWARD, BlockStats, ModelStats
 from polytrain.trainer.loop import train
 from tests.helpers.hf_models import T, write_data
 
@@ -57,6 +58,14 @@ def test_our_gpt_counted_as_the_planner_counts_it(job_factory: Any) -> None:
     flops = _flops(job)
     assert flops is not None
     assert flops == pytest.approx(model_stats(job, imports=False).train_flops, rel=1e-9)
+
+
+def test_attention_counted_in_full_whichever_device_counted_it() -> None:
+    # meta counts attention's products inside fwd_flops; a CPU's fused kernel leaves them out
+    cpu = BlockStats("blocks.0", 0, 0, 60.0, 0.0, 0.0, attention=((8, 8, 4, 40.0),))
+    meta = replace(cpu, fwd_flops=100.0, attention_counted=40.0)
+    for block in (meta, cpu):
+        assert ModelStats("m", (block,)).train_flops == (1 + BACKWARD_FLOPS_PER_FORWARD) * 100.0
 
 
 @pytest.mark.parametrize(
