@@ -7,6 +7,7 @@ converts units (TFLOP/s -> FLOP/s, GB/s -> bytes/s, GiB -> bytes). Pure Python, 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -19,6 +20,7 @@ from polytrain.errors import PlanError
 __all__ = [
     "Device",
     "Link",
+    "dense_peak",
     "device",
     "device_key_of",
     "device_names",
@@ -143,10 +145,25 @@ def device_names() -> list[str]:
 
 
 def device_key_of(gpu_name: str) -> str | None:
-    """The catalog key of the GPU torch names ``gpu_name`` ("H100" for "NVIDIA H100 80GB
-    HBM3"): the longest key within the name, or None when the catalog has none."""
-    keys = [k for k in device_names() if k != "cpu" and k.lower() in gpu_name.lower()]
+    """The catalog key of the GPU torch names ``gpu_name``: the longest key whose every
+    ``-``-separated part is a word of the name ("H100" for "NVIDIA H100 80GB HBM3",
+    "A100-80GB" for "NVIDIA A100-SXM4-80GB"), or None when the catalog has none. Whole words,
+    so an L40S is not taken for an L4 nor a GH200 for an H200."""
+    words = set(re.split(r"[\s\-_]+", gpu_name.lower()))
+    keys = [
+        k
+        for k in device_names()
+        if k != "cpu" and all(part in words for part in k.lower().split("-"))
+    ]
     return max(keys, key=len) if keys else None
+
+
+def dense_peak(gpu_name: str, dtype: str) -> float | None:
+    """The catalog's dense peak FLOP/s in ``dtype`` (`Device.flops`) of the GPU torch names
+    ``gpu_name``, or None when the catalog does not know it (MFU is then not reported rather
+    than guessed)."""
+    key = device_key_of(gpu_name)
+    return device(key).flops(dtype) if key is not None else None
 
 
 def link_names() -> list[str]:

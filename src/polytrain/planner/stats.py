@@ -52,6 +52,7 @@ __all__ = [
     "model_stats",
     "optimizer_state_per_param",
     "stats_of",
+    "train_flops_per_sample",
 ]
 
 
@@ -436,6 +437,23 @@ def _counted(
     if autocasts:
         stats = _split_fixed_saved(stats, count(2 * _PROBE_BATCH), _PROBE_BATCH)
     return replace(stats, fsdp_units=fsdp_units(model))
+
+
+def train_flops_per_sample(job: JobConfig, spec: DataSpec, train_set: Dataset) -> float | None:
+    """Forward + backward FLOPs of one sample of ``job``'s model as the planner counts them
+    (`ModelStats.train_flops`, from `stats_of` over its block view on a probe batch of
+    ``train_set``): what MFU divides by the peak. Counted on the meta device, so it costs no
+    memory and little time whatever the model's size; None when the forward cannot run there
+    ([Note: data-dependent forwards]): counting on a real device would build the model again."""
+    meta = torch.device("meta")
+    with meta:
+        model = build_model(job.model, spec, job.train.seed)
+    x, y = train_set.get(torch.arange(_PROBE_BATCH))
+    try:
+        stats = stats_of(model, inputs_to(x, meta), y.to(meta))
+    except Exception:  # data-dependent code (e.g. .item()) cannot run on meta, as in pre-flight
+        return None
+    return stats.train_flops
 
 
 def model_stats(

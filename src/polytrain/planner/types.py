@@ -15,6 +15,7 @@ from typing import Any
 from polytrain.errors import PlanError
 
 __all__ = [
+    "BACKWARD_FLOPS_PER_FORWARD",
     "BlockStats",
     "Curve",
     "HostProfile",
@@ -25,6 +26,12 @@ __all__ = [
     "launch_shape",
     "splits_inputs",
 ]
+
+
+# A backward pass computes the gradient of both operands of every matmul, each as costly as the
+# forward product: twice the forward's FLOPs (Narayanan et al. SC21, eq. 3's 3x for forward and
+# backward, recomputation aside). The cost model's backward pass and MFU's FLOPs per sample.
+BACKWARD_FLOPS_PER_FORWARD = 2.0
 
 
 def launch_shape(devices: int, per_host: int) -> tuple[int, int] | None:
@@ -199,6 +206,16 @@ class ModelStats:
     @property
     def fwd_flops(self) -> float:
         return sum(b.fwd_flops for b in self.blocks)
+
+    @property
+    def train_flops(self) -> float:
+        """Forward + backward FLOPs per sample (`BACKWARD_FLOPS_PER_FORWARD`), every attention
+        call counted in full whichever device counted it ([Note: attention kernels]: a CPU's
+        fused kernel is not in `fwd_flops`): MFU's count."""
+        fwd = sum(
+            b.fwd_flops - b.attention_counted + sum(a[3] for a in b.attention) for b in self.blocks
+        )
+        return (1.0 + BACKWARD_FLOPS_PER_FORWARD) * fwd
 
 
 @dataclass(frozen=True)

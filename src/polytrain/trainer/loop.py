@@ -33,8 +33,8 @@ from polytrain.observe.metrics import (
     model_state_bytes,
     peak_memory_mb,
 )
-from polytrain.observe.mfu import flops_per_sample, peak_flops
 from polytrain.observe.trace import merge_traces
+from polytrain.planner.mfu import mfu_inputs
 from polytrain.trainer.build import build_strategy
 from polytrain.trainer.checkpoint import Checkpointer, check_same_job, restart_count
 from polytrain.trainer.export import save_weights
@@ -125,8 +125,7 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     console = Console(stderr=False)
     samples_per_step = job.train.global_batch_size
     tokens_per_sample = block_size if spec.kind == "tokens" else 1
-    flops = flops_per_sample(model, tokens_per_sample)
-    peak = peak_flops(ctx.device)
+    flops, peak = mfu_inputs(job, ctx.device, spec, train_set)
 
     history: list[dict[str, Any]] = []
     loss = val_loss = float("nan")

@@ -42,7 +42,7 @@ from polytrain.planner.cost.rates import (
     interpolated,
     size_rate,
 )
-from polytrain.planner.types import BlockStats, HostProfile
+from polytrain.planner.types import BACKWARD_FLOPS_PER_FORWARD, BlockStats, HostProfile
 
 __all__ = ["Env", "ring_factor"]
 
@@ -168,8 +168,8 @@ class Env:
         return self._pass_s(block, samples, tp, 0)
 
     def bwd_s(self, block: BlockStats, samples: float, tp: int = 1) -> float:
-        """Backward = input and weight gradients = 2x the forward FLOPs (measured when known),
-        plus its own operators' overhead and memory traffic."""
+        """Backward = input and weight gradients = `BACKWARD_FLOPS_PER_FORWARD` x the forward
+        FLOPs (measured when known), plus its own operators' overhead and memory traffic."""
         return self._pass_s(block, samples, tp, 1)
 
     def _pass_s(self, block: BlockStats, samples: float, tp: int, direction: int) -> float:
@@ -182,7 +182,8 @@ class Env:
         flops, attention = self._attention(block, samples / tp, direction, rate)
         counted = (block.fwd_elementwise, block.bwd_elementwise)[direction]
         kept, heavy = self._elementwise(counted, samples / tp)
-        matmul = (1 + direction) * flops * samples / rate / tp + attention + heavy
+        scale = (1.0, BACKWARD_FLOPS_PER_FORWARD)[direction]
+        matmul = scale * flops * samples / rate / tp + attention + heavy
         moved = (block.fwd_moved_bytes, block.bwd_moved_bytes)[direction] * samples / tp - kept
         return self._compute_s(matmul, (block.fwd_ops, block.bwd_ops)[direction], moved)
 
@@ -223,9 +224,10 @@ class Env:
         if prof is not None and self.dtype == "fp32":
             grid = {key: pair[direction] for key, pair in prof.attention_rates.items()}
         seconds = 0.0
+        scale = (1.0, BACKWARD_FLOPS_PER_FORWARD)[direction]
         for t, _, d, flops in block.attention:
             per = grid_rate(grid, t, d) / self.cpu_slowdown if grid else rate
-            seconds += (1 + direction) * flops * samples / per
+            seconds += scale * flops * samples / per
         return max(block.fwd_flops - block.attention_counted, 0.0), seconds
 
     def _compute_s(self, matmul_s: float, ops: int, moved_bytes: float) -> float:
