@@ -220,6 +220,7 @@ def stats_of(
     tokens_per_sample: int = 1,
     optimizer_state: int = 2,
     optimizer: str = "adamw",
+    fused_optimizer: bool = False,
     grad_clip: bool = True,
     shards: list[tuple[tuple[float, int], ...]] | None = None,
     data_bytes: int = 0,
@@ -294,6 +295,7 @@ def stats_of(
         optimizer_state_per_param=optimizer_state,
         tp_divisor=_heads(model),
         optimizer=optimizer,
+        fused_optimizer=fused_optimizer,
         grad_clip=grad_clip,
         data_bytes=data_bytes,
     )
@@ -415,6 +417,7 @@ def _counted(
         tokens_per_sample=tokens,
         optimizer_state=optimizer_state_per_param(job),
         optimizer=job.optim.name,
+        fused_optimizer=job.optim.fused,
         grad_clip=job.optim.grad_clip > 0,
         data_bytes=data_bytes,
     )

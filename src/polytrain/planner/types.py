@@ -174,6 +174,9 @@ class ModelStats:
     optimizer_state_per_param: int = 2  # AdamW: exp_avg + exp_avg_sq; SGD momentum: 1
     tp_divisor: int = 0  # a tensor-parallel degree must divide this (attention heads); 0 = any
     optimizer: str = "adamw"  # optim.name: which calibrated update cost applies
+    # optim.fused: the trainer runs torch's fused kernel (priced at the calibrated "<name>_fused"
+    # figures on plain tensors); False in statistics stored before it existed
+    fused_optimizer: bool = False
     grad_clip: bool = True  # optim.grad_clip > 0: the step clips by the global norm
     # bytes of the tensors behind the training and validation data (each storage once): every
     # worker loads the whole data set ([Note: a worker's own memory] in planner/memory.py)

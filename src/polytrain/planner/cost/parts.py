@@ -64,6 +64,7 @@ def end_of_step_s(
     step's small reductions (`step_reduce_s`)."""
     shard = sum(b.params_per_tp_rank(layout.tp) for b in blocks)
     shard /= layout.dp if layout.zero >= 2 else 1
+    held_dtensors = dtensors(layout, blocks)
     update = env.optimizer_s(
         shard,
         stats.optimizer_state_per_param,
@@ -71,7 +72,9 @@ def end_of_step_s(
         tensors=sum(b.tensors for b in blocks),
         optimizer=stats.optimizer,
         clip=stats.grad_clip,
-        dtensors=dtensors(layout, blocks),
+        dtensors=held_dtensors,
+        # the fused figures were timed on plain tensors; DTensors keep their own
+        fused=stats.fused_optimizer and held_dtensors == 0,
     )
     return update + step_reduce_s(layout, stats, env, dtensor_mesh(layout, blocks))
 
