@@ -62,6 +62,21 @@ def test_skip_drops_the_update_and_continues() -> None:
     assert all(math.isfinite(float(v.abs().sum())) for v in out["state"].values())
 
 
+@pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
+def test_fused_adamw_under_zero3_decides_on_the_device(on_nonfinite: str) -> None:
+    """[Note: the step stays on the device]: FSDP2's DTensor parameters, fused AdamW's
+    found_inf skip and the result read later name and skip the same step as the host path."""
+    train = {"steps": 6, "on_nonfinite": on_nonfinite}
+    job = faulty("nan_grad_rank1_step3", parallel={"zero": 3}, optim={"name": "adamw"}, train=train)
+    if on_nonfinite == "stop":
+        with pytest.raises(RankFailure, match=r"a gradient is NaN/Inf \(loss [0-9.]+\) at step 3"):
+            run_distributed(_train, 2, [job, job], timeout_s=90)
+        return
+    out = run_distributed(_train, 2, [job, job], timeout_s=90)[0]
+    assert [r["step"] for r in out["history"] if r.get("skipped")] == [3]
+    assert all(math.isfinite(float(v.abs().sum())) for v in out["state"].values())
+
+
 def test_a_rank_that_stops_participating_is_named() -> None:
     # Rank 1 hangs for an hour (hang_rank1_step3): a RankFailure from rank 0 naming it, before
     # the harness deadline's TimeoutError, shows the 3 s watchdog caught the hang; an order of
