@@ -19,11 +19,14 @@ from tests.conftest import small_job
 pytestmark = pytest.mark.slow
 
 STEPS = 3
+# One hidden layer: blocks of distinct classes, so each compiles once (a second hidden layer of
+# another width would compile again, with dynamic shapes: more time, no more coverage).
+MODEL = {"name": "mlp", "n_layer": 1}
 
 
 def _job(**sections: dict[str, Any]) -> Any:
     train = {"steps": STEPS, **sections.pop("train", {})}
-    return small_job(train=train, **sections)
+    return small_job(model=MODEL, train=train, **sections)
 
 
 @cache
