@@ -52,6 +52,15 @@ def test_compile_after_recompute_compiles_the_checkpointed_forward() -> None:
     assert is_compiled(block)
 
 
+def test_a_forward_set_on_the_instance_is_the_one_compiled() -> None:
+    model = _model()
+    block = model.blocks[0]
+    block.forward = lambda x: torch.zeros_like(x)  # as a user's library might
+    apply_compile(model)
+    assert is_compiled(block) and not isinstance(block.forward, partial)
+    assert torch.count_nonzero(block(torch.ones(2, 8))) == 0
+
+
 def test_missing_compiler_is_refused_in_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -48,15 +48,16 @@ def apply_compile(model: BlockModel) -> BlockModel:
     for unit in model.units():
         if not any(True for _ in unit.parameters()) or is_compiled(unit):
             continue
-        # A partial over the module (not a bound method or closure): deep copies re-bind to
-        # the copy, as recomputation's do. The forward it has now: recomputation's, else the
-        # class's own.
+        # The forward it has now: the class's own, recomputation's partial, or one a user's
+        # library set on the instance. The first two stay partials over the module (not bound
+        # methods or closures): deep copies re-bind to the copy, as recomputation's do.
         current = unit.__dict__.get("forward")
-        if isinstance(current, partial):
-            forward = partial(_compiled(current.func), *current.args, **current.keywords)
+        if current is None:
+            unit.forward = partial(_compiled(type(unit).forward), unit)
+        elif isinstance(current, partial):
+            unit.forward = partial(_compiled(current.func), *current.args, **current.keywords)
         else:
-            forward = partial(_compiled(type(unit).forward), unit)
-        unit.forward = forward
+            unit.forward = torch.compile(current)
         setattr(unit, _COMPILED, True)
     return model
 
