@@ -140,7 +140,7 @@ class TrainConfig:
     sample_tokens: int = option(200, "characters generated at the end (gpt only, 0 = none)")
     compile: bool = option(
         False,
-        "torch.compile each repeated block (inductor); the first steps' compilation is "
+        "torch.compile each repeated block (Inductor); the first step's compilation is "
         "reported apart as compile_s",
     )
 
