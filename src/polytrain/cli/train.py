@@ -37,6 +37,7 @@ FLAG_FIELDS: dict[str, str] = {
     "dtype": "train.dtype",
     "device": "train.device",
     "eval_every": "train.eval_every",
+    "compile": "train.compile",
     "optimizer": "optim.name",
     "lr": "optim.lr",
     "momentum": "optim.momentum",

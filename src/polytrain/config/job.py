@@ -145,6 +145,11 @@ class TrainConfig:
         "stop", "on a NaN/Inf loss: stop the run, or skip the update"
     )
     sample_tokens: int = option(200, "characters generated at the end (gpt only, 0 = none)")
+    compile: bool = option(
+        False,
+        "torch.compile each repeated block (Inductor); the first step's compilation is "
+        "reported apart as compile_s",
+    )
 
     def __post_init__(self) -> None:
         positive("train", "steps", self.steps)

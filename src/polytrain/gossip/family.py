@@ -15,6 +15,7 @@ from polytrain.gossip.localsgd import LocalSGDStrategy
 from polytrain.gossip.replica import ReplicaStrategy
 from polytrain.gossip.strategy import GossipStrategy
 from polytrain.models.base import BlockModel
+from polytrain.parallel.compile import apply_compile
 
 __all__ = ["DECENTRALIZED"]
 
@@ -30,6 +31,8 @@ def _checks(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
 def _build(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Batches) -> Strategy:
     """No mesh: every rank holds a full replica and talks to the ranks its graph names."""
     model = model.to(ctx.device)
+    if job.train.compile:
+        apply_compile(model)
     cls: type[ReplicaStrategy] = LocalSGDStrategy
     if job.parallel.sync == "gossip":
         cls = AsyncGossipStrategy if job.gossip.mode == "async" else GossipStrategy

@@ -13,7 +13,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["MetricsWriter", "StateBytesAtUpdate", "model_state_bytes", "peak_memory_mb"]
+__all__ = [
+    "MetricsWriter",
+    "StateBytesAtUpdate",
+    "compile_seconds",
+    "model_state_bytes",
+    "peak_memory_mb",
+]
 
 
 def _vm_hwm_kb() -> int | None:
@@ -104,6 +110,23 @@ class StateBytesAtUpdate:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+def compile_seconds(step_times: list[float]) -> float | None:
+    """Seconds the first step spent compiling: its time less the median of the later steps
+    (None before a later step exists).
+
+    [Note: compile time] Under ``train.compile`` each block is compiled when it first runs,
+    inside the run's first step (forward and backward graphs alike), so that step is the only
+    one that includes compilation: ``compile_s`` is its time over a steady step's, what the
+    user waits for, measured with the same clock as step time and with no private counter.
+    Evaluation's own compilation (``eval()`` mode is a new graph) falls outside every step.
+    The rank summary's ``median_step_time_s`` leaves that first step out.
+    """
+    if len(step_times) < 2:
+        return None
+    later = sorted(step_times[1:])
+    return max(0.0, step_times[0] - later[len(later) // 2])
 
 
 class MetricsWriter:

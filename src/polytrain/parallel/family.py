@@ -1,6 +1,6 @@
 """The SPMD strategy family: how the trainer builds it and what pre-flight checks it needs.
 
-Order (STYLE 3): tensor parallel -> activation recomputation -> data parallel or ZeRO.
+Order (STYLE 3): tensor parallel -> activation recomputation -> compile -> data parallel or ZeRO.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.blocks import disable_inplace
 from polytrain.parallel.batchnorm import convert_batchnorm
+from polytrain.parallel.compile import apply_compile
 from polytrain.parallel.data_parallel import apply_data_parallel
 from polytrain.parallel.hybrid import apply_hybrid, hybrid_ignored, resolve_hybrid_plan
 from polytrain.parallel.recompute import apply_recompute
@@ -89,6 +90,8 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
         name = f"tp{p.tp}"
     if p.recompute:
         apply_recompute(model)
+    if job.train.compile:
+        apply_compile(model)
     if p.zero:
         wrapped = apply_zero(model, mesh, p)  # type: ignore[assignment]  # FSDPModule is an nn.Module
         name = f"zero{p.zero}-dp{p.dp}" + (f"-tp{p.tp}" if p.tp > 1 else "")

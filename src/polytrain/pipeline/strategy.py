@@ -83,6 +83,7 @@ from polytrain.models.split import (
 )
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.batchnorm import convert_batchnorm
+from polytrain.parallel.compile import apply_compile
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.tensor_parallel import (
     apply_tensor_parallel_to_stage,
@@ -162,6 +163,8 @@ class PipelineStrategy(Strategy):
             self._build_layer_stage(job, model)
         else:
             self._build_block_stage(job, model)
+        if job.train.compile:  # after tensor parallel and the partition trials, which run eager
+            apply_compile(model)
         if self.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
             convert_batchnorm(self.stage, mesh.group("dp"), owned_only=True)
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)

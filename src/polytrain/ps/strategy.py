@@ -75,6 +75,7 @@ from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.batchnorm import convert_batchnorm
+from polytrain.parallel.compile import apply_compile
 from polytrain.parallel.recompute import apply_recompute
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
@@ -225,6 +226,8 @@ class PSStrategy(Strategy):
             )
             if job.parallel.recompute:  # [Note: recompute on workers]
                 apply_recompute(model)
+            if job.train.compile:  # the overlap's hooks run around each compiled block
+                apply_compile(model)
             if self.overlap:  # [Note: prioritised overlap] in polytrain.ps.overlap
                 self.pusher = GradPusher(model, self.layout)
                 self.fetcher = ParamFetcher(model, self.layout)

@@ -30,6 +30,7 @@ from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import (
     MetricsWriter,
     StateBytesAtUpdate,
+    compile_seconds,
     model_state_bytes,
     peak_memory_mb,
 )
@@ -77,12 +78,14 @@ def _write_rank_summary(
     history: list[dict[str, Any]],
     peak_mb: float,
     at_update: dict[str, int],
+    compiled: bool = False,
 ) -> None:
     """``rank-<r>.json``: what this rank held and how long its steps took, for the planner's
     validation (`polytrain plan --validate`) to set against its predictions. Written before
     the final export, which gathers full weights and would raise the peak."""
-    times = sorted(r["step_time_s"] for r in history)
-    summary = {
+    step_times = [r["step_time_s"] for r in history]
+    times = sorted(step_times[1:] if compiled else step_times)  # [Note: compile time]
+    summary: dict[str, Any] = {
         "rank": rank,
         "strategy": strategy.name,
         "peak_memory_mb": peak_mb,
@@ -91,8 +94,10 @@ def _write_rank_summary(
         # {} where this rank runs no optimizer (a parameter-server worker)
         "state_bytes_at_update": at_update,
         "median_step_time_s": times[len(times) // 2] if times else None,
-        "step_times_s": [r["step_time_s"] for r in history],
+        "step_times_s": step_times,
     }
+    if compiled:
+        summary["compile_s"] = compile_seconds(step_times)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(summary, sort_keys=True))
 
@@ -171,6 +176,9 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
                     record.update(strategy.evaluation_metrics())
             if step + 1 == steps or (step + 1) % job.observe.log_every == 0 or "val_loss" in record:
                 record["memory_mb"] = peak_memory_mb(ctx.device)
+                if job.train.compile and history and "compile_s" not in history[0]:
+                    times = [r["step_time_s"] for r in history] + [step_time]
+                    history[0]["compile_s"] = record["compile_s"] = compile_seconds(times)
                 metrics.write(record)
             history.append(record)
             speed = (
@@ -215,7 +223,9 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     at_update.close()
     if out_dir is not None:
         peak_mb = peak_memory_mb(ctx.device)
-        _write_rank_summary(out_dir, ctx.rank, strategy, history, peak_mb, at_update.reading)
+        _write_rank_summary(
+            out_dir, ctx.rank, strategy, history, peak_mb, at_update.reading, job.train.compile
+        )
     if job.observe.trace:
         # Parts go to the run directory (ours, locked), the merged trace to the user's path
         # without replacing anything there ([Note: output paths] in trainer/outputs.py).

@@ -6,6 +6,11 @@ here, so a mistake costs a one-line error instead of N crashed workers.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import sys
+
 import torch
 
 from polytrain.config.job import JobConfig
@@ -19,7 +24,7 @@ from polytrain.trainer.build import strategy_family
 from polytrain.trainer.outputs import check_output_paths
 from polytrain.trainer.ownership import check_checkpoint_dir
 
-__all__ = ["check_devices", "preflight"]
+__all__ = ["check_compile", "check_devices", "preflight"]
 
 
 def preflight(job: JobConfig) -> BlockModel:
@@ -30,6 +35,7 @@ def preflight(job: JobConfig) -> BlockModel:
     """
     check_output_paths(job)  # [Note: output paths]
     check_devices(job)
+    check_compile(job)
     family = strategy_family(job)
     train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
     try:
@@ -69,4 +75,36 @@ def check_devices(job: JobConfig) -> None:
             f"launch.nproc = {job.launch.nproc} ranks with train.device = {device!r} on a node "
             f"with {gpus} GPU(s): each rank needs its own GPU (NCCL); use --nproc {gpus}, or "
             "train.device = 'cpu' for more processes"
+        )
+
+
+def check_compile(job: JobConfig, *, cuda: bool | None = None) -> None:
+    """Refuse ``train.compile`` in one line where Inductor cannot build kernels on this host
+    (checked before any worker starts; otherwise every rank fails in its first step).
+
+    Every strategy family compiles (`parallel.compile`, docs/compile.md); what can be missing
+    is the toolchain: on the CPU Inductor compiles C++ with ``$CXX`` (default g++; clang++ on
+    macOS), on a GPU it writes Triton kernels. ``cuda`` (whether the job gets GPUs) is for
+    tests.
+    """
+    if not job.train.compile:
+        return
+    if cuda is None:
+        cuda = job.train.device == "cuda" or (
+            job.train.device == "auto" and torch.cuda.is_available()
+        )
+    if cuda:
+        if importlib.util.find_spec("triton") is None:
+            raise ConfigError(
+                f"train.compile = true on train.device = {job.train.device!r} needs Triton "
+                "(Inductor's GPU kernels) and it is not installed: pip install triton, or "
+                "drop --compile"
+            )
+        return
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(cxx) is None:
+        raise ConfigError(
+            f"train.compile = true on the CPU needs a C++ compiler for Inductor's kernels and "
+            f"{cxx!r} (from $CXX, else the default) is not on PATH: install one (e.g. "
+            "apt-get install g++) or set CXX to it, or drop --compile"
         )
