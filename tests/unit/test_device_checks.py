@@ -14,6 +14,7 @@ import torch
 from polytrain.cli.train import _devices
 from polytrain.config import JobConfig, job_from_dict
 from tests.helpers.cli import assert_usage_error, run_main
+from tests.helpers.devices import see_gpus
 
 
 def _train(tmp_path: Path, *args: str) -> list[str]:
@@ -23,7 +24,7 @@ def _train(tmp_path: Path, *args: str) -> list[str]:
 def test_cuda_without_a_cuda_device_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    see_gpus(monkeypatch, 0)
     code, _, err = run_main(_train(tmp_path, "--set", "train.device='cuda'"), capsys)
     assert_usage_error(code, err, "train.device = 'cuda' but torch sees no CUDA device")
     assert not (tmp_path / "run").exists()  # nothing written
@@ -37,18 +38,11 @@ def test_more_ranks_than_gpus_is_one_line(
     device: str,
 ) -> None:
     """Two ranks on a one-GPU node would both take GPU 0, which NCCL refuses mid-start."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    see_gpus(monkeypatch, 1)
     args = _train(tmp_path, "--nproc", "2", "--set", f"train.device='{device}'")
     code, _, err = run_main(args, capsys)
     assert_usage_error(code, err, "launch.nproc = 2 ranks with train.device")
     assert "use --nproc 1" in err
-
-
-def _gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
-    """This process sees ``count`` GPUs (0: no CUDA at all)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
 
 def _dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -61,7 +55,7 @@ def _dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
 def test_nproc_gpu_without_a_gpu_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _gpus(monkeypatch, 0)
+    see_gpus(monkeypatch, 0)
     code, _, err = run_main(_train(tmp_path, "--nproc", "gpu"), capsys)
     assert_usage_error(code, err, "launch.nproc = 'gpu' but torch sees no GPU here")
     assert "--nproc 2" in err
@@ -78,7 +72,7 @@ def test_a_word_other_than_gpu_or_auto_is_one_line(
 def test_the_default_job_takes_every_gpu_with_nccl(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _gpus(monkeypatch, 4)
+    see_gpus(monkeypatch, 4)
     job = _dry_run(capsys)
     assert job["train"]["device"] == "cuda"
     assert job["launch"]["nproc"] == 4 and job["parallel"]["dp"] == 4
@@ -105,25 +99,16 @@ def test_flags_and_the_machine_choose(
     device: str,
     nproc: int,
 ) -> None:
-    _gpus(monkeypatch, gpus)
+    see_gpus(monkeypatch, gpus)
     job = _dry_run(capsys, *args)
     assert (job["train"]["device"], job["launch"]["nproc"]) == (device, nproc)
 
 
-def test_gloo_lets_ranks_share_a_gpu(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Only NCCL needs a GPU per rank; gloo with CUDA tensors runs several on one."""
-    _gpus(monkeypatch, 1)
-    job = _dry_run(capsys, "--nproc", "2", "--set", "launch.backend='gloo'")
-    assert (job["train"]["device"], job["launch"]["nproc"]) == ("cuda", 2)
-
-
 def test_the_start_line_names_devices_and_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    _gpus(monkeypatch, 0)
+    see_gpus(monkeypatch, 0)
     assert _devices(JobConfig()) == "2 CPU processes, gloo"
     assert _devices(job_from_dict({"launch": {"nproc": 1}})) == "1 CPU process, gloo"
-    _gpus(monkeypatch, 2)
+    see_gpus(monkeypatch, 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
     assert _devices(JobConfig()) == "2 x cuda (NVIDIA H200), nccl"
     gloo = job_from_dict({"launch": {"backend": "gloo"}})

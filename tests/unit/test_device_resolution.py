@@ -8,14 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from polytrain.config import JobConfig, job_from_dict, load_job, save_job
+from polytrain.config import JobConfig, devices, job_from_dict, load_job, save_job
 from polytrain.config.devices import resolve_devices
 from polytrain.errors import ConfigError
-
-
-def _gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+from tests.helpers.devices import see_gpus
 
 
 @pytest.mark.parametrize(
@@ -40,7 +36,7 @@ def test_resolution(
     nproc: int | str,
     expected: tuple[str, int],
 ) -> None:
-    _gpus(monkeypatch, gpus)
+    see_gpus(monkeypatch, gpus)
     assert resolve_devices(device, nproc) == expected
 
 
@@ -56,37 +52,46 @@ def test_resolution(
 def test_a_device_this_machine_lacks(
     monkeypatch: pytest.MonkeyPatch, device: str, nproc: int | str, message: str
 ) -> None:
-    _gpus(monkeypatch, 0)
+    see_gpus(monkeypatch, 0)
     with pytest.raises(ConfigError, match=message):
         resolve_devices(device, nproc)
 
 
 def test_a_cpu_job_with_a_count_never_asks_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    def probe() -> bool:
+    def probe() -> int:
         raise AssertionError("probed")
 
-    monkeypatch.setattr(torch.cuda, "is_available", probe)
+    monkeypatch.setattr(devices, "visible_gpus", probe)
     assert resolve_devices("cpu", 2) == ("cpu", 2)
 
 
 def test_the_default_job_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    _gpus(monkeypatch, 8)
+    see_gpus(monkeypatch, 8)
     job = JobConfig()
     assert (job.train.device, job.launch.nproc) == ("cuda", 8)
     assert job.world_size == 8 and job.parallel.dp == 8
 
 
+def test_visible_gpus_asks_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # the real probe, under torch.cuda's patched answers
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert devices.visible_gpus() == 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices.visible_gpus() == 0
+
+
 def test_a_built_job_holds_the_count(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``nproc = "gpu"`` in a TOML file loads; the job saved from it (the run's job.toml, which
     the workers load) holds the count, and loads back equal."""
-    _gpus(monkeypatch, 4)
+    see_gpus(monkeypatch, 4)
     path = tmp_path / "job.toml"
     path.write_text('[launch]\nnproc = "gpu"\n\n[train]\ndevice = "auto"\n')
     job = job_from_dict(load_job(path))
     assert (job.train.device, job.launch.nproc, job.launch.num_procs) == ("cuda", 4, 4)
     save_job(job, tmp_path / "saved.toml")
     assert "nproc = 4\n" in (tmp_path / "saved.toml").read_text()
-    _gpus(monkeypatch, 2)  # a worker loading it does not count again
+    see_gpus(monkeypatch, 2)  # a worker loading it does not count again
     again = job_from_dict(load_job(tmp_path / "saved.toml"))
     assert again == job
 

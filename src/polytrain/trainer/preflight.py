@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from polytrain.comm.init import resolve_backend
-from polytrain.config.devices import visible_gpus
+from polytrain.config import devices
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, MeshError
@@ -57,15 +57,16 @@ def preflight(job: JobConfig) -> BlockModel:
 
 
 def check_devices(job: JobConfig) -> None:
-    """A CUDA job on NCCL needs a GPU per rank on this node: NCCL refuses two ranks on one
-    device, and ranks take devices by local rank (`comm.init`). (CUDA itself is checked where
-    the job resolves its devices: [Note: device resolution].)"""
-    backend = resolve_backend(job.launch.backend, job.train.device)
-    gpus = visible_gpus()
+    """A CUDA job needs a GPU per rank on this node: NCCL refuses two ranks on one device (and
+    gloo's CUDA start-up failed with "No device(s) specified" on an H200), and ranks take
+    devices by local rank (`comm.init`). (CUDA itself is checked where the job resolves its
+    devices: [Note: device resolution].)"""
+    gpus = devices.visible_gpus()
     nproc = job.launch.num_procs
-    if job.train.device == "cuda" and backend == "nccl" and nproc > gpus:
+    if job.train.device == "cuda" and nproc > gpus:
+        backend = resolve_backend(job.launch.backend, job.train.device)
         raise ConfigError(
-            f"launch.nproc = {nproc} ranks with train.device = 'cuda' and nccl on a node with "
-            f"{gpus} GPU(s): each rank needs its own GPU; use --nproc {gpus} (or --nproc gpu), "
-            "or --device cpu for more processes"
+            f"launch.nproc = {nproc} ranks with train.device = 'cuda' ({backend}) on a node "
+            f"with {gpus} GPU(s): each rank needs its own GPU; use --nproc {gpus} (or --nproc "
+            "gpu), or --device cpu for more processes"
         )
