@@ -9,6 +9,7 @@ import pytest
 
 from polytrain.config import JobConfig, job_from_dict
 from polytrain.testing import scaled
+from tests.helpers.devices import see_gpus
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,6 +25,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(stretched)
+
+
+@pytest.fixture(autouse=True)
+def _jobs_resolve_as_on_a_cpu_host(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job built in a test takes ``train.device = "auto"`` and ``launch.nproc = "auto"`` as on
+    a machine without GPUs (cpu, 2 processes), so the suite means the same on a GPU host;
+    tests/gpu sees the real devices, and a test may call `see_gpus` for others."""
+    if "gpu" not in request.path.parts:
+        see_gpus(monkeypatch, 0)
 
 
 def small_job(**sections: dict[str, Any]) -> JobConfig:

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, cast, get_args, get_origin
 
 import tomli_w
+import torch
 import typer
 
 from polytrain.api import prepare, run
+from polytrain.comm.init import resolve_backend
 from polytrain.config.base import FieldInfo, describe_field, to_dict
 from polytrain.config.io import job_from_dict, load_job, merge, parse_override
 from polytrain.config.job import JobConfig
@@ -94,6 +96,12 @@ def _partition_value(text: str) -> Any:
         ) from None
 
 
+def _count_value(text: str) -> Any:
+    """``--nproc 4`` is a count; a word (``gpu``, ``auto``) stays text for the config to check."""
+    stripped = text.strip()
+    return int(stripped) if stripped.isdigit() else stripped
+
+
 def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]) -> JobConfig:
     """Config file, then flags, then ``--set`` overrides, validated as one `JobConfig`."""
     data: dict[str, Any] = load_job(config) if config else {}
@@ -102,6 +110,8 @@ def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]
             continue
         if name == "partition":
             value = _partition_value(value)
+        elif name == "nproc":
+            value = _count_value(value)
         merge(data, FLAG_FIELDS[name].split("."), value)
     for text in overrides:
         path, value = parse_override(text)
@@ -114,10 +124,14 @@ _KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 def _flag_type(tp: Any) -> type:
     """The command-line type of a field annotated ``tp``: its first non-None alternative, with
-    ``Literal`` choices and lists (``pipeline.partition``) read as text and checked by the
-    config, so a bad value gets the config's one-line error."""
+    ``Literal`` choices and lists (``pipeline.partition``), and a count or a word
+    (``launch.nproc``), read as text and checked by the config, so a bad value gets the
+    config's one-line error."""
     if get_origin(tp) in (Union, types.UnionType):
-        tp = next(a for a in get_args(tp) if a is not type(None))
+        options = [a for a in get_args(tp) if a is not type(None)]
+        if any(get_origin(a) is Literal for a in options):
+            return str
+        tp = options[0]
     if get_origin(tp) in (Literal, list):
         return str
     assert tp in (int, float, bool, str), f"no command-line type for {tp!r}"
@@ -169,6 +183,16 @@ def _plan_first(job: JobConfig) -> JobConfig:
     return choice.job
 
 
+def _devices(job: JobConfig) -> str:
+    """What this node's workers run on, as resolved ([Note: device resolution]):
+    ``2 x cuda (NVIDIA H200), nccl`` or ``2 CPU processes, gloo``."""
+    n = job.launch.num_procs
+    backend = resolve_backend(job.launch.backend, job.train.device)
+    if job.train.device == "cuda":
+        return f"{n} x cuda ({torch.cuda.get_device_name(0)}), {backend}"
+    return f"{n} CPU process{'es' if n != 1 else ''}, {backend}"
+
+
 def _train(
     config: Annotated[Path | None, typer.Option(help="TOML job file")] = None,
     set_: Annotated[
@@ -177,7 +201,8 @@ def _train(
     dry_run: Annotated[bool, typer.Option(help="validate and print the job, do not run")] = False,
     **flags: Any,
 ) -> None:
-    """Train a model; with no arguments, the default job (gpt tiny, 2 CPU workers, DP)."""
+    """Train a model; with no arguments, the default job (gpt tiny, data parallel on every GPU
+    with NCCL, or on 2 CPU workers with gloo where there is no GPU)."""
     job = resolve_job(config, flags, set_ or [])
     if job.strategy == "auto":
         job = _plan_first(job)
@@ -186,8 +211,8 @@ def _train(
         typer.echo(tomli_w.dumps(to_dict(job)))
         return
     typer.echo(
-        f"polytrain: {job.launch.nproc} worker(s) on this node, {job.world_size} rank(s) in "
-        f"all, run dir {job.observe.out_dir}"
+        f"polytrain: {_devices(job)} on this node, {job.world_size} rank(s) in all, "
+        f"run dir {job.observe.out_dir}"
     )
     run(job)
 
@@ -204,7 +229,8 @@ def _command() -> Callable[..., None]:
     params += [fixed["set_"], fixed["dry_run"]]
 
     def train_command(**kwargs: Any) -> None:
-        """Train a model; with no arguments, the default job (gpt tiny, 2 CPU workers, DP)."""
+        """Train a model; with no arguments, the default job (gpt tiny, data parallel on every
+        GPU with NCCL, or on 2 CPU workers with gloo where there is no GPU)."""
         _train(**kwargs)
 
     train_command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ __all__ = [
     "init_distributed",
     "mesh_timeout_options",
     "new_group",
+    "resolve_backend",
     "shutdown",
 ]
 
@@ -48,6 +49,13 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def resolve_backend(backend: str, device_type: str) -> str:
+    """``launch.backend``: "auto" is nccl on cuda, gloo on cpu."""
+    if backend != "auto":
+        return backend
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def _pick_device(device: str, local_rank: int) -> torch.device:
@@ -73,8 +81,7 @@ def init_distributed(
     timeout = datetime.timedelta(seconds=timeout_s)
     _timeout[:] = [timeout]
     if not dist.is_initialized():
-        if backend == "auto":
-            backend = "nccl" if dev.type == "cuda" else "gloo"
+        backend = resolve_backend(backend, dev.type)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(
                 backend=backend, timeout=timeout, device_id=dev if dev.type == "cuda" else None

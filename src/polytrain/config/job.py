@@ -13,6 +13,7 @@ from typing import Any, Literal
 from polytrain.config.base import option, positive
 from polytrain.config.bounds import check_bounds
 from polytrain.config.decentralized import GossipConfig, LocalSGDConfig, check_decentralized
+from polytrain.config.devices import resolve_devices
 from polytrain.config.parallel import ParallelConfig, PipelineConfig, PSConfig
 from polytrain.errors import ConfigError, MeshError
 
@@ -140,7 +141,9 @@ class TrainConfig:
     dtype: Literal["fp32", "bf16", "fp16"] = option(
         "fp32", "autocast compute dtype (fp16: with dynamic loss scaling, for GPUs without bf16)"
     )
-    device: Literal["auto", "cpu", "cuda"] = option("cpu", "device of each worker")
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "device of each worker; auto: cuda where torch sees a GPU, else cpu"
+    )
     on_nonfinite: Literal["stop", "skip"] = option(
         "stop", "on a NaN/Inf loss: stop the run, or skip the update"
     )
@@ -198,7 +201,11 @@ class ObserveConfig:
 
 @dataclass
 class LaunchConfig:
-    nproc: int = option(2, "worker processes on this node")
+    nproc: int | Literal["auto", "gpu"] = option(
+        "auto",
+        "worker processes on this node: a count, gpu (one per visible GPU), or auto (one per "
+        "GPU on a cuda job, else 2); a built job holds the count",
+    )
     nnodes: int = option(1, "number of nodes")
     node_rank: int = option(0, "rank of this node")
     rdzv_endpoint: str = option("", "host:port of the rendezvous ('' = loopback, one node)")
@@ -208,8 +215,16 @@ class LaunchConfig:
     )
     backend: Literal["auto", "gloo", "nccl"] = option("auto", "c10d backend")
 
+    @property
+    def num_procs(self) -> int:
+        """``nproc`` as a count: a built `JobConfig` has resolved "auto" and "gpu"
+        ([Note: device resolution])."""
+        assert isinstance(self.nproc, int), f"launch.nproc = {self.nproc!r} is not resolved"
+        return self.nproc
+
     def __post_init__(self) -> None:
-        positive("launch", "nproc", self.nproc)
+        if isinstance(self.nproc, int):
+            positive("launch", "nproc", self.nproc)
         positive("launch", "nnodes", self.nnodes)
         positive("launch", "max_restarts", self.max_restarts, allow_zero=True)
         positive("launch", "timeout_s", self.timeout_s)
@@ -247,7 +262,7 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
-        return self.launch.nproc * self.launch.nnodes
+        return self.launch.num_procs * self.launch.nnodes
 
     @property
     def num_trainers(self) -> int:
@@ -258,6 +273,8 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)  # infinities and values too large to work, in any section
+        # [Note: device resolution]: once, here, so the saved job names what ran
+        self.train.device, self.launch.nproc = resolve_devices(self.train.device, self.launch.nproc)
         self._resolve_mesh()
         self._check_batch()
         self._check_fp16()
@@ -329,7 +346,9 @@ class JobConfig:
                 "(every rank holds one band; data parallel across spatial groups is not built "
                 f"yet): set --nproc {p.spatial}"
             )
-        check_decentralized(p.sync, self.world_size, self.launch.nproc, self.gossip, self.localsgd)
+        check_decentralized(
+            p.sync, self.world_size, self.launch.num_procs, self.gossip, self.localsgd
+        )
         if p.zero and p.sync != "allreduce":
             raise ConfigError(
                 f"parallel.zero = {p.zero} needs parallel.sync = 'allreduce', not {p.sync!r}"

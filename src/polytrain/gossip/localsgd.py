@@ -72,7 +72,7 @@ class LocalSGDStrategy(ReplicaStrategy):
         super().__init__(job, model, batches, device, rank, world_size)
         cfg = job.localsgd
         self.period = cfg.period
-        self.per_host = (cfg.ranks_per_host or job.launch.nproc) if cfg.hierarchical else 0
+        self.per_host = (cfg.ranks_per_host or job.launch.num_procs) if cfg.hierarchical else 0
         self.name = f"localsgd-h{cfg.period}-w{world_size}"
         # torch warns that period 1 is better served by DDP; period 1 is our parity check.
         with warnings.catch_warnings():

@@ -108,7 +108,7 @@ def tolerated_ranks(job: JobConfig) -> list[int]:
     sync and hierarchical PS, and every other strategy, need all ranks (their steps are
     collectives). See [Note: tolerated worker deaths] in launch/tolerant.py.
     """
-    world = job.launch.nnodes * job.launch.nproc
+    world = job.world_size
     if job.parallel.sync == "gossip" and job.gossip.mode == "async":
         return list(range(1, world))  # [Note: no world collectives in async gossip]
     ps = job.ps
@@ -146,11 +146,11 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
     node_addr = "127.0.0.1" if local else multinode.node_address(endpoint)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    redirects = {r: (Std.ERR if r == 0 else Std.ALL) for r in range(lc.nproc)}
+    redirects = {r: (Std.ERR if r == 0 else Std.ALL) for r in range(lc.num_procs)}
     config = ElasticConfig(
         min_nodes=lc.nnodes,
         max_nodes=lc.nnodes,
-        nproc_per_node=lc.nproc,
+        nproc_per_node=lc.num_procs,
         run_id=uuid.uuid4().hex if local else "polytrain",
         rdzv_backend=loopback.BACKEND if local else multinode.BACKEND,
         rdzv_endpoint=endpoint,
@@ -197,7 +197,7 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
                 else failure.message.rsplit(" ", 1)[1]
             ) from None
         if not local:
-            failure.message += multinode.hosts_note(lc.nproc)
+            failure.message += multinode.hosts_note(lc.num_procs)
         raise failure from None
     finally:
         node_guard.stop_all()  # [Note: lost node]

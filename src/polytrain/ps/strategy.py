@@ -97,7 +97,7 @@ def ranks_per_host(job: JobConfig) -> int:
     """``ps.ranks_per_host``, else the launcher's LOCAL_WORLD_SIZE, else ``launch.nproc``."""
     if job.ps.ranks_per_host:
         return job.ps.ranks_per_host
-    return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.nproc))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.num_procs))
 
 
 _MAX_LINK_POINTS = 32

@@ -39,7 +39,7 @@ class AutoChoice:
 
 def host_cluster_spec(job: JobConfig) -> str:
     """This host as a catalog cluster spec with ``launch.nproc`` devices."""
-    if job.train.device == "cuda" or (job.train.device == "auto" and torch.cuda.is_available()):
+    if job.train.device == "cuda":  # resolved: [Note: device resolution]
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
         key = device_key_of(name)
         if key is None:
@@ -67,7 +67,7 @@ def resolve_auto(job: JobConfig, profile: HostProfile | None = None) -> AutoChoi
         global_batch=job.train.global_batch_size,
         steps=job.train.steps,
         min_devices=1,
-        max_devices=job.launch.nproc,
+        max_devices=job.launch.num_procs,
         dtype=job.train.dtype,
         objective="time",
         profile=profile,

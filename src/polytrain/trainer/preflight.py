@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from polytrain.comm.init import resolve_backend
+from polytrain.config import devices
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, MeshError
@@ -49,7 +51,7 @@ def preflight(job: JobConfig) -> BlockModel:
     if job.parallel.pp > 1 or job.parallel.tp > 1:  # as the workers do (strategy families)
         disable_inplace(model)
     check_model(job, model, train_data.get(torch.arange(min(2, len(train_data)))))
-    if job.launch.nnodes > 1 and job.launch.nproc % job.parallel.tp:
+    if job.launch.nnodes > 1 and job.launch.num_procs % job.parallel.tp:
         raise MeshError(  # consecutive ranks share a host; tp groups are consecutive ranks
             f"parallel.tp = {job.parallel.tp} does not divide --nproc {job.launch.nproc}: "
             "tensor-parallel groups would straddle hosts; choose a tp that divides the "
@@ -61,20 +63,18 @@ def preflight(job: JobConfig) -> BlockModel:
 
 
 def check_devices(job: JobConfig) -> None:
-    """A CUDA job needs CUDA, and a GPU per rank on this node: NCCL refuses two ranks on one
-    device, and ranks take devices by local rank (`comm.init`)."""
-    device = job.train.device
-    if device == "cuda" and not torch.cuda.is_available():
+    """A CUDA job needs a GPU per rank on this node: NCCL refuses two ranks on one device (and
+    gloo's CUDA start-up failed with "No device(s) specified" on an H200), and ranks take
+    devices by local rank (`comm.init`). (CUDA itself is checked where the job resolves its
+    devices: [Note: device resolution].)"""
+    gpus = devices.visible_gpus()
+    nproc = job.launch.num_procs
+    if job.train.device == "cuda" and nproc > gpus:
+        backend = resolve_backend(job.launch.backend, job.train.device)
         raise ConfigError(
-            "train.device = 'cuda' but torch sees no CUDA device here (torch "
-            f"{torch.__version__}): set train.device = 'cpu' (or 'auto')"
-        )
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device in ("cuda", "auto") and gpus and job.launch.nproc > gpus:
-        raise ConfigError(
-            f"launch.nproc = {job.launch.nproc} ranks with train.device = {device!r} on a node "
-            f"with {gpus} GPU(s): each rank needs its own GPU (NCCL); use --nproc {gpus}, or "
-            "train.device = 'cpu' for more processes"
+            f"launch.nproc = {nproc} ranks with train.device = 'cuda' ({backend}) on a node "
+            f"with {gpus} GPU(s): each rank needs its own GPU; use --nproc {gpus} (or --nproc "
+            "gpu), or --device cpu for more processes"
         )
 
 
