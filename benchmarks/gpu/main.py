@@ -31,6 +31,7 @@ import gc
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -106,6 +107,10 @@ class Case:
     def block(self) -> int:
         return int(self.fields["model.block_size"])
 
+    def dim(self, name: str) -> int:
+        """``n_layer`` / ``n_embd`` of the built-in's fields or the factory's arguments."""
+        return int(self.fields.get(f"model.{name}") or self.fields["model.args"][name])
+
 
 def cases(smoke: bool = False) -> list[Case]:
     run = (
@@ -163,6 +168,20 @@ def mfu(model: Any, tokens: int, samples: int, step_s: float, device: Any) -> fl
     return flops_per_sample(model, tokens) * samples / step_s / peak
 
 
+def reference_mfu(case: Case, params: int, step_s: float, device: Any) -> float | None:
+    """MFU from the textbook count, independent of polytrain's (PaLM, appendix B): 6 x
+    parameters x tokens plus 12 x layers x width x tokens^2 per sample, over the same peak as
+    `mfu`; where polytrain counts a model right, its MFU equals this one."""
+    from polytrain.observe.mfu import peak_flops
+
+    peak = peak_flops(device)
+    if not peak or not step_s:
+        return None
+    t = case.block
+    flops = 6.0 * params * t + 12.0 * case.dim("n_layer") * case.dim("n_embd") * t * t
+    return flops * case.batch / step_s / peak
+
+
 def has_compile_flag() -> bool:
     """Whether this checkout's ``polytrain train`` takes ``--compile`` (``train.compile``)."""
     from benchmarks.step_overhead.main import worker_env
@@ -175,7 +194,7 @@ def has_compile_flag() -> bool:
         text=True,
         check=False,
     )
-    return "--compile" in proc.stdout
+    return re.search(r"(?<![\w-])--compile(?![\w-])", proc.stdout) is not None
 
 
 def hf_loss(model: Any, x: Any, y: Any) -> Any:
@@ -230,6 +249,7 @@ def _plain(case: Case, compiled: bool, windows: int, window_steps: int) -> dict[
             "first_window_s": times[0] * window_steps,
             "mfu": mfu(built, case.block, case.batch, step_s, torch.device(device)),
             "optimizer": optimizer,
+            "params": sum(p.numel() for p in built.parameters()),
         }
     finally:
         del built, module, run, batches
@@ -242,6 +262,7 @@ def _plain(case: Case, compiled: bool, windows: int, window_steps: int) -> dict[
 def run_case(
     case: Case, args: argparse.Namespace, compile_flag: bool, budget: Budget, workdir: Path
 ) -> dict[str, Any]:
+    import torch
     from benchmarks.step_overhead.main import run_polytrain
 
     row: dict[str, Any] = {"case": case.name, "label": case.label, "fields": case.fields}
@@ -285,6 +306,19 @@ def run_case(
         ours("compiled", ["--compile"])
     else:
         row["polytrain_compiled"] = {"error": "n/a: polytrain train has no --compile"}
+    params = next((c["params"] for c in row.values() if isinstance(c, dict) and "params" in c), 0)
+    device = torch.device(case.fields["train.device"])
+    for variant in ("polytrain_eager", "plain_eager", "polytrain_compiled", "plain_compiled"):
+        cell = row.get(variant, {})
+        if params and cell.get("step_s"):
+            cell["mfu_reference"] = reference_mfu(case, params, cell["step_s"], device)
+    checks = [
+        f"{v} {row[v]['mfu'] / row[v]['mfu_reference']:.2f}"
+        for v in ("polytrain_eager", "polytrain_compiled", "plain_eager")
+        if row.get(v, {}).get("mfu") and row[v].get("mfu_reference")
+    ]
+    if checks:
+        print(f"  {case.name} MFU reported / 6NT + 12LdT^2: {', '.join(checks)}", flush=True)
     return row
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,10 @@ class PolytrainRun:
     step_s: float | None = None
     mfu: float | None = None
     windows_s: list[float] = field(default_factory=list)
+    compile: dict[str, Any] = field(default_factory=dict)  # any compile-time fields logged
+    # Means of ``log_every`` consecutive steps from ``rank-0.json``'s per-step times (each the
+    # strategy's step call): the plain loop's estimator; empty where no such list is written.
+    step_windows_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     error: str = ""
 
@@ -128,28 +133,39 @@ def run_polytrain(
     """Run polytrain's CLI as a user does and read its metrics records."""
     cmd = polytrain_command(fields, out_dir, steps=steps, log_every=log_every, extra=extra)
     t0 = time.perf_counter()
+    # Its own session, so a timeout ends the launcher and its workers together.
+    proc = subprocess.Popen(
+        cmd,
+        env=env or worker_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            cmd,
-            env=env or worker_env(),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return PolytrainRun(wall_s=time.perf_counter() - t0, error=f"timed out ({timeout_s:.0f} s)")
     run = PolytrainRun(wall_s=time.perf_counter() - t0)
     if proc.returncode != 0:
-        run.error = f"exit {proc.returncode}: {_last_line(proc.stderr) or _last_line(proc.stdout)}"
+        run.error = f"exit {proc.returncode}: {_last_line(stderr) or _last_line(stdout)}"
         return run
     path = out_dir / "metrics.jsonl"
-    records = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    records = sorted((r for r in records if "step_time_s" in r), key=lambda r: r["step"])
+    logged = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    run.compile = {k: v for r in logged for k, v in r.items() if "compile" in k}
+    records = sorted((r for r in logged if "step_time_s" in r), key=lambda r: r["step"])
     run.windows_s = [r["step_time_s"] for r in records]
     run.step_s = window_median(records, "step_time_s")
     run.mfu = window_median(records, "mfu")
+    summary = out_dir / "rank-0.json"
+    per_step = json.loads(summary.read_text()).get("step_times_s", []) if summary.exists() else []
+    run.step_windows_s = [
+        statistics.fmean(per_step[i : i + log_every])
+        for i in range(0, len(per_step) - log_every + 1, log_every)
+    ]
     if run.step_s is None:
         run.error = f"no step_time_s in {path}"
     return run
@@ -215,6 +231,11 @@ def median_after_warmup(times: Sequence[float]) -> float:
     return statistics.median(times[WARMUP_WINDOWS:] or times)
 
 
+def fastest_after_warmup(times: Sequence[float]) -> float:
+    """The fastest window after warm-up: on a shared host, the one least slowed by others."""
+    return min(times[WARMUP_WINDOWS:] or times)
+
+
 def build_same_model(fields: dict[str, Any], device: str) -> tuple[Any, Any]:
     """The model polytrain builds for ``fields`` (same job, same `build_model`, same seed) on
     ``device``, and the data spec it was built for."""
@@ -263,10 +284,17 @@ def _plain(optimizer: str, steps: int, log_every: int) -> list[float]:
     )
 
 
+ESTIMATORS = ("median", "fastest")  # median of the logged windows; fastest window
+
+
+def _summary(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3, help="repetitions, alternating the order")
-    ap.add_argument("--steps", type=int, default=200, help="steps per run (both sides)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions, alternating the order")
+    ap.add_argument("--steps", type=int, default=300, help="steps per run (both sides)")
     ap.add_argument("--log-every", type=int, default=10, help="window length in steps")
     ap.add_argument("--workdir", default="/tmp/polytrain-step-overhead")
     ap.add_argument("--out", default=str(HERE / "results.json"))
@@ -279,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(args.workdir) / time.strftime("%Y%m%d-%H%M%S")
     reps: list[dict[str, Any]] = []
     for rep in range(args.reps):
-        row: dict[str, Any] = {}
+        row: dict[str, Any] = {"load_avg_1min": os.getloadavg()[0]}
 
         def ours(row: dict[str, Any] = row, rep: int = rep) -> None:
             run = run_polytrain(
@@ -287,39 +315,47 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             if run.error:
                 raise SystemExit(f"polytrain failed: {run.error}")
-            row["polytrain_s"] = run.step_s
-            row["polytrain_windows_s"] = run.windows_s
+            row["polytrain"] = {
+                "median": run.step_s,
+                "fastest": fastest_after_warmup(run.step_windows_s or run.windows_s),
+                "records_s": run.windows_s,
+                "step_windows_s": run.step_windows_s,
+            }
 
         def plain(row: dict[str, Any] = row) -> None:
             for kind in OPTIMIZERS:
                 times = _plain(kind, args.steps, args.log_every)
-                row[f"plain_{kind}_s"] = median_after_warmup(times)
-                row[f"plain_{kind}_windows_s"] = times
+                row[f"plain_{kind}"] = {
+                    "median": median_after_warmup(times),
+                    "fastest": fastest_after_warmup(times),
+                    "windows_s": times,
+                }
 
         for part in (ours, plain) if rep % 2 == 0 else (plain, ours):
             part()
-        for kind in OPTIMIZERS:
-            row[f"ratio_{kind}"] = row["polytrain_s"] / row[f"plain_{kind}_s"]
+        row["ratio"] = {
+            f"{est}_{kind}": row["polytrain"][est] / row[f"plain_{kind}"][est]
+            for est in ESTIMATORS
+            for kind in OPTIMIZERS
+        }
         reps.append(row)
         print(
-            f"rep {rep}: polytrain {row['polytrain_s'] * 1e3:.2f} ms, plain "
-            + ", ".join(f"{k} {row[f'plain_{k}_s'] * 1e3:.2f} ms" for k in OPTIMIZERS)
+            f"rep {rep} (load {row['load_avg_1min']:.1f}): polytrain "
+            f"{row['polytrain']['median'] * 1e3:.2f} ms, plain "
+            + ", ".join(f"{k} {row[f'plain_{k}']['median'] * 1e3:.2f} ms" for k in OPTIMIZERS)
             + "; polytrain / plain "
-            + ", ".join(f"{k} {row[f'ratio_{k}']:.3f}" for k in OPTIMIZERS),
+            + ", ".join(f"{k} {row['ratio'][f'median_{k}']:.3f}" for k in OPTIMIZERS)
+            + " (fastest windows: "
+            + ", ".join(f"{k} {row['ratio'][f'fastest_{k}']:.3f}" for k in OPTIMIZERS)
+            + ")",
             flush=True,
         )
-    summary = {
-        kind: {
-            "median_ratio": statistics.median(r[f"ratio_{kind}"] for r in reps),
-            "min_ratio": min(r[f"ratio_{kind}"] for r in reps),
-            "max_ratio": max(r[f"ratio_{kind}"] for r in reps),
-        }
-        for kind in OPTIMIZERS
-    }
-    for kind, s in summary.items():
+    summary = {key: _summary([r["ratio"][key] for r in reps]) for key in reps[0]["ratio"]}
+    for key, v in summary.items():
+        est, kind = key.split("_")
         print(
-            f"polytrain / plain ({kind} AdamW): {s['median_ratio']:.3f} "
-            f"({s['min_ratio']:.3f}-{s['max_ratio']:.3f} over {len(reps)} reps)"
+            f"polytrain / plain ({kind} AdamW, {est} window): {v['median']:.3f} "
+            f"({v['min']:.3f}-{v['max']:.3f} over {len(reps)} reps)"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -331,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "log_every": args.log_every,
                 "torch": torch.__version__,
                 "cpu_count": os.cpu_count(),
-                "load_avg": os.getloadavg(),
+                "load_avg_end": os.getloadavg(),
                 "reps": reps,
                 "summary": summary,
             },

@@ -84,3 +84,18 @@ def test_the_plain_loop_trains_the_model_polytrain_builds(optimizer: str) -> Non
     assert len(times) == 3 and all(t > 0 for t in times)
     assert not torch.equal(before[0], next(model.parameters()))
     assert gpu.mfu(model, 8, 2, 0.01, torch.device("cpu")) is None  # no peak known on a CPU
+
+
+def test_our_gpt_is_counted_as_the_textbook_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`reference_mfu` (6NT + 12LdT^2) is the check of polytrain's count: for our gpt they
+    agree, so a factory model's ratio to it shows whether that one is counted right."""
+    import polytrain.observe.mfu
+
+    monkeypatch.setattr(polytrain.observe.mfu, "peak_flops", lambda device: 1e12)
+    case = gpu.Case("t", "t", {**gpu.TINY, "model.block_size": 8, "train.global_batch_size": 2})
+    model, _ = overhead.build_same_model(case.fields, "cpu")
+    params = sum(p.numel() for p in model.parameters())
+    ours = gpu.mfu(model, case.block, case.batch, 0.01, torch.device("cpu"))
+    assert ours == pytest.approx(gpu.reference_mfu(case, params, 0.01, torch.device("cpu")))
+    hf = gpu.cases()[3]
+    assert (hf.dim("n_layer"), hf.dim("n_embd")) == (12, 768)
