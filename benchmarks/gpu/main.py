@@ -417,6 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.step_overhead.main import on_path
 
     on_path()
+    try:
+        import polytrain.config.io  # noqa: F401  (its dependencies: typer, rich, tomli-w, ...)
+    except ImportError as exc:
+        print(f"benchmarks/gpu/main.py: polytrain does not import here ({exc}); install it")
+        return 2
     if args.smoke_cpu:  # a shared CPU host: one thread, as the CPU benchmark runs
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"
