@@ -157,24 +157,34 @@ def cases(smoke: bool = False) -> list[Case]:
 
 
 def mfu(model: Any, tokens: int, samples: int, step_s: float, device: Any) -> float | None:
-    """The MFU polytrain's loop would report for ``model`` at ``step_s`` (one device): its FLOP
-    count and peak table. Re-point here when the loop's MFU moves (issue 36: the planner
-    catalog's peak and FLOP count)."""
-    from polytrain.observe.mfu import flops_per_sample, peak_flops
+    """The MFU polytrain's loop would report for ``model`` at ``step_s`` (one device, bf16):
+    the planner's FLOP count of the model (`planner.stats.stats_of` on a meta copy) over the
+    catalog's dense peak (`planner.mfu.peak_flops`), as `planner.mfu.mfu_inputs` gives the
+    loop."""
+    import copy
 
-    peak = peak_flops(device)
+    import torch
+
+    from polytrain.planner.mfu import peak_flops
+    from polytrain.planner.stats import stats_of
+
+    peak = peak_flops(torch.device(device), "bf16")
     if not peak or not step_s:
         return None
-    return flops_per_sample(model, tokens) * samples / step_s / peak
+    meta = copy.deepcopy(model).to("meta")
+    ids = torch.zeros((2, tokens), dtype=torch.long, device="meta")
+    return stats_of(meta, ids, ids).train_flops * samples / step_s / peak
 
 
 def reference_mfu(case: Case, params: int, step_s: float, device: Any) -> float | None:
     """MFU from the textbook count, independent of polytrain's (PaLM, appendix B): 6 x
     parameters x tokens plus 12 x layers x width x tokens^2 per sample, over the same peak as
     `mfu`; where polytrain counts a model right, its MFU equals this one."""
-    from polytrain.observe.mfu import peak_flops
+    import torch
 
-    peak = peak_flops(device)
+    from polytrain.planner.mfu import peak_flops
+
+    peak = peak_flops(torch.device(device), "bf16")
     if not peak or not step_s:
         return None
     t = case.block

@@ -9,6 +9,7 @@ from benchmarks.gpu import main as gpu
 from benchmarks.step_overhead import main as overhead
 
 from polytrain.config.io import job_from_fields, parse_override
+from tests.helpers.devices import see_gpus
 
 
 def test_gpu_script_without_cuda_exits_2_with_one_line(
@@ -22,7 +23,8 @@ def test_gpu_script_without_cuda_exits_2_with_one_line(
 
 
 @pytest.mark.parametrize("smoke", [False, True])
-def test_gpu_cases_are_valid_jobs(smoke: bool) -> None:
+def test_gpu_cases_are_valid_jobs(smoke: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    see_gpus(monkeypatch, 1)  # the cases name train.device = "cuda"
     cases = {c.name: c for c in gpu.cases(smoke)}
     assert list(cases) == ["small", "medium", "medium-1024", "hf"]
     assert not cases["medium-1024"].eager and cases["hf"].hf
@@ -89,13 +91,17 @@ def test_the_plain_loop_trains_the_model_polytrain_builds(optimizer: str) -> Non
 def test_our_gpt_is_counted_as_the_textbook_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
     """`reference_mfu` (6NT + 12LdT^2) is the check of polytrain's count: for our gpt they
     agree, so a factory model's ratio to it shows whether that one is counted right."""
-    import polytrain.observe.mfu
+    import polytrain.planner.mfu
 
-    monkeypatch.setattr(polytrain.observe.mfu, "peak_flops", lambda device: 1e12)
+    monkeypatch.setattr(polytrain.planner.mfu, "peak_flops", lambda device, dtype: 1e12)
     case = gpu.Case("t", "t", {**gpu.TINY, "model.block_size": 8, "train.global_batch_size": 2})
     model, _ = overhead.build_same_model(case.fields, "cpu")
     params = sum(p.numel() for p in model.parameters())
     ours = gpu.mfu(model, case.block, case.batch, 0.01, torch.device("cpu"))
-    assert ours == pytest.approx(gpu.reference_mfu(case, params, 0.01, torch.device("cpu")))
+    # The textbook's 6N counts the embedding table as a matmul; the planner counts its lookup
+    # as none: on this tiny model (a large share of its weights) that is the 8% between them.
+    assert ours == pytest.approx(
+        gpu.reference_mfu(case, params, 0.01, torch.device("cpu")), rel=0.1
+    )
     hf = gpu.cases()[3]
     assert (hf.dim("n_layer"), hf.dim("n_embd")) == (12, 768)
