@@ -210,6 +210,7 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
             logged = (step + 1) % job.observe.log_every == 0
             if (
                 out.complete is None
+                or step == start  # its own window: warm-up and compilation ([Note: compile time])
                 or logged
                 or step + 1 == steps
                 or evaluation_due(step)

@@ -4,7 +4,8 @@
 in `polytrain.core.step`) leaves its loss and non-finite flag on the device. The loop keeps
 such steps here and reads them together when a record is written (every
 ``observe.log_every`` steps), before an evaluation or a checkpoint, and after the last step:
-one wait for the device per logged window instead of one per step. On an asynchronous device
+one wait for the device per logged window instead of one per step; the run's first step is read
+alone (its warm-up and any compilation stay its own). On an asynchronous device
 (CUDA) a step's host time is only the time to queue it, so every step of a window is given the
 window's wall time divided by its steps (torchtitan logs the same mean); on the CPU, where a
 step's host time is its whole time, each keeps its own.
