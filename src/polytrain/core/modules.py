@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-__all__ = ["module_of"]
+__all__ = ["module_of", "train_mode"]
 
 
 def module_of(params: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -34,3 +34,12 @@ def module_of(params: Mapping[str, torch.Tensor]) -> nn.Module:
         else:
             node.register_buffer(leaf, param)
     return root
+
+
+def train_mode(module: nn.Module) -> None:
+    """Put ``module`` in training mode unless it already is (after an evaluation it is not).
+
+    ``nn.Module.train`` walks every submodule: about 0.3 ms of host time per step for a
+    24-layer GPT, paid by every step that called it unconditionally."""
+    if not module.training:
+        module.train()

@@ -31,6 +31,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from polytrain.comm.collectives import all_reduce_mean, all_reduce_mean_flat_
 from polytrain.comm.gossip_wire import weighted_average
 from polytrain.config.job import JobConfig
+from polytrain.core.modules import train_mode
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
@@ -87,7 +88,7 @@ class ReplicaStrategy(Strategy):
 
     def train_step(self, step: int) -> StepOutput:
         accum = self.job.train.grad_accum
-        self.model.train()
+        train_mode(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         self.bytes_sent = 0
         total = torch.zeros((), device=self.device)

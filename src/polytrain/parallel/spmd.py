@@ -27,6 +27,7 @@ from polytrain.comm.compression import SentBytes
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import JobConfig
 from polytrain.core.loss_scale import backward, loss_scale_of
+from polytrain.core.modules import train_mode
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
@@ -97,7 +98,7 @@ class SPMDStrategy(Strategy):
 
     def train_step(self, step: int) -> StepOutput:
         accum = self.job.train.grad_accum
-        self.model.train()
+        train_mode(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         for micro in range(accum):

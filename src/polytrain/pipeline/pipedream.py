@@ -18,6 +18,7 @@ import torch
 
 from polytrain.comm.collectives import all_reduce_mean_flat_, all_reduce_sum_async_
 from polytrain.config.job import JobConfig
+from polytrain.core.modules import train_mode
 from polytrain.core.step import apply_update, nonfinite_flag, nonfinite_outcome
 from polytrain.core.strategy import StepOutput
 from polytrain.models.base import BlockModel
@@ -78,7 +79,7 @@ class PipeDreamStrategy(PipelineStrategy):
         return _Stream(step, program, ends, step)
 
     def train_step(self, step: int) -> StepOutput:
-        self.stage.train()
+        train_mode(self.stage)
         if self._stream is None or self._stream.next_step != step:
             assert self._stream is None or self.runtime.in_flight == 0, "stream restarted mid-way"
             self._stream = self._start_stream(step)

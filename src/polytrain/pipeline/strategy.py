@@ -62,6 +62,7 @@ from polytrain.comm.p2p import (
 )
 from polytrain.config.job import JobConfig
 from polytrain.core.loss_scale import loss_scale_of
+from polytrain.core.modules import train_mode
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import (
     AUTOCAST_DTYPES,
@@ -370,7 +371,7 @@ class PipelineStrategy(Strategy):
         return self._data[index]
 
     def train_step(self, step: int) -> StepOutput:
-        self.stage.train()
+        train_mode(self.stage)
         self.optimizer.zero_grad(set_to_none=True)
         m, accum = self.microbatches, self.accum
         loss = torch.zeros((), device=self.device)
@@ -466,7 +467,7 @@ class PipelineStrategy(Strategy):
             else:
                 self.eval_p2p.isend(out, self.next_rank, EVAL, pending)
         pending.wait()
-        self.stage.train()
+        train_mode(self.stage)
         # Summed over the world: only last stages hold values; tp peers hold equal ones, so
         # the loss is divided by tp and the accuracy's ratio is unchanged.
         sums = all_reduce_sum_(torch.cat([total.reshape(1), counts]), None)

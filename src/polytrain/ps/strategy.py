@@ -67,7 +67,7 @@ from torch import nn
 from polytrain.comm import ps_wire
 from polytrain.comm.init import new_group
 from polytrain.config.job import JobConfig
-from polytrain.core.modules import module_of
+from polytrain.core.modules import module_of, train_mode
 from polytrain.core.optim import lr_at
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
@@ -445,7 +445,7 @@ class PSStrategy(Strategy):
     def _forward_backward(self, step: int) -> torch.Tensor:
         """This worker's mean loss of step ``step``; leaves its gradient in the replica."""
         accum = self.job.train.grad_accum
-        self.model.train()
+        train_mode(self.model)
         self.model.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for micro in range(accum):
