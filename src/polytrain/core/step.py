@@ -106,15 +106,17 @@ def nonfinite_flag(params: Iterable[torch.Tensor], device: torch.device) -> torc
     ``device``, not read on the host).
 
     A NaN can enter the gradient while the loss stays finite (an overflowing backward, a bad
-    custom autograd function), so the loss check alone misses it. The largest magnitude over
-    all gradients (the infinity norm: one multi-tensor reduction per device and dtype) is NaN
-    or Inf exactly when some element is, and cannot overflow on finite values.
+    custom autograd function), so the loss check alone misses it. The 2-norm over all local
+    gradients (one multi-tensor reduction per device and dtype, the fastest of torch's norms)
+    is NaN or Inf when some element is. It also reads Inf when finite gradients are so large
+    that their squares overflow (beyond about 1e19 in float32); no useful update comes of those
+    either (clipping would scale them to zero), and the step is treated as non-finite.
     """
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
-    largest = torch.nn.utils.get_total_norm(grads, math.inf)
-    return (~torch.isfinite(largest)).float().to(device)
+    norm = torch.nn.utils.get_total_norm(grads)
+    return (~torch.isfinite(norm)).float().to(device)
 
 
 def mean_over(*groups: Any) -> Reduce:
