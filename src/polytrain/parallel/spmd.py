@@ -58,6 +58,9 @@ class SPMDStrategy(Strategy):
         self.dp = mesh.dims.dp
         self.dp_rank = mesh.coord("dp")
         self.optimizer: torch.optim.Optimizer = build_optimizer(model.parameters(), job.optim)
+        # Walked once: the parameters are final once the model is wrapped (FSDP2 and tensor
+        # parallelism replace them before this), and a walk per step costs host time.
+        self.params = list(model.parameters())
         self.modules = [model]
         self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
         self.rules = StepRules.of(job)
@@ -116,7 +119,7 @@ class SPMDStrategy(Strategy):
         out = finish_step(
             step,
             total,
-            self.model.parameters(),
+            self.params,
             self.rules,
             reduce=self.reduce,
             optimizer=self.optimizer,
