@@ -3,7 +3,8 @@
 [Note: one step contract] After its forward and backward, every strategy ends the step the
 same way, through `finish_step`:
 
-1. this rank's loss share and a NaN/Inf-gradient flag (`nonfinite_flag`) are stacked and
+1. this rank's loss share and a NaN/Inf-gradient flag (`nonfinite_flag`, or on the device
+   path the clip's global norm being non-finite) are stacked and
    reduced in one collective over the strategy's groups (`mean_over` for SPMD and synchronous
    parameter-server workers, `sum_over` for pipelines whose loss lives on the last stage), so
    every rank holds the same loss and flag and takes the same branch;
@@ -163,18 +164,24 @@ def _local_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_gradients_(
-    params: Iterable[torch.Tensor], max_norm: float, grad_norm: GradNorm | None = None
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    grad_norm: GradNorm | None = None,
+    *,
+    total: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scale the gradients of ``params`` so their global norm is at most ``max_norm``.
 
     ``grad_norm`` sums the norm over the strategy's groups (default: this rank's gradients
-    only, for a strategy whose rank holds every parameter or clips per stage). Returns the norm
-    (on the device: nothing is read on the host).
+    only, for a strategy whose rank holds every parameter or clips per stage); ``total`` is
+    that norm when the caller has it already. Returns the norm (on the device: nothing is read
+    on the host).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    total = (grad_norm or _local_norm)(grads)
+    if total is None:
+        total = (grad_norm or _local_norm)(grads)
     scale_([_local(g) for g in grads], clip_coefficient(max_norm, total))
     return total
 
@@ -241,16 +248,27 @@ def finish_step(
     params = list(params)
     if loss_scale is not None:
         loss_scale.unscale_([_local(p.grad) for p in params if p.grad is not None])
-    stats = reduce(torch.stack([loss.detach().float(), nonfinite_flag(params, loss.device)]))
+    on_device = update is None and optimizer is not None and supports_found_inf(optimizer)
+    norm = None
+    if on_device and rules.grad_clip > 0:
+        # The clip's global norm is non-finite exactly when `nonfinite_flag` would be set on
+        # some rank: one pass over the gradients serves both.
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = (grad_norm or _local_norm)(grads) if grads else torch.zeros(())
+        flag = (~torch.isfinite(norm)).float().to(loss.device)
+    else:
+        flag = nonfinite_flag(params, loss.device)
+    stats = reduce(torch.stack([loss.detach().float(), flag]))
     span = tracer.span("optimizer", cat="optim", step=step) if tracer else contextlib.nullcontext()
     scaled = loss_scale is not None
-    if update is None and optimizer is not None and supports_found_inf(optimizer):
+    if on_device:
+        assert optimizer is not None
         # [Note: the step stays on the device]
         loss_bad = ~torch.isfinite(stats[0])
         bad = (loss_bad | (stats[1] > 0)).float()
         with span:
-            if rules.grad_clip > 0:
-                clip_gradients_(params, rules.grad_clip, grad_norm)
+            if norm is not None:
+                clip_gradients_(params, rules.grad_clip, total=norm)
             step_skipped_if(optimizer, bad)
         if loss_scale is not None:
             loss_scale.update(bad)
