@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import os
 import signal
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -154,9 +155,22 @@ def set_store_server_factory(
 
 def gloo_options(timeout: datetime.timedelta) -> Any:
     """Gloo process-group options whose collectives time out after ``timeout`` (typed ``Any``:
-    their class lives in ``torch._C``)."""
+    their class lives in ``torch._C``).
+
+    They carry the device (network interface) gloo connects over, chosen as torch chooses it
+    for a group without options: one per name in ``GLOO_SOCKET_IFNAME``, else the default
+    (this host's name). torch 2.13 builds its gloo groups from the timeout alone, but a torch
+    that hands the options to ``ProcessGroupGloo`` as they are refuses options without a
+    device ("No device(s) specified", seen with torch 2.11 on every gloo mesh group)."""
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = timeout
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    gloo = dist.ProcessGroupGloo
+    options._devices = (
+        [gloo.create_device(interface=n) for n in names]
+        if names
+        else [gloo.create_default_device()]
+    )
     return options
 
 

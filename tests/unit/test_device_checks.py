@@ -37,12 +37,15 @@ def test_more_ranks_than_gpus_is_one_line(
     monkeypatch: pytest.MonkeyPatch,
     device: str,
 ) -> None:
-    """Two ranks on a one-GPU node would both take GPU 0, which NCCL refuses mid-start."""
+    """Two ranks on a one-GPU node would both take GPU 0, which NCCL refuses mid-start; gloo
+    ranks may share it."""
     see_gpus(monkeypatch, 1)
     args = _train(tmp_path, "--nproc", "2", "--set", f"train.device='{device}'")
     code, _, err = run_main(args, capsys)
     assert_usage_error(code, err, "launch.nproc = 2 ranks with train.device")
     assert "use --nproc 1" in err
+    shared = _dry_run(capsys, "--nproc", "2", "--device", device, "--set", "launch.backend='gloo'")
+    assert shared["launch"]["nproc"] == 2
 
 
 def _dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:

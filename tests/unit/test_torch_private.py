@@ -132,6 +132,7 @@ def _own_private_names(sources: list[Path]) -> set[str]:
 def test_gloo_options_carry_a_timeout() -> None:
     options = private.gloo_options(datetime.timedelta(seconds=7))
     assert options._timeout == datetime.timedelta(seconds=7)  # what init_device_mesh reads
+    assert len(options._devices) == 1  # ProcessGroupGloo refuses options without a device
 
 
 def test_no_other_module_reaches_past_the_door() -> None:

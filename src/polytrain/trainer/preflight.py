@@ -63,18 +63,18 @@ def preflight(job: JobConfig) -> BlockModel:
 
 
 def check_devices(job: JobConfig) -> None:
-    """A CUDA job needs a GPU per rank on this node: NCCL refuses two ranks on one device (and
-    gloo's CUDA start-up failed with "No device(s) specified" on an H200), and ranks take
-    devices by local rank (`comm.init`). (CUDA itself is checked where the job resolves its
-    devices: [Note: device resolution].)"""
+    """A CUDA job over NCCL needs a GPU per rank on this node: NCCL refuses two ranks on one
+    device, and ranks take devices by local rank (`comm.init`). Over gloo, ranks may share a
+    GPU (each copies through the host), which runs every strategy's CUDA path on one GPU.
+    (CUDA itself is checked where the job resolves its devices: [Note: device resolution].)"""
     gpus = devices.visible_gpus()
     nproc = job.launch.num_procs
-    if job.train.device == "cuda" and nproc > gpus:
-        backend = resolve_backend(job.launch.backend, job.train.device)
+    backend = resolve_backend(job.launch.backend, job.train.device)
+    if job.train.device == "cuda" and nproc > gpus and backend == "nccl":
         raise ConfigError(
-            f"launch.nproc = {nproc} ranks with train.device = 'cuda' ({backend}) on a node "
-            f"with {gpus} GPU(s): each rank needs its own GPU; use --nproc {gpus} (or --nproc "
-            "gpu), or --device cpu for more processes"
+            f"launch.nproc = {nproc} ranks with train.device = 'cuda' (nccl) on a node with "
+            f"{gpus} GPU(s): each rank needs its own GPU under nccl; use --nproc {gpus} (or "
+            "--nproc gpu), --set launch.backend='gloo' to share GPUs, or --device cpu for more processes"
         )
 
 
