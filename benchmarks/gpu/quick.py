@@ -1,4 +1,11 @@
-"""One short GPU check: polytrain's CLI step against a plain loop on the same GPT (bf16)."""
+"""One short GPU check: polytrain's CLI step against a plain loop on the same GPT (bf16).
+
+    python benchmarks/gpu/quick.py             # both shapes, eager; OUT=dir for the results
+    python benchmarks/gpu/quick.py --profile   # also: torch.profiler tables of one window of
+                                               # polytrain's medium step and the plain loop's
+
+Without CUDA it runs a tiny model on the CPU (a check of the script itself).
+"""
 
 from __future__ import annotations
 
@@ -89,8 +96,51 @@ def plain_ms(name: str, dims: dict[str, int], compiled: bool) -> float:
     return statistics.median(windows[2:])
 
 
+def profile_medium() -> None:
+    """torch.profiler over polytrain's medium run in this process (the loop itself, one rank)
+    and over the plain loop: the top operators by device time, and by host time, of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from polytrain.config.io import job_from_dict
+    from polytrain.trainer.loop import train
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29655", RANK="0", WORLD_SIZE="1")
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dims = SHAPES["medium"] if "medium" in SHAPES else SHAPES["small"]
+    job = job_from_dict(
+        {
+            "model": {"name": "gpt", **dims},
+            "train": {
+                "device": DEV,
+                "dtype": "bf16",
+                "steps": 10,
+                "global_batch_size": BATCH,
+                "eval_every": 0,
+                "eval_batches": 1,
+                "sample_tokens": 0,
+            },
+            "observe": {"progress": False, "out_dir": str(OUT / "pt-profile"), "log_every": 5},
+            "launch": {"nproc": 1},
+        }
+    )
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+    for label, run in (
+        ("polytrain", lambda: train(job)),
+        ("plain", lambda: plain_ms("medium", dims, False)),
+    ):
+        with profile(activities=activities) as prof:
+            run()
+        sort = "cuda_time_total" if DEV == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=25)
+        host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        (OUT / f"profile-{label}.txt").write_text(table + "\n\n" + host)
+        print(label, "profile", table[:3000], flush=True)
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
+    if "--profile" in sys.argv:
+        profile_medium()
     print(torch.__version__, torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu")
     results = {}
     for name, dims in SHAPES.items():
