@@ -71,6 +71,10 @@ CASES = {
     ),
     "resume without dir": (["--resume"], "needs checkpoint.dir"),
     "nnodes without endpoint": (["--nnodes", "2"], "--rdzv-endpoint"),
+    "endpoint without a port": (
+        ["--rdzv-endpoint", "127.0.0.1:notaport"],
+        "launch.rdzv_endpoint = '127.0.0.1:notaport': expected HOST:PORT",
+    ),
     "bad dtype": (["--dtype", "fp8"], "train.dtype = 'fp8'"),
     "negative timeout": (["--timeout", "-1"], "launch.timeout_s = -1"),
     "negative staleness": (["--staleness", "-2"], "ps.staleness = -2"),

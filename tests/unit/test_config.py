@@ -79,6 +79,8 @@ def test_ints_widen_to_floats() -> None:
         ({"ps": {"staleness": -1}}, "ps.staleness = -1"),
         ({"checkpoint": {"resume": True}}, "--checkpoint-dir"),
         ({"launch": {"nnodes": 2}}, "--rdzv-endpoint"),
+        ({"launch": {"rdzv_endpoint": "host:70000"}}, "port number 1-65535"),
+        ({"launch": {"rdzv_endpoint": "hostonly"}}, "expected HOST:PORT"),
     ],
 )
 def test_invalid_values(data: dict, match: str) -> None:

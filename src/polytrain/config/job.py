@@ -233,6 +233,13 @@ class LaunchConfig:
                 f"launch.node_rank = {self.node_rank}: expected 0..{self.nnodes - 1} "
                 f"for {self.nnodes} node(s)"
             )
+        if self.rdzv_endpoint:
+            _, sep, port = self.rdzv_endpoint.rpartition(":")
+            if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(
+                    f"launch.rdzv_endpoint = {self.rdzv_endpoint!r}: expected HOST:PORT with a "
+                    "port number 1-65535, e.g. --rdzv-endpoint 10.0.0.1:29500"
+                )
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError(
                 f"launch.nnodes = {self.nnodes} needs a rendezvous endpoint every node can "

@@ -91,6 +91,13 @@ def check_output_paths(job: JobConfig) -> None:
         _check_dir(job.observe.out_dir, "--out-dir")
 
 
+def _umask() -> int:
+    """This process's umask (reading it means setting it; it is put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def publish_new(path: str | Path, write: Callable[[Path], object]) -> Path:
     """Create ``path`` with ``write(tmp)``, never replacing an existing file; return the path
     written. If ``path`` appeared meanwhile, the data goes to a sibling name and `OutputError`
@@ -102,6 +109,7 @@ def publish_new(path: str | Path, write: Callable[[Path], object]) -> Path:
     tmp = Path(name)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 is for the temporary name only
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         try:
