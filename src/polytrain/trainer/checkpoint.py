@@ -423,8 +423,10 @@ class Checkpointer:
                 _warn(f"no valid checkpoint in {self.root}: starting from step 0")
             else:
                 chosen = found[1].step
+                # The same job ([Note: checkpoint ownership]) with settings that shape what
+                # follows (the step count stretches the learning-rate schedule).
                 for difference in _job_differences(found[1].job, to_dict(self.job)):
-                    _warn(f"checkpoint step {chosen} was saved by another job: {difference}")
+                    _warn(f"checkpoint step {chosen} was saved with other settings: {difference}")
         step = broadcast_int(chosen, group=self.group)
         if step < 0:
             return 0
