@@ -66,10 +66,21 @@ def import_callable(name: str, what: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        missing = exc.name or ""  # the module that was not found ("" where Python does not say)
+        if not missing or module_name == missing or module_name.startswith(missing + "."):
+            raise ConfigError(
+                f"{what} = {name!r}: cannot import module {module_name!r} ({exc}); check "
+                "the spelling and that it is on PYTHONPATH or in the current directory"
+            ) from exc
+        raise ConfigError(  # the module was found; something it imports was not
+            f"{what} = {name!r}: module {module_name!r} was found but importing it failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    except Exception as exc:  # a module that raises while it runs (SyntaxError, NameError...)
         raise ConfigError(
-            f"{what} = {name!r}: cannot import module {module_name!r} ({exc}); check "
-            "the spelling and that it is on PYTHONPATH or in the current directory"
-        ) from None
+            f"{what} = {name!r}: importing module {module_name!r} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     target: Any = module
     for part in attr.split("."):
         target = getattr(target, part, None)
