@@ -124,3 +124,11 @@ def test_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: Path) -> No
         "--cache-dir DIR or set POLYTRAIN_CACHE to a directory"
     ]
     assert blocker.read_text() == "not a directory"  # nothing overwritten
+
+
+def test_check_without_a_saved_profile_says_so_and_measures_nothing(tmp_path: Path) -> None:
+    out = _calibrate(tmp_path, "--check")
+    assert out.returncode == 2, out.stderr
+    assert "no saved profile of this host" in out.stderr and "polytrain calibrate" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("host-*.json"))  # nothing was measured or saved

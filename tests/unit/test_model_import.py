@@ -35,5 +35,7 @@ def test_the_real_cause_is_named_and_chained(
 
 
 def test_a_missing_module_still_says_check_the_spelling() -> None:
-    with pytest.raises(ConfigError, match="cannot import module 'no_such_pkg_abc.models'.*spelling"):
+    with pytest.raises(
+        ConfigError, match="cannot import module 'no_such_pkg_abc.models'.*spelling"
+    ):
         import_callable("no_such_pkg_abc.models:make", "model.name")

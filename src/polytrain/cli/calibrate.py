@@ -218,6 +218,7 @@ def calibrate_command(
             directory=cache_dir,
             threads=threads,
             on_progress=lambda what: progress.update(task, advance=1, description=what),
+            saved_only=check and not force,
         )
         if not measured:
             progress.update(task, completed=steps_of(plan), description="saved profile reused")

@@ -399,9 +399,11 @@ def cached_profile(
     directory: Path | None = None,
     threads: int = 1,
     on_progress: Callable[[str], None] | None = None,
+    saved_only: bool = False,
 ) -> tuple[HostProfile, Path, bool]:
     """This host's saved profile, measured first when there is none or ``force``; returns the
-    profile, its path and whether it was measured now."""
+    profile, its path and whether it was measured now. ``saved_only``: a `PlanError` instead of
+    a measurement when none is saved."""
     identity = host_identity(threads)
     root = directory or cache_dir()
     if root.exists() and not root.is_dir():
@@ -412,6 +414,11 @@ def cached_profile(
     path = profile_path(fingerprint(identity), root)
     if path.exists() and not force:
         return load_profile(path), path, False
+    if saved_only:
+        raise PlanError(
+            f"no saved profile of this host in {str(root)!r}: run `polytrain calibrate` first "
+            "(--check times the speed figures against a saved profile)"
+        )
     profile = calibrate(plan, threads=threads, on_progress=on_progress)
     save_profile(profile, path, identity)
     return profile, path, True
