@@ -126,6 +126,7 @@ def test_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: Path) -> No
     assert blocker.read_text() == "not a directory"  # nothing overwritten
 
 
+@pytest.mark.slow  # a subprocess
 def test_check_without_a_saved_profile_says_so_and_measures_nothing(tmp_path: Path) -> None:
     out = _calibrate(tmp_path, "--check")
     assert out.returncode == 2, out.stderr
