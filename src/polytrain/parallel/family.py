@@ -16,17 +16,17 @@ from polytrain.comm.init import DistContext
 from polytrain.comm.mesh import build_mesh
 from polytrain.comm.p2p import new_group_of
 from polytrain.config.job import JobConfig
+from polytrain.core.batchnorm import convert_batchnorm
+from polytrain.core.compile import apply_compile
+from polytrain.core.recompute import apply_recompute
 from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
 from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.blocks import disable_inplace
-from polytrain.parallel.batchnorm import convert_batchnorm
-from polytrain.parallel.compile import apply_compile
 from polytrain.parallel.data_parallel import apply_data_parallel
 from polytrain.parallel.hybrid import apply_hybrid, hybrid_ignored, resolve_hybrid_plan
-from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.replicate import apply_replicate
 from polytrain.parallel.spatial import apply_spatial, check_spatial
 from polytrain.parallel.spmd import SPMDStrategy

@@ -50,7 +50,7 @@ worker that saw the NaN itself; the other workers' finite pushes do not hide it 
 NaN is NaN on every server): [Note: pull with the clock] in polytrain.ps.overlap.
 
 [Note: recompute on workers] ``parallel.recompute`` recomputes a worker's blocks in backward
-(`parallel.recompute`, which keeps parameter names), so the shard layout is unchanged.
+(`core.recompute`, which keeps parameter names), so the shard layout is unchanged.
 """
 
 from __future__ import annotations
@@ -67,16 +67,16 @@ from torch import nn
 from polytrain.comm import ps_wire
 from polytrain.comm.init import new_group
 from polytrain.config.job import JobConfig
+from polytrain.core.batchnorm import convert_batchnorm
+from polytrain.core.compile import apply_compile
 from polytrain.core.modules import module_of, train_mode
 from polytrain.core.optim import lr_at
+from polytrain.core.recompute import apply_recompute
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
-from polytrain.parallel.batchnorm import convert_batchnorm
-from polytrain.parallel.compile import apply_compile
-from polytrain.parallel.recompute import apply_recompute
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.local import ColocatedServer
