@@ -31,6 +31,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from polytrain.comm.collectives import all_reduce_mean, all_reduce_mean_flat_
 from polytrain.comm.gossip_wire import weighted_average
 from polytrain.config.job import JobConfig
+from polytrain.core.cadence import checkpoint_due
 from polytrain.core.modules import train_mode
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
@@ -115,16 +116,9 @@ class ReplicaStrategy(Strategy):
         last = step + 1 == self.job.train.steps
         if last or (step + 1) % self.job.observe.log_every == 0:
             metrics["consensus_distance"] = self.consensus_distance()
-        if self._checkpoint_due(step + 1):
+        if checkpoint_due(self.job, step + 1):  # the checkpointer saves the average
             self.synchronize()
         return StepOutput(loss=out.loss, skipped=out.skipped, metrics=metrics)
-
-    def _checkpoint_due(self, done: int) -> bool:
-        """The checkpointer's rule (`Checkpointer.due`), read from the job."""
-        c = self.job.checkpoint
-        if not c.dir:
-            return False
-        return done == self.job.train.steps or bool(c.every and done % c.every == 0)
 
     # -- the average model ([Note: the average model]) -------------------------------------
 
