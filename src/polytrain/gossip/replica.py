@@ -32,12 +32,13 @@ from polytrain.comm.collectives import all_reduce_mean, all_reduce_mean_flat_
 from polytrain.comm.gossip_wire import weighted_average
 from polytrain.config.job import JobConfig
 from polytrain.core.cadence import checkpoint_due
+from polytrain.core.microbatch import forward_backward
 from polytrain.core.modules import train_mode
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel, inputs_to, to_device
+from polytrain.models.base import BlockModel, inputs_to
 from polytrain.observe.trace import Tracer
 
 __all__ = ["ReplicaStrategy"]
@@ -92,16 +93,16 @@ class ReplicaStrategy(Strategy):
         train_mode(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         self.bytes_sent = 0
-        total = torch.zeros((), device=self.device)
-        for micro in range(accum):
-            x, y = self.batches.train(step, self.rank, self.world_size, micro, accum)
-            x, y = inputs_to(x, self.device), to_device(y, self.device)
-            with self.tracer.span("forward", microbatch=micro, step=step):
-                with autocast(self.device, self.job.train.dtype):
-                    loss = self.model.loss(self.model(x), y) / accum
-            with self.tracer.span("backward", microbatch=micro, step=step):
-                loss.backward()
-            total += loss.detach()
+        total = forward_backward(
+            self.model,
+            self.model.loss,
+            lambda micro: self.batches.train(step, self.rank, self.world_size, micro, accum),
+            step=step,
+            num_microbatches=accum,
+            device=self.device,
+            dtype=self.job.train.dtype,
+            tracer=self.tracer,
+        )
         out = finish_step(
             step,
             total,
