@@ -35,19 +35,13 @@ from polytrain.parallel.sufficient_factor import (
     choose_layers,
     plain_linears,
 )
-from polytrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_tp_plan
+from polytrain.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
 from polytrain.parallel.tp_plans import Style
 from polytrain.parallel.zero import apply_zero
 from polytrain.pipeline.partition import check_counts
 from polytrain.topology import ParallelDims
 
-__all__ = ["SPMD", "build_spmd", "check_hybrid_plan", "check_spmd_job", "check_tp_plan"]
-
-
-def check_tp_plan(job: JobConfig, model: BlockModel) -> None:
-    """Heads, widths and vocabulary divisible by ``tp``; every plan row matches a module."""
-    if job.parallel.tp > 1:
-        resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)
+__all__ = ["SPMD", "build_spmd", "check_hybrid_plan", "check_spmd_job"]
 
 
 def check_hybrid_plan(job: JobConfig, model: BlockModel) -> dict[str, Style]:
