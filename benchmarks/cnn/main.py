@@ -119,9 +119,9 @@ def _photos() -> torch.Tensor:
 
 def _spatial_measure(k: int, rank: int, reps: int, global_bn: bool = True) -> dict[str, float]:
     from polytrain.comm.init import new_group
+    from polytrain.core.batchnorm import convert_batchnorm
     from polytrain.data.datasets import DataSpec
     from polytrain.models.cnn import build_resnet
-    from polytrain.parallel.batchnorm import convert_batchnorm
     from polytrain.parallel.spatial import apply_spatial
     from polytrain.pipeline.saved_tensors import count_saved_bytes, storage_keys
 

@@ -15,10 +15,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from polytrain.config.io import job_from_dict
+from polytrain.core.recompute import apply_recompute
 from polytrain.data.datasets import build_datasets
 from polytrain.models.base import one_input
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.parallel.recompute import apply_recompute
 
 if not torch.cuda.is_available():
     print("benchmarks/planner/gpu_recompute.py: no CUDA device here; run it on a GPU host")

@@ -1,7 +1,7 @@
 """The image models reproduce the single-process run parameter by parameter (contract 1) under
 data parallel, ZeRO-3, GPipe, (cnn) tensor parallel and hybrid parallelism, and spatial
 parallelism at 2 and 4, BatchNorm included (resnet: global statistics through
-`parallel.batchnorm.GlobalBatchNorm`); validation accuracy agrees too.
+`core.batchnorm.GlobalBatchNorm`); validation accuracy agrees too.
 
 Jobs of one world size share one set of processes, the references another (spawning dominates
 the cost of these tiny jobs). The data is a small random .npz of 8 x 8 images, so the workers need

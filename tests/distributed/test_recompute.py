@@ -1,4 +1,4 @@
-"""SPMD recomputation (`parallel/recompute.py`, torch.utils.checkpoint on each block's own
+"""SPMD recomputation (`core/recompute.py`, torch.utils.checkpoint on each block's own
 forward) under DDP and FSDP2 reproduces the single-process run without it (contract 1)."""
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ from torch import nn
 
 from polytrain.cli.app import main
 from polytrain.cli.train import resolve_job
+from polytrain.core.compile import apply_compile, is_compiled
+from polytrain.core.recompute import apply_recompute
 from polytrain.errors import ConfigError
 from polytrain.models.base import BlockModel
 from polytrain.observe.metrics import compile_seconds
-from polytrain.parallel.compile import apply_compile, is_compiled
-from polytrain.parallel.recompute import apply_recompute
 from polytrain.trainer.preflight import check_compile
 from tests.conftest import small_job
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from polytrain.parallel.batchnorm import GlobalBatchNorm
+from polytrain.core.batchnorm import GlobalBatchNorm
 from polytrain.pipeline.saved_tensors import count_saved_bytes
 
 

@@ -7,8 +7,8 @@ import copy
 import torch
 from torch import nn
 
+from polytrain.core.recompute import apply_recompute, is_recomputed
 from polytrain.models.base import BlockModel
-from polytrain.parallel.recompute import apply_recompute, is_recomputed
 
 
 def _model() -> BlockModel:

@@ -2,7 +2,10 @@
 
 `Strategy` (the loop's interface, capabilities declared), `StepOutput`, `finish_step` and the
 per-step rules ([Note: one step contract] in `polytrain.core.step`), the optimizer and LR
-schedule, and the strategy-family registry the trainer selects from.
+schedule, and the strategy-family registry the trainer selects from. Beside them, the
+components that more than one family uses (families never import each other): `batchnorm`,
+`recompute`, `compile`, `microbatch` (the forward/backward loop) and `cadence` (when a
+checkpoint is due).
 """
 
 from polytrain.core.modules import module_of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from polytrain.comm.init import DistContext
 from polytrain.config.job import JobConfig
+from polytrain.core.compile import apply_compile
 from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
 from polytrain.data.datasets import Dataset
@@ -15,7 +16,6 @@ from polytrain.gossip.localsgd import LocalSGDStrategy
 from polytrain.gossip.replica import ReplicaStrategy
 from polytrain.gossip.strategy import GossipStrategy
 from polytrain.models.base import BlockModel
-from polytrain.parallel.compile import apply_compile
 
 __all__ = ["DECENTRALIZED"]
 

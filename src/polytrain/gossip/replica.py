@@ -31,12 +31,14 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from polytrain.comm.collectives import all_reduce_mean, all_reduce_mean_flat_
 from polytrain.comm.gossip_wire import weighted_average
 from polytrain.config.job import JobConfig
+from polytrain.core.cadence import checkpoint_due
+from polytrain.core.microbatch import forward_backward
 from polytrain.core.modules import train_mode
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel, inputs_to, to_device
+from polytrain.models.base import BlockModel, inputs_to
 from polytrain.observe.trace import Tracer
 
 __all__ = ["ReplicaStrategy"]
@@ -91,16 +93,16 @@ class ReplicaStrategy(Strategy):
         train_mode(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         self.bytes_sent = 0
-        total = torch.zeros((), device=self.device)
-        for micro in range(accum):
-            x, y = self.batches.train(step, self.rank, self.world_size, micro, accum)
-            x, y = inputs_to(x, self.device), to_device(y, self.device)
-            with self.tracer.span("forward", microbatch=micro, step=step):
-                with autocast(self.device, self.job.train.dtype):
-                    loss = self.model.loss(self.model(x), y) / accum
-            with self.tracer.span("backward", microbatch=micro, step=step):
-                loss.backward()
-            total += loss.detach()
+        total = forward_backward(
+            self.model,
+            self.model.loss,
+            lambda micro: self.batches.train(step, self.rank, self.world_size, micro, accum),
+            step=step,
+            num_microbatches=accum,
+            device=self.device,
+            dtype=self.job.train.dtype,
+            tracer=self.tracer,
+        )
         out = finish_step(
             step,
             total,
@@ -115,16 +117,9 @@ class ReplicaStrategy(Strategy):
         last = step + 1 == self.job.train.steps
         if last or (step + 1) % self.job.observe.log_every == 0:
             metrics["consensus_distance"] = self.consensus_distance()
-        if self._checkpoint_due(step + 1):
+        if checkpoint_due(self.job, step + 1):  # the checkpointer saves the average
             self.synchronize()
         return StepOutput(loss=out.loss, skipped=out.skipped, metrics=metrics)
-
-    def _checkpoint_due(self, done: int) -> bool:
-        """The checkpointer's rule (`Checkpointer.due`), read from the job."""
-        c = self.job.checkpoint
-        if not c.dir:
-            return False
-        return done == self.job.train.steps or bool(c.every and done % c.every == 0)
 
     # -- the average model ([Note: the average model]) -------------------------------------
 

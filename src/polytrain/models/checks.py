@@ -71,7 +71,7 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
             f"parallel.pp = {p.pp}: pipeline stages pass one tensor; use dp / zero / ps"
         )
     # With one micro-batch the stages' BatchNorms are synchronised over dp ([Note: BatchNorm
-    # parity] in parallel.batchnorm); with several, no schedule can match one process.
+    # parity] in core.batchnorm); with several, no schedule can match one process.
     if has_batchnorm(model) and p.pp > 1 and job.pipeline.microbatches > 1:
         message = (
             f"BatchNorm with parallel.pp = {p.pp} and pipeline.microbatches = "

@@ -16,17 +16,17 @@ from polytrain.comm.init import DistContext
 from polytrain.comm.mesh import build_mesh
 from polytrain.comm.p2p import new_group_of
 from polytrain.config.job import JobConfig
+from polytrain.core.batchnorm import convert_batchnorm
+from polytrain.core.compile import apply_compile
+from polytrain.core.recompute import apply_recompute
 from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
 from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.blocks import disable_inplace
-from polytrain.parallel.batchnorm import convert_batchnorm
-from polytrain.parallel.compile import apply_compile
 from polytrain.parallel.data_parallel import apply_data_parallel
 from polytrain.parallel.hybrid import apply_hybrid, hybrid_ignored, resolve_hybrid_plan
-from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.replicate import apply_replicate
 from polytrain.parallel.spatial import apply_spatial, check_spatial
 from polytrain.parallel.spmd import SPMDStrategy
@@ -35,19 +35,13 @@ from polytrain.parallel.sufficient_factor import (
     choose_layers,
     plain_linears,
 )
-from polytrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_tp_plan
+from polytrain.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
 from polytrain.parallel.tp_plans import Style
 from polytrain.parallel.zero import apply_zero
 from polytrain.pipeline.partition import check_counts
 from polytrain.topology import ParallelDims
 
-__all__ = ["SPMD", "build_spmd", "check_hybrid_plan", "check_spmd_job", "check_tp_plan"]
-
-
-def check_tp_plan(job: JobConfig, model: BlockModel) -> None:
-    """Heads, widths and vocabulary divisible by ``tp``; every plan row matches a module."""
-    if job.parallel.tp > 1:
-        resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)
+__all__ = ["SPMD", "build_spmd", "check_hybrid_plan", "check_spmd_job"]
 
 
 def check_hybrid_plan(job: JobConfig, model: BlockModel) -> dict[str, Style]:

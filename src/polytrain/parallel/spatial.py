@@ -33,9 +33,9 @@ from torch import nn
 
 from polytrain.comm.autograd import all_gather_rows
 from polytrain.comm.halo import halo_rows
+from polytrain.core.batchnorm import GlobalBatchNorm
 from polytrain.errors import ConfigError
 from polytrain.models.base import BlockModel
-from polytrain.parallel.batchnorm import GlobalBatchNorm
 
 __all__ = ["BandConv2d", "apply_spatial", "check_spatial", "spatial_prefix"]
 

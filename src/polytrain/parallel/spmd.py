@@ -27,12 +27,13 @@ from polytrain.comm.compression import SentBytes
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import JobConfig
 from polytrain.core.loss_scale import backward, loss_scale_of
+from polytrain.core.microbatch import forward_backward
 from polytrain.core.modules import train_mode
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
-from polytrain.models.base import BlockModel, Inputs, inputs_to, to_device
+from polytrain.models.base import BlockModel, Inputs, inputs_to
 from polytrain.models.contract import top1_correct
 from polytrain.observe.trace import Tracer
 from polytrain.parallel.grad_norm import grad_norm
@@ -103,19 +104,20 @@ class SPMDStrategy(Strategy):
         accum = self.job.train.grad_accum
         train_mode(self.model)
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
-        for micro in range(accum):
-            x, y = self._batch(
+        total = forward_backward(
+            self.model,
+            self.base.loss,
+            lambda micro: self._batch(
                 partial(self.batches.train, step, microbatch=micro, num_microbatches=accum)
-            )
-            x, y = inputs_to(x, self.device), to_device(y, self.device)
-            with self._sync_context(micro == accum - 1):
-                with self.tracer.span("forward", microbatch=micro, step=step):
-                    with autocast(self.device, self.job.train.dtype):
-                        loss = self.base.loss(self.model(x), y) / accum
-                with self.tracer.span("backward", microbatch=micro, step=step):
-                    backward(loss, self.loss_scale)
-            total += loss.detach()
+            ),
+            step=step,
+            num_microbatches=accum,
+            device=self.device,
+            dtype=self.job.train.dtype,
+            tracer=self.tracer,
+            backward=partial(backward, scale=self.loss_scale),
+            around=self._sync_context,
+        )
         out = finish_step(
             step,
             total,

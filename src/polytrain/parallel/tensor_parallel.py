@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 
 from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.mesh import Mesh
+from polytrain.config.job import JobConfig
 from polytrain.errors import MeshError
 from polytrain.parallel.tp_plans import (
     TRANSFORMERS_PLANS,
@@ -59,6 +60,7 @@ from polytrain.parallel.tp_styles import (
 __all__ = [
     "apply_tensor_parallel",
     "apply_tensor_parallel_to_stage",
+    "check_tp_plan",
     "full_tensors",
     "grad_square_sum",
     "like_param",
@@ -176,6 +178,13 @@ def _own_plan(model: nn.Module) -> list[PlanEntry]:
             )
         rows.append(PlanEntry(prefix + pattern, _HF_STYLES[style]))
     return rows
+
+
+def check_tp_plan(job: JobConfig, model: nn.Module) -> None:
+    """Pre-flight, for every family that applies tensor parallelism (SPMD, pipeline stages):
+    heads, widths and vocabulary divisible by ``tp``; every plan row matches a module."""
+    if job.parallel.tp > 1:
+        resolve_tp_plan(job.model.name, model, job.parallel.tp, job.parallel.tp_plan)
 
 
 def resolve_tp_plan(

@@ -14,7 +14,7 @@ from polytrain.data.sampler import Batches
 from polytrain.errors import PartitionError
 from polytrain.models.base import BlockModel
 from polytrain.models.blocks import disable_inplace
-from polytrain.parallel.family import check_tp_plan
+from polytrain.parallel.tensor_parallel import check_tp_plan
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.pipedream import PipeDreamStrategy
 from polytrain.pipeline.profile import check_partition

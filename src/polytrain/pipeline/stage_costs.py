@@ -25,7 +25,7 @@ versions that a micro-batch in flight needs across an update, [Note: live forwar
 for ``pipeline.pipedream_update = "step"``, ``p - s`` copies for ``u = 1``). The output
 is the tensor sent downstream, held until its gradient comes back; the last stage's output is
 the loss, whose saved tensors the last block's profile already includes. With recomputation
-(`polytrain.parallel.recompute` checkpoints each block that has parameters) such a block keeps only
+(`polytrain.core.recompute` checkpoints each block that has parameters) such a block keeps only
 its input, and one block's activations are rebuilt at a time during backward (a transient
 ``max`` term). The received input is counted when the first block saves it. The search
 minimises the largest ``t_s``, which sets a synchronous pipeline's step time

@@ -61,9 +61,12 @@ from polytrain.comm.p2p import (
     send_all,
 )
 from polytrain.config.job import JobConfig
+from polytrain.core.batchnorm import convert_batchnorm
+from polytrain.core.compile import apply_compile
 from polytrain.core.loss_scale import loss_scale_of
 from polytrain.core.modules import train_mode
 from polytrain.core.optim import build_optimizer
+from polytrain.core.recompute import apply_recompute
 from polytrain.core.step import (
     AUTOCAST_DTYPES,
     StepRules,
@@ -83,9 +86,6 @@ from polytrain.models.split import (
     trace_sides,
 )
 from polytrain.observe.trace import Tracer
-from polytrain.parallel.batchnorm import convert_batchnorm
-from polytrain.parallel.compile import apply_compile
-from polytrain.parallel.recompute import apply_recompute
 from polytrain.parallel.tensor_parallel import (
     apply_tensor_parallel_to_stage,
     full_tensors,

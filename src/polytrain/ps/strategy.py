@@ -50,15 +50,17 @@ worker that saw the NaN itself; the other workers' finite pushes do not hide it 
 NaN is NaN on every server): [Note: pull with the clock] in polytrain.ps.overlap.
 
 [Note: recompute on workers] ``parallel.recompute`` recomputes a worker's blocks in backward
-(`parallel.recompute`, which keeps parameter names), so the shard layout is unchanged.
+(`core.recompute`, which keeps parameter names), so the shard layout is unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -67,16 +69,17 @@ from torch import nn
 from polytrain.comm import ps_wire
 from polytrain.comm.init import new_group
 from polytrain.config.job import JobConfig
+from polytrain.core.batchnorm import convert_batchnorm
+from polytrain.core.compile import apply_compile
+from polytrain.core.microbatch import forward_backward
 from polytrain.core.modules import module_of, train_mode
 from polytrain.core.optim import lr_at
+from polytrain.core.recompute import apply_recompute
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
-from polytrain.parallel.batchnorm import convert_batchnorm
-from polytrain.parallel.compile import apply_compile
-from polytrain.parallel.recompute import apply_recompute
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
 from polytrain.ps.local import ColocatedServer
@@ -447,18 +450,17 @@ class PSStrategy(Strategy):
         accum = self.job.train.grad_accum
         train_mode(self.model)
         self.model.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for micro in range(accum):
-            if self.pusher is not None and micro == accum - 1:
-                assert self.client is not None
-                self.pusher.arm(functools.partial(self.client.post_chunk, step))
-            x, y = self.batches.train(step, self.rank, self.num_workers, micro, accum)
-            with self.tracer.span("forward", microbatch=micro, step=step):
-                with autocast(torch.device("cpu"), self.job.train.dtype):
-                    loss = self.model.loss(self.model(x), y) / accum
-            with self.tracer.span("backward", microbatch=micro, step=step):
-                loss.backward()
-            total += loss.detach().float()
+        total = forward_backward(
+            self.model,
+            self.model.loss,
+            lambda micro: self.batches.train(step, self.rank, self.num_workers, micro, accum),
+            step=step,
+            num_microbatches=accum,
+            device=torch.device("cpu"),
+            dtype=self.job.train.dtype,
+            tracer=self.tracer,
+            around=functools.partial(self._arm_pushes, step),
+        )
         if self.fetcher is not None and self.pusher is not None:
             if self.fetcher.pending:  # this step pulled (not evaluate before it)
                 self.fetcher.finish()  # parameters forward did not reach
@@ -472,6 +474,15 @@ class PSStrategy(Strategy):
                 1, len(self.pusher.order)
             )
         return total
+
+    @contextlib.contextmanager
+    def _arm_pushes(self, step: int, last: bool) -> Iterator[None]:
+        """Overlapped pushes: the last micro-batch's backward posts each gradient chunk once
+        it is final ([Note: prioritised overlap] in `ps.overlap`)."""
+        if self.pusher is not None and last:
+            assert self.client is not None
+            self.pusher.arm(functools.partial(self.client.post_chunk, step))
+        yield
 
     def _push(self, step: int, poison: bool = False) -> None:
         """Push this replica's gradient of ``step``; ``poison``: a NaN one instead (a dropped

@@ -52,6 +52,7 @@ from polytrain.comm.agree import all_gather_ints, broadcast_int, differing_ranks
 from polytrain.comm.kv import collect, publish
 from polytrain.config.base import to_dict
 from polytrain.config.job import JobConfig
+from polytrain.core.cadence import checkpoint_due
 from polytrain.core.optim import lr_at
 from polytrain.core.strategy import NonFiniteLossError, Strategy
 from polytrain.errors import CheckpointError, ConfigError
@@ -251,9 +252,8 @@ class Checkpointer:
         checkpointer.close()
 
     def due(self, step: int) -> bool:
-        """Whether to save after ``step`` optimizer steps: every N, and always after the last."""
-        every = self.job.checkpoint.every
-        return step == self.job.train.steps or bool(every and step % every == 0)
+        """Whether to save after ``step`` optimizer steps (`core.cadence.checkpoint_due`)."""
+        return checkpoint_due(self.job, step)
 
     def describe_last(self) -> str:
         if self.last_saved < 0:

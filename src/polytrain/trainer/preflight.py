@@ -82,7 +82,7 @@ def check_compile(job: JobConfig, *, cuda: bool | None = None) -> None:
     """Refuse ``train.compile`` in one line where Inductor cannot build kernels on this host
     (checked before any worker starts; otherwise every rank fails in its first step).
 
-    Every strategy family compiles (`parallel.compile`, docs/compile.md); what can be missing
+    Every strategy family compiles (`core.compile`, docs/compile.md); what can be missing
     is the toolchain: on the CPU Inductor compiles C++ with ``$CXX`` (default g++; clang++ on
     macOS), on a GPU it writes Triton kernels. ``cuda`` (whether the job gets GPUs) is for
     tests.

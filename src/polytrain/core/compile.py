@@ -6,7 +6,7 @@ on its own, after tensor parallelism and recomputation and before data paralleli
 compiled graph of one block serves every block of the same shape (one compilation, not one
 per layer).
 
-[Note: compile keeps parameter names] As `parallel.recompute` does, the block is not wrapped:
+[Note: compile keeps parameter names] As `core.recompute` does, the block is not wrapped:
 its ``forward`` is replaced, on the instance, by the compiled form of the forward it has (the
 class's own, or recomputation's checkpointed one, which Dynamo traces as one region). Names,
 ``state_dict`` keys, checkpoints and exports stay those of the unwrapped model
