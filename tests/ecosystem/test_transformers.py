@@ -72,8 +72,9 @@ FULL_MATRIX += [(model, "pp2-tp2") for model in MODELS]
 FULL_MATRIX += [("gpt2", "1f1b-pp2-recompute"), ("llama", "1f1b-pp2-recompute")]
 # [Note: the CI matrix] The full matrix is 41 model x strategy pairs plus the GPT-2 tp test, 42
 # multi-process runs and 5 references (about fifteen minutes on 2 cores), more than half of the
-# suite's budget. By default every strategy runs on at least two models and every model under
-# at least two strategies, chosen where each model's trap is: GPT-2's tie across pipeline
+# suite's budget. By default every strategy and the recomputation row run on at least two
+# models (test_the_ci_matrix_keeps_its_promise checks it) and every model under at least
+# two strategies, chosen where each model's trap is: GPT-2's tie across pipeline
 # stages (also split by tp inside them) and under ZeRO-3, BatchNorm under dp / dp x pp / parameter servers, Llama's rotary
 # tables and masks across stages and its own tp plan, BERT's padding mask; GPT-2 under tp has
 # its own test (fused qkv, tie and export in one run). POLYTRAIN_FULL_MATRIX=1 runs every pair
@@ -82,9 +83,13 @@ CI_MATRIX = [
     ("gpt2", "1f1b-pp2"),
     ("gpt2", "pp2-tp2"),
     ("gpt2", "zero3-dp2"),
+    ("gpt2", "1f1b-pp2-recompute"),
+    ("llama", "1f1b-pp2-recompute"),
     ("llama", "gpipe-pp2"),
     ("llama", "ps-sync"),
     ("llama", "tp2"),
+    ("llama", "zero3-dp2"),
+    ("llama", "pp2-tp2"),
     ("bert", "dp2"),
     ("bert", "gpipe-pp2"),
     ("resnet", "dp2"),
@@ -158,6 +163,18 @@ def test_matches_single_process(model: str, strategy: str) -> None:
     ref = reference(model)
     out = run_job(hf_job(model, data_file(model), world, **sections), timeout_s=300)
     assert_matches(out, ref)
+
+
+def test_the_ci_matrix_keeps_its_promise() -> None:
+    """[Note: the CI matrix]: each strategy (tp2 counting GPT-2's own test) and the
+    recomputation row on at least two models, each model under at least two strategies."""
+    models_of: dict[str, set[str]] = {}
+    for model, strategy in [*CI_MATRIX, ("gpt2", "tp2")]:
+        models_of.setdefault(strategy, set()).add(model)
+    every = {**STRATEGIES, **TENSOR_PARALLEL, **RECOMPUTE}
+    assert all(len(models_of.get(s, set())) >= 2 for s in every), models_of
+    for model in MODELS:
+        assert sum(model in m for m in models_of.values()) >= 2, model
 
 
 @pytest.mark.parametrize("model", EXPORTED)
