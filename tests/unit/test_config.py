@@ -81,6 +81,8 @@ def test_ints_widen_to_floats() -> None:
         ({"launch": {"nnodes": 2}}, "--rdzv-endpoint"),
         ({"launch": {"rdzv_endpoint": "host:70000"}}, "port number 1-65535"),
         ({"launch": {"rdzv_endpoint": "hostonly"}}, "expected HOST:PORT"),
+        ({"localsgd": {"outer_lr": float("nan")}}, "localsgd.outer_lr = nan: expected a positive"),
+        ({"localsgd": {"outer_lr": -0.5}}, "localsgd.outer_lr = -0.5: expected a positive"),
     ],
 )
 def test_invalid_values(data: dict, match: str) -> None:

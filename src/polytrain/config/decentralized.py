@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from polytrain.config.base import option
+from polytrain.config.base import option, positive
 from polytrain.errors import ConfigError
 
 __all__ = ["GossipConfig", "LocalSGDConfig", "check_decentralized"]
@@ -86,8 +86,7 @@ class LocalSGDConfig:
             )
         if self.ranks_per_host < 0:
             raise ConfigError(f"localsgd.ranks_per_host = {self.ranks_per_host}: expected >= 0")
-        if self.outer_lr <= 0:
-            raise ConfigError(f"localsgd.outer_lr = {self.outer_lr}: expected a positive number")
+        positive("localsgd", "outer_lr", self.outer_lr)  # NaN is not positive either
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ConfigError(
                 f"localsgd.outer_momentum = {self.outer_momentum}: expected a value in [0, 1)"
