@@ -113,10 +113,14 @@ def nonfinite_flag(params: Iterable[torch.Tensor], device: torch.device) -> torc
     that their squares overflow (beyond about 1e19 in float32); no useful update comes of those
     either (clipping would scale them to zero), and the step is treated as non-finite.
     """
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
-    norm = torch.nn.utils.get_total_norm(grads)
+    return _nonfinite(_local_norm(grads), device)
+
+
+def _nonfinite(norm: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """1.0 on ``device`` where the gradient norm ``norm`` is NaN or Inf, else 0.0."""
     return (~torch.isfinite(norm)).float().to(device)
 
 
@@ -255,7 +259,7 @@ def finish_step(
         # some rank: one pass over the gradients serves both.
         grads = [p.grad for p in params if p.grad is not None]
         norm = (grad_norm or _local_norm)(grads) if grads else torch.zeros(())
-        flag = (~torch.isfinite(norm)).float().to(loss.device)
+        flag = _nonfinite(norm, loss.device)
     else:
         flag = nonfinite_flag(params, loss.device)
     stats = reduce(torch.stack([loss.detach().float(), flag]))
