@@ -158,15 +158,15 @@ def cases(smoke: bool = False) -> list[Case]:
 
 def mfu(model: Any, tokens: int, samples: int, step_s: float, device: Any) -> float | None:
     """The MFU polytrain's loop would report for ``model`` at ``step_s`` (one device, bf16):
-    the planner's FLOP count of the model (`planner.stats.stats_of` on a meta copy) over the
-    catalog's dense peak (`planner.mfu.peak_flops`), as `planner.mfu.mfu_inputs` gives the
+    the planner's FLOP count of the model (`measure.stats.stats_of` on a meta copy) over the
+    catalog's dense peak (`measure.mfu.peak_flops`), as `measure.mfu.mfu_inputs` gives the
     loop."""
     import copy
 
     import torch
 
-    from polytrain.planner.mfu import peak_flops
-    from polytrain.planner.stats import stats_of
+    from polytrain.measure.mfu import peak_flops
+    from polytrain.measure.stats import stats_of
 
     peak = peak_flops(torch.device(device), "bf16")
     if not peak or not step_s:
@@ -182,7 +182,7 @@ def reference_mfu(case: Case, params: int, step_s: float, device: Any) -> float 
     `mfu`; where polytrain counts a model right, its MFU equals this one."""
     import torch
 
-    from polytrain.planner.mfu import peak_flops
+    from polytrain.measure.mfu import peak_flops
 
     peak = peak_flops(torch.device(device), "bf16")
     if not peak or not step_s:

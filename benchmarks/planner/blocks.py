@@ -1,7 +1,7 @@
 """The flops variant's price of each block against the block timed, in one process.
 
 A profile's compute figures are measured in this process (square matmuls, memory bandwidth, the
-operator call, and where this polytrain has them the CPU kernel probes of `planner.kernels`:
+operator call, and where this polytrain has them the CPU kernel probes of `measure.kernels`:
 [Note: cold operands], [Note: attention kernels], [Note: elementwise kernels]), then each
 block of the model is priced by `Env.fwd_s` / `Env.bwd_s` from its counted statistics
 (`model_stats(device="cpu")`) and timed by `model_stats(measure=True)` at the same batch, one
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from polytrain.config.job import JobConfig, ModelConfig
-from polytrain.planner import calibrate as cal
-from polytrain.planner.calibrate_ranks import matmul_rates, matmul_rounds
+from polytrain.measure import calibrate as cal
+from polytrain.measure.calibrate_ranks import matmul_rates, matmul_rounds
+from polytrain.measure.stats import model_stats
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost.common import Env
-from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile
 
 
@@ -37,7 +37,7 @@ def profile_now() -> HostProfile:
     mem_bw, _ = cal._mem_bw(256 * 2**20, cpu, 0.3)
     extra: dict[str, Any] = {}
     if "gemm_by_size" in HostProfile.__dataclass_fields__:  # this polytrain has the kernels
-        from polytrain.planner.kernels import kernel_rates
+        from polytrain.measure.kernels import kernel_rates
 
         plan = cal.CalibrationPlan()
         gemm, attention, elementwise = kernel_rates(

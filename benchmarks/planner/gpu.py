@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from polytrain.config.io import job_from_fields
+from polytrain.measure.calibrate import CalibrationPlan, cached_profile
+from polytrain.measure.stats import model_stats
 from polytrain.planner import cost
-from polytrain.planner.calibrate import CalibrationPlan, cached_profile
 from polytrain.planner.catalog import device_key_of
 from polytrain.planner.cluster import parse_cluster
-from polytrain.planner.stats import model_stats
 from polytrain.planner.types import Layout
 from polytrain.planner.validate import TrialSpec, run_trials, summarize
 

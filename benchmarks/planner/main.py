@@ -29,10 +29,10 @@ from typing import Any
 
 from polytrain.config.io import job_from_fields
 from polytrain.config.job import JobConfig
-from polytrain.planner.calibrate import CalibrationPlan, cached_profile
+from polytrain.measure.calibrate import CalibrationPlan, cached_profile
+from polytrain.measure.host import speed_sample
+from polytrain.measure.stats import model_stats
 from polytrain.planner.drift import SPEED_FIGURES, describe, drifted, rescaled, speed_ratios
-from polytrain.planner.host import speed_sample
-from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout, ModelStats
 from polytrain.planner.validate import Trial, TrialSpec, held_state_bytes, run_trials, spearman
 
@@ -147,7 +147,7 @@ def predict_all(
         cluster = host.with_size(layout.devices)
         env = p["cost"].Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
         pred = p["cost"].predict(layout, stats, env, job.train.global_batch_size)
-        # a user's model pipelines over its layers ([Note: layer view] in planner/layer_stats.py)
+        # a user's model pipelines over its layers ([Note: layer view] in measure/layer_stats.py)
         units = stats.pipeline_blocks if layout.pp > 1 else stats.blocks
         stages = p["partition"].balanced_stages(units, layout.pp)
         micro = (layout.microbatches if layout.pp > 1 else 1) * layout.grad_accum
@@ -178,7 +178,7 @@ def predict_all(
 
 # -- the host's speed against its profile ---------------------------------------------------
 def mean_ratios(profile: HostProfile, samples: list[dict[str, float]]) -> dict[str, float]:
-    """Per speed figure, the mean over ``samples`` (`planner.host.speed_sample` results) of how
+    """Per speed figure, the mean over ``samples`` (`measure.host.speed_sample` results) of how
     fast the host ran against ``profile`` ([Note: host drift] in planner/drift.py); {} for a
     profile without speed figures."""
     per = [speed_ratios(profile.speed, s) for s in samples]

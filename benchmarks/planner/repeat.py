@@ -1,6 +1,6 @@
 """How far the planner's predictions move from one calibration of this host to the next.
 
-Runs one calibration of the full plan (`planner.calibrate.calibrate`, ``repeats=1``) ``--runs``
+Runs one calibration of the full plan (`measure.calibrate.calibrate`, ``repeats=1``) ``--runs``
 times in a row, saves each profile under ``--workdir``, and prices the benchmark's 14 layouts of
 gpt tiny and mlp tiny on each (`main.predict_all`, no training runs). Prints, per layout, the
 predicted step time of every calibration and their spread (max over min, less one), the same for
@@ -31,10 +31,10 @@ from typing import Any
 from main import MODELS, layouts, predict_all  # this folder's benchmark (the script's path)
 
 from polytrain.config.io import job_from_fields
-from polytrain.planner.calibrate import CalibrationPlan, calibrate
+from polytrain.measure.calibrate import CalibrationPlan, calibrate
+from polytrain.measure.stats import model_stats
 from polytrain.planner.drift import rescaled, speed_ratios
 from polytrain.planner.profile_io import load_profile, median_profile, save_profile
-from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile
 
 # (label, how to read it from a profile): the per-call figures of the latency-bound layouts

@@ -1,6 +1,6 @@
 """The planner's probe of DTensor's end of step on a mesh of two ranks.
 
-[Note: DTensor end of step] in planner/probes.py: `calibrate` runs the check and the optimizers
+[Note: DTensor end of step] in measure/probes.py: `calibrate` runs the check and the optimizers
 on two ranks at once, whose timing loops make different numbers of calls (nothing in those
 parts may communicate), and the clip, whose norm does communicate, on one.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from polytrain.planner.probes import OPTIMIZERS, mean_costs, rank_dtensor_step_costs
+from polytrain.measure.probes import OPTIMIZERS, mean_costs, rank_dtensor_step_costs
 from polytrain.testing import run_distributed
 
 pytestmark = pytest.mark.slow

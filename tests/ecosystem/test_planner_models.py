@@ -1,9 +1,9 @@
 """The planner on users' own models: transformers GPT-2 (tied embeddings) and BERT (named inputs,
 a mask built from the input values), from tiny configs with random weights.
 
-`planner.stats` counts them (BERT's data-dependent mask on the CPU: [Note: data-dependent
+`measure.stats` counts them (BERT's data-dependent mask on the CPU: [Note: data-dependent
 forwards]) whole and, for pipelines, stage by stage as the runtime's layer pipeline cuts them
-([Note: layer view] in planner/layer_stats.py); `polytrain plan` ranks layouts for them; the
+([Note: layer view] in measure/layer_stats.py); `polytrain plan` ranks layouts for them; the
 planner's model states are the bytes a run held, on one rank and on each stage of a layer
 pipeline, and a rank's peak is the run's within 10% once the worker's import of the factory
 (transformers) is counted ([Note: a worker's own memory] in planner/memory.py).
@@ -21,13 +21,13 @@ import torch
 from polytrain.config.io import job_from_dict
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import build_datasets
+from polytrain.measure import layer_stats
+from polytrain.measure.stats import model_stats
 from polytrain.models.registry import build_model
-from polytrain.planner import layer_stats
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.memory import memory_per_rank, process_bytes
 from polytrain.planner.search import enumerate_layouts
-from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout
 from polytrain.planner.validate import TrialSpec, held_state_bytes, run_trials
 from polytrain.planner.worker_memory import fresh_worker_memory

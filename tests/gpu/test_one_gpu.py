@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from polytrain.config.job import JobConfig, ModelConfig
-from polytrain.planner.calibrate import CalibrationPlan
-from polytrain.planner.stats import model_stats
+from polytrain.measure.calibrate import CalibrationPlan
+from polytrain.measure.stats import model_stats
 from tests.helpers.cli_runs import ENV
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -70,7 +70,7 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert all(a >= 0 and b >= 0 for a, b in profile.step_costs.values())
     assert any(a > 0 or b > 0 for a, b in profile.step_costs.values())
     assert profile.op_s > 0
-    # [Note: cold operands], [Note: attention kernels] in planner/kernels.py
+    # [Note: cold operands], [Note: attention kernels] in measure/kernels.py
     assert set(profile.gemm_by_size) == {32, 128} and min(profile.gemm_by_size.values()) > 0
     assert set(profile.attention_rates) == {(16, 16), (32, 16)}
     assert all(f > 0 and b > 0 for f, b in profile.attention_rates.values())

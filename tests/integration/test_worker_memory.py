@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from polytrain.config.io import job_from_dict, save_job
+from polytrain.measure.stats import model_stats
 from polytrain.planner.memory import memory_per_rank, process_bytes
-from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout
 from polytrain.planner.worker_memory import WORKER_IMPORTS, fresh_worker_memory
 

@@ -91,9 +91,9 @@ def test_the_plain_loop_trains_the_model_polytrain_builds(optimizer: str) -> Non
 def test_our_gpt_is_counted_as_the_textbook_mfu(monkeypatch: pytest.MonkeyPatch) -> None:
     """`reference_mfu` (6NT + 12LdT^2) is the check of polytrain's count: for our gpt they
     agree, so a factory model's ratio to it shows whether that one is counted right."""
-    import polytrain.planner.mfu
+    import polytrain.measure.mfu
 
-    monkeypatch.setattr(polytrain.planner.mfu, "peak_flops", lambda device, dtype: 1e12)
+    monkeypatch.setattr(polytrain.measure.mfu, "peak_flops", lambda device, dtype: 1e12)
     case = gpu.Case("t", "t", {**gpu.TINY, "model.block_size": 8, "train.global_batch_size": 2})
     model, _ = overhead.build_same_model(case.fields, "cpu")
     params = sum(p.numel() for p in model.parameters())

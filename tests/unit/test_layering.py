@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,23 +24,14 @@ PURE = [
     "planner",
     "ps/sharding.py",
     "ps/consistency.py",
+    "gossip/graphs.py",
 ]
-# The planner's torch-facing modules (planner2's): model statistics and host calibration (its
-# timing rounds in planner/timing.py).
-PURE_EXEMPT = {
-    "planner/stats.py",
-    "planner/tp_stats.py",
-    "planner/calibrate.py",
-    "planner/calibrate_ranks.py",
-    "planner/calibrate_wire.py",
-    "planner/calibrate_worker.py",
-    "planner/probes.py",
-    "planner/contention.py",
-    "planner/timing.py",
-    "planner/host.py",
-    "planner/kernels.py",
-    "planner/layer_stats.py",
-    "planner/mfu.py",
+# Modules of strategy families that are pure and that the planner reads: it simulates the same
+# schedule action lists, partitions and peer graphs the runtime uses (ARCHITECTURE.md).
+PLANNER_READS = {
+    "polytrain.pipeline.schedule",
+    "polytrain.pipeline.partition",
+    "polytrain.gossip.graphs",
 }
 # The only places that call c10d directly.
 C10D_ALLOWED = ["comm", "launch", "testing", "_torch_private.py"]  # the last: torch private APIs
@@ -58,7 +51,7 @@ TORCH_STRATEGY_PACKAGES = {
 # Strategy packages, present and planned (ARCHITECTURE.md's target layering): they import
 # `core` and lower layers, never `trainer` (which picks them from its family table) or `cli`.
 STRATEGY_PACKAGES = {"parallel", "pipeline", "ps", "gossip", "hybrid", "spatial"}
-ABOVE_STRATEGIES = {"trainer", "cli", "scheduler"}
+ABOVE_STRATEGIES = {"trainer", "cli", "scheduler", "measure"}
 # package -> packages it must not import (lower layers never import higher ones).
 FORBIDDEN = {
     "comm": {"core", "config", *ABOVE_STRATEGIES, *STRATEGY_PACKAGES, "planner"},
@@ -67,9 +60,10 @@ FORBIDDEN = {
     "models": {"core", *ABOVE_STRATEGIES, *STRATEGY_PACKAGES},
     "observe": {"core", *ABOVE_STRATEGIES, *STRATEGY_PACKAGES},
     "core": {*ABOVE_STRATEGIES, *STRATEGY_PACKAGES, "planner"},
-    "planner": ABOVE_STRATEGIES,
+    "planner": {*ABOVE_STRATEGIES, "measure", "core", "models", "data", "comm", "config"},
     **{package: ABOVE_STRATEGIES for package in STRATEGY_PACKAGES},
     "trainer": {"cli"},
+    "measure": {"trainer", "cli", "scheduler"},
 }
 
 
@@ -124,10 +118,31 @@ def _rel(path: Path) -> str:
 @pytest.mark.parametrize("rel", PURE)
 def test_pure_modules_import_no_torch(rel: str) -> None:
     for path in _sources(rel):
-        if _rel(path) in PURE_EXEMPT:
-            continue
         for module, _ in _imports(path):
             assert module.split(".")[0] not in {"torch", "numpy"}, f"{_rel(path)} imports {module}"
+
+
+def test_the_planner_reads_only_pure_family_modules() -> None:
+    """The planner never imports a family's runtime or the measuring package: only the pure
+    modules it prices by simulation (``PLANNER_READS``)."""
+    offenders = []
+    for path in _sources("planner"):
+        for module, _names in _imports(path):
+            parts = module.split(".")
+            if parts[0] != "polytrain" or len(parts) < 2 or parts[1] not in STRATEGY_PACKAGES:
+                continue
+            if not any(module == m or module.startswith(m + ".") for m in PLANNER_READS):
+                offenders.append(f"{_rel(path)} imports {module}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_importing_the_planner_loads_no_torch() -> None:
+    modules = sorted(
+        ".".join(_module_name(path)) for path in _sources("planner") if path.suffix == ".py"
+    )
+    code = f"import sys; import {', '.join(modules)}; assert 'torch' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def _uses_c10d(module: str, names: list[str]) -> bool:

@@ -1,5 +1,5 @@
 """MFU's inputs are the planner's: its FLOP count for built-in and factory models alike, and the
-hardware catalog's dense peak for the device and the job's dtype (planner/mfu.py)."""
+hardware catalog's dense peak for the device and the job's dtype (measure/mfu.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import torch
 from polytrain.comm.init import shutdown
 from polytrain.config import JobConfig
 from polytrain.data.datasets import build_datasets
+from polytrain.measure import mfu
+from polytrain.measure.stats import model_stats, train_flops_per_sample
 from polytrain.models.registry import block_size_of
-from polytrain.planner import mfu
 from polytrain.planner.catalog import dense_peak, device
-from polytrain.planner.stats import model_stats, train_flops_per_sample
 from polytrain.planner.types import BACKWARD_FLOPS_PER_FORWARD, BlockStats, ModelStats
 from polytrain.trainer.loop import train
 from tests.helpers.hf_models import T, write_data

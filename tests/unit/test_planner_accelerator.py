@@ -7,10 +7,10 @@ import math
 
 import pytest
 
+from polytrain.measure.host import describes
 from polytrain.planner.catalog import device_key_of
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env
-from polytrain.planner.host import describes
 from polytrain.planner.types import BlockStats, HostProfile
 
 # An H100-like profile: bf16 rate rises with the matmul's size; 16 us per operator dispatch.

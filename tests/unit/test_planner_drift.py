@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from polytrain.cli import calibrate as calibrate_cli
 from polytrain.cli import plan as plan_cli
 from polytrain.cli.app import app
-from polytrain.planner.calibrate import _with_speed
+from polytrain.measure.calibrate import _with_speed
+from polytrain.measure.host import host_identity, speed_rates, speed_rounds, speed_sample
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.drift import (
@@ -23,7 +24,6 @@ from polytrain.planner.drift import (
     rescaled,
     speed_ratios,
 )
-from polytrain.planner.host import host_identity, speed_rates, speed_rounds, speed_sample
 from polytrain.planner.profile_io import fingerprint, profile_path, save_profile
 from polytrain.planner.stats_pure import gpt_stats
 from polytrain.planner.types import Curve, HostProfile, Layout

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from polytrain.config.job import JobConfig, ModelConfig
+from polytrain.measure.kernels import AttentionCounter, attention_rates, gemm_rates
+from polytrain.measure.stats import model_stats
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.rates import grid_rate
-from polytrain.planner.kernels import AttentionCounter, attention_rates, gemm_rates
-from polytrain.planner.stats import model_stats
 from polytrain.planner.types import BlockStats
 from tests.helpers.planner import cpu_profile
 
@@ -58,7 +58,7 @@ def test_the_counter_records_each_attention_call_and_what_the_flop_counter_saw()
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_an_attention_call_counts_as_one_operator_moving_nothing_on_any_device(device: str) -> None:
-    from polytrain.planner.stats import OpCounter
+    from polytrain.measure.stats import OpCounter
 
     q = torch.randn(2, 4, 16, 8, device=device)
     ops = OpCounter()
@@ -172,7 +172,7 @@ def test_the_probes_answer_positive_rates_for_every_shape() -> None:
 
 
 def test_the_op_counter_records_heavy_elementwise_operators_forward_and_backward() -> None:
-    from polytrain.planner.stats import OpCounter
+    from polytrain.measure.stats import OpCounter
 
     x = torch.randn(4, 8, requires_grad=True)
     fwd, bwd = OpCounter(), OpCounter()
@@ -214,7 +214,7 @@ def test_cpu_elementwise_operators_cost_their_elements_instead_of_their_bytes() 
 
 
 def test_the_elementwise_probe_times_every_named_operator() -> None:
-    from polytrain.planner.kernels import ELEMENTWISE, elementwise_seconds
+    from polytrain.measure.kernels import ELEMENTWISE, elementwise_seconds
 
     seconds = elementwise_seconds(0.005, side=64)
     assert set(seconds) == ELEMENTWISE and all(s > 0 for s, _ in seconds.values())
@@ -223,8 +223,8 @@ def test_the_elementwise_probe_times_every_named_operator() -> None:
 def test_each_elementwise_probe_runs_the_operator_it_is_named_for() -> None:
     """The names `OpCounter` matches are the operators the probes time (the softmax family
     reached through its public functions)."""
-    from polytrain.planner.kernels import _elementwise_probes
-    from polytrain.planner.stats import OpCounter
+    from polytrain.measure.kernels import _elementwise_probes
+    from polytrain.measure.stats import OpCounter
 
     for name, probe in _elementwise_probes(torch.randn(8, 8)).items():
         counter = OpCounter()

@@ -1,4 +1,4 @@
-"""[Note: loop overhead] and [Note: timing rounds] in planner/timing.py: the training step's
+"""[Note: loop overhead] and [Note: timing rounds] in measure/timing.py: the training step's
 own Python priced per step and per micro-batch, and calibration's interleaved timing rounds."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from polytrain.measure.timing import Rounds, median_and_spread, timed_rounds
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.stats_pure import gpt_stats
-from polytrain.planner.timing import Rounds, median_and_spread, timed_rounds
 from polytrain.planner.types import Curve, Layout
 from tests.helpers.planner import cpu_profile
 

@@ -1,4 +1,4 @@
-"""[Note: pipeline runtime overhead] in planner/calibrate_worker.py: the pipeline runtime's own
+"""[Note: pipeline runtime overhead] in measure/calibrate_worker.py: the pipeline runtime's own
 cost priced in every F and B and once per flush, and the fit that calibration makes of it."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from polytrain.planner.calibrate_worker import (
+from polytrain.measure.calibrate_worker import (
     PIPE_MICROBATCHES,
     fit_pipeline_runtime,
     pipeline_probe_job,
 )
+from polytrain.measure.stats import model_stats
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
-from polytrain.planner.stats import model_stats
 from polytrain.planner.stats_pure import gpt_stats
 from polytrain.planner.types import HostProfile, Layout
 from tests.helpers.planner import cpu_profile

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from polytrain.cli.app import app
-from polytrain.planner import calibrate as cal
+from polytrain.measure import calibrate as cal
 from polytrain.planner.profile_io import load_profile
 from tests.helpers.planner import cpu_profile
 

@@ -1,4 +1,4 @@
-"""`planner.stats`: FLOPs and bytes per block of the built-in models, counted on meta and CPU."""
+"""`measure.stats`: FLOPs and bytes per block of the built-in models, counted on meta and CPU."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 from polytrain.config.job import DataConfig, JobConfig, ModelConfig, OptimConfig
 from polytrain.data.datasets import PairDataset, TokenDataset, build_datasets
+from polytrain.measure.stats import held_data_bytes, model_stats, optimizer_state_per_param
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.planner.stats import held_data_bytes, model_stats, optimizer_state_per_param
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 200
 
@@ -157,7 +157,7 @@ def test_tensor_parallel_modules_and_their_activations_follow_the_runtime_plan(
 def test_operator_counts_cover_forward_and_backward(tmp_path: Path) -> None:
     """[Note: non-matmul time]: every block calls operators both ways; the count does not grow
     with the batch, the moved bytes are per sample, and matmuls move none."""
-    from polytrain.planner.stats import OpCounter
+    from polytrain.measure.stats import OpCounter
 
     stats = model_stats(_job(tmp_path, "mlp"), device="meta")
     assert all(b.fwd_ops > 0 and b.bwd_ops > 0 for b in stats.blocks)

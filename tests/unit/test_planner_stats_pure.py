@@ -34,9 +34,9 @@ def test_mlp_parameter_counts_per_block() -> None:
 
 def test_gpt_attention_calls_match_the_counted_ones() -> None:
     """[Note: attention kernels]: the analytic stats record the same attention call (T, S, D,
-    FLOPs per sample) and the same FLOPs inside it as `planner.stats` counts on meta."""
+    FLOPs per sample) and the same FLOPs inside it as `measure.stats` counts on meta."""
     from polytrain.config.job import JobConfig, ModelConfig
-    from polytrain.planner.stats import model_stats
+    from polytrain.measure.stats import model_stats
 
     dims = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 16}
     counted = model_stats(JobConfig(model=ModelConfig(name="gpt", **dims)), device="meta")

@@ -1,10 +1,10 @@
-"""`planner.probes`' per-tensor / per-byte fit of the end-of-step probes (pure arithmetic)."""
+"""`measure.probes`' per-tensor / per-byte fit of the end-of-step probes (pure arithmetic)."""
 
 from __future__ import annotations
 
 import pytest
 
-from polytrain.planner.probes import fit_per_tensor_and_byte
+from polytrain.measure.probes import fit_per_tensor_and_byte
 
 
 def test_fit_recovers_both_terms() -> None:

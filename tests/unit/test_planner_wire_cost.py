@@ -1,4 +1,4 @@
-"""The calibrated message figures of planner/calibrate_wire.py in the cost model: pipeline
+"""The calibrated message figures of measure/calibrate_wire.py in the cost model: pipeline
 messages at the posted-receive curve ([Note: posted receives] in comm/probe.py), the
 parameter server's fixed exchange ([Note: parameter-server exchange])."""
 

@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from polytrain.planner.calibrate import CalibrationPlan, cached_profile, steps_of
+from polytrain.measure.calibrate import CalibrationPlan, cached_profile, steps_of
+from polytrain.measure.host import speed_sample
 from polytrain.planner.drift import DRIFT_LIMIT, SPEED_SPREAD, describe, drifted, speed_ratios
-from polytrain.planner.host import speed_sample
 from polytrain.planner.types import Curve, HostProfile
 
 __all__ = ["calibrate_command", "profile_table"]
@@ -23,7 +23,7 @@ BUSY_SPREAD = 0.2  # a figure whose rounds spread more than this met load (worth
 
 def _spread(profile: HostProfile, what: str) -> str:
     """`` (spread 4%)``: the interquartile range of the figure's timing rounds over its median
-    ([Note: timing rounds] in planner/timing.py); empty where it was not recorded."""
+    ([Note: timing rounds] in measure/timing.py); empty where it was not recorded."""
     value = profile.spread.get(what)
     if value is None:
         return ""
@@ -67,7 +67,7 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
         table.add_row(
             f"matmul fp32, {n} process(es) at once", f"{flops / 1e9:.1f} GFLOP/s each{where}"
         )
-    for n, factor in sorted(profile.step_slowdown.items()):  # in planner/contention.py
+    for n, factor in sorted(profile.step_slowdown.items()):  # in measure/contention.py
         table.add_row(f"transformer layer step, {n} processes at once", f"{factor:.2f}x alone")
     for n, share in sorted(profile.step_skew.items()):  # [Note: ranks' skew]
         what = f"waiting for the slowest of {n} ranks every step"
@@ -100,12 +100,12 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
         table.add_row(
             "DTensor, tensor-parallel module", f"{profile.tp_module_s * 1e6:.0f} us per module"
         )
-    for stage, curve in sorted(profile.fsdp_in_step.items()):  # in planner/probes.py
+    for stage, curve in sorted(profile.fsdp_in_step.items()):  # in measure/probes.py
         table.add_row(f"FSDP2 zero {stage} collectives in a step, 2 ranks", _points(curve, "unit"))
-    for ranks, curve in sorted(profile.tp_in_step.items()):  # in planner/probes.py
+    for ranks, curve in sorted(profile.tp_in_step.items()):  # in measure/probes.py
         what = f"tp all-reduce in a step, groups of 2, {ranks} ranks on the host"
         table.add_row(what, _points(curve, "activation"))
-    for ranks, secs in sorted(profile.reduce_in_step.items()):  # in planner/contention.py
+    for ranks, secs in sorted(profile.reduce_in_step.items()):  # in measure/contention.py
         what = f"end of step's all-reduce of a few floats in a step, {ranks} ranks"
         table.add_row(what, f"{secs * 1e3:.2f} ms")
     if profile.loop_step_s > 0 or profile.loop_microbatch_s > 0:
@@ -115,7 +115,7 @@ def profile_table(profile: HostProfile, path: Path) -> Table:
             f"{profile.loop_microbatch_s * 1e6:.0f} us per micro-batch"
             f"{_spread(profile, 'training loop')}",
         )
-    for schedule, action in sorted(profile.pipe_action_s.items()):  # planner/calibrate_worker.py
+    for schedule, action in sorted(profile.pipe_action_s.items()):  # measure/calibrate_worker.py
         flush = profile.pipe_flush_s.get(schedule, 0.0)
         table.add_row(
             f"pipeline runtime, {schedule}, 2 stages",

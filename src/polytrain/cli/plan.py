@@ -21,12 +21,12 @@ from polytrain.cli.plan_validate import validate_plans
 from polytrain.cli.train import resolve_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
+from polytrain.measure.host import profile_for, speed_sample
+from polytrain.measure.stats import model_stats
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.drift import DRIFT_LIMIT, describe, drifted, rescaled, speed_ratios
-from polytrain.planner.host import profile_for, speed_sample
 from polytrain.planner.memory import process_bytes
 from polytrain.planner.search import Plan, PlanRequest, PlanResult, duration_text, search
-from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, ModelStats
 
 __all__ = ["at_present_speed", "parse_deadline", "parse_devices", "plan_command", "stats_for_job"]
@@ -99,7 +99,7 @@ def parse_devices(text: str | None) -> tuple[int, int]:
 
 
 def stats_for_job(job: JobConfig) -> ModelStats:
-    """The job's `ModelStats`, measured block by block on the meta device (`planner.stats`)."""
+    """The job's `ModelStats`, measured block by block on the meta device (`measure.stats`)."""
     return model_stats(job)
 
 

@@ -38,7 +38,7 @@ def count_saved_bytes(
     exclude: set[int], split: Callable[[torch.Tensor], bool] | None = None
 ) -> Iterator[SavedBytes]:
     """Count the bytes of the distinct storages autograd saves while the block runs (and, with
-    ``split``, those of them it says a tensor-parallel plan splits: `planner.stats`)."""
+    ``split``, those of them it says a tensor-parallel plan splits: `measure.stats`)."""
     total = SavedBytes()
     seen: set[int] = set()
 

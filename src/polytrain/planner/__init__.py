@@ -9,9 +9,9 @@ Typical use::
     result = search(PlanRequest(stats, parse_cluster("4x8xH100:ib400"), 32, 1200, budget=20))
     result.best.layout.overrides()          # JobConfig fields of the chosen layout
 
-Derivations: docs/planner.md. The torch-facing modules (`planner.stats`, `planner.tp_stats`,
-`planner.calibrate`, `planner.probes`, `planner.timing`, `planner.host`) are not imported here,
-so importing the package stays torch-free.
+Derivations: docs/planner.md. Nothing in this package imports torch or a strategy package's
+runtime; the numbers it reads (``ModelStats``, ``HostProfile``) are measured by
+``polytrain.measure``, which it never imports.
 """
 
 from polytrain.planner.cluster import Cluster, load_cluster, parse_cluster

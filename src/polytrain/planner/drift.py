@@ -10,7 +10,7 @@ normal speed on a profile taken in the slow minutes measured every layout 20-50%
 read 1.03x while a layout is priced 20% high.
 
 So a calibration also times a few short *speed figures*, one per family of the profile's numbers
-(`SPEED_FIGURES`: `planner.host.speed_rounds`), in timing rounds beside its matmul rounds, so at
+(`SPEED_FIGURES`: `measure.host.speed_rounds`), in timing rounds beside its matmul rounds, so at
 the moments its compute figures were measured, and keeps them (`HostProfile.speed`); how far
 the host moved while it measured (the rounds' spread, and a sample at its end against them) is
 the spread "host speed during calibration", and past `DRIFT_LIMIT` the command says so. (A first
@@ -118,7 +118,7 @@ def rescaled(profile: HostProfile, ratios: dict[str, float]) -> HostProfile:
             n: v * (fp32 if n <= 1 else cores) for n, v in profile.matmul_concurrent.items()
         },
         # a step with n at once took s x one alone's: one alone is now fp32 x as fast, n at once
-        # cores x ([Note: shared cores, measured on a step] in planner/contention.py)
+        # cores x ([Note: shared cores, measured on a step] in measure/contention.py)
         step_slowdown={n: s * fp32 / cores for n, s in profile.step_slowdown.items()},
         gemm_by_size={n: v * fp32 for n, v in profile.gemm_by_size.items()},
         attention_rates={k: (f * fp32, b * fp32) for k, (f, b) in profile.attention_rates.items()},

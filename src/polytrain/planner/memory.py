@@ -107,7 +107,7 @@ def process_bytes(stats: ModelStats, profile: HostProfile) -> float:
       44 MiB on the development host);
     * ``stats.data_bytes``: the token stream or (inputs, targets) tensors of the job's data set,
       which every worker loads whole (`data.datasets.build_datasets`; the pydoc corpus: 465k
-      int64 tokens, 3.5 MiB). Counted from the data set itself by `planner.stats`;
+      int64 tokens, 3.5 MiB). Counted from the data set itself by `measure.stats`;
     * ``stats.import_bytes``: a user's model factory (``model.name = "pkg.module:function"``)
       and the libraries it imports and builds with. transformers and a GPT-2 built from its
       config add ~120 MiB to each worker; the built-ins add nothing. Measured by a fresh
@@ -164,7 +164,7 @@ def _stage(
         weights += p_bytes * (copies - 1)
     # Activations: tensor parallel splits the saved tensors between a column-parallel output and
     # a row-parallel input; the rest every rank holds whole ([Note: tensor-parallel activations]
-    # in planner/stats.py). Those scale with the samples; on top, what a pass saves whatever its
+    # in measure/stats.py). Those scale with the samples; on top, what a pass saves whatever its
     # batch (autocast's weight copies, this rank's shard of them; [Note: counted under autocast])
     saved = sum(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
     fixed = [b.saved_fixed_bytes * b.bytes_per_tp_rank(tp) / max(b.param_bytes, 1) for b in blocks]
@@ -183,7 +183,7 @@ def _stage(
     buffers = 0.0
     if layout.zero == 3:
         # the gathered parameters of the current and the prefetched block (a user's model: its
-        # largest FSDP unit, [Note: FSDP units of a user's model] in planner/layer_stats.py)
+        # largest FSDP unit, [Note: FSDP units of a user's model] in measure/layer_stats.py)
         largest = max(b.bytes_per_tp_rank(tp) for b in blocks)
         if stats.fsdp_units and layout.pp == 1:
             largest *= max(b for b, _ in stats.fsdp_units) / max(stats.param_bytes, 1)

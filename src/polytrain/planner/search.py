@@ -114,7 +114,7 @@ def enumerate_layouts(
 ) -> Iterator[Layout]:
     """Every layout on ``n`` devices the runtime can run (its pre-flight rules) for the batch."""
     blocks = len(stats.pipeline_blocks)
-    layered = bool(stats.layer_blocks)  # [Note: layer view] in planner/layer_stats.py
+    layered = bool(stats.layer_blocks)  # [Note: layer view] in measure/layer_stats.py
     for tp in _divisors(n):
         if cluster.per_host % tp:  # tensor parallel stays inside a host and tiles it
             continue

@@ -1,6 +1,6 @@
 """Analytic model statistics for the built-in models and for published transformer setups.
 
-The fallback of `planner.stats` (planner2's torch-facing module, which measures the real model
+The fallback of `measure.stats` (planner2's torch-facing module, which measures the real model
 on the meta device): closed formulas from the model's dimensions, so it also prices models far
 too large to build here. Pure Python, no torch.
 

@@ -1,6 +1,6 @@
 """The planner's vocabulary: what it knows of a model, a host and a layout (pure, no torch).
 
-`ModelStats` comes from `planner.stats` (the one torch-facing module), `HostProfile` from
+`ModelStats` comes from `measure.stats` (the one torch-facing module), `HostProfile` from
 `polytrain calibrate`, `Layout` is what the search enumerates and what `--strategy auto` runs:
 every field maps onto a `JobConfig` field (contract 3: the planner emits exactly these fields).
 """
@@ -106,20 +106,20 @@ class BlockStats:
     # ways. 0 = unknown: everything is split (the old estimate).
     saved_whole_bytes: float = 0.0
     # bytes one pass saves whatever its batch (autocast's low-precision weight copies; [Note:
-    # counted under autocast] in planner/stats.py), once per micro-batch in flight
+    # counted under autocast] in measure/stats.py), once per micro-batch in flight
     saved_fixed_bytes: float = 0.0
     # [Note: tensor-parallel modules] in planner/cost/tp.py: each module of the block the
     # runtime's tensor-parallel plan parallelizes (resolved at tp = 1, every conditional row in)
     # as (style, divisor: it applies at degree tp iff tp divides it, its parameter tensors, its
     # input's and its output's bytes per sample, unsplit). None = unknown: the old estimate.
     tp_modules: tuple[TPModule, ...] | None = None
-    # [Note: attention kernels] in planner/kernels.py: each scaled-dot-product attention call
+    # [Note: attention kernels] in measure/kernels.py: each scaled-dot-product attention call
     # of one forward as (T, S, D, forward FLOPs per sample, 4 H T S D), and how many of
     # fwd_flops `FlopCounterMode` counted inside those calls (meta: the math path's bmm's;
     # CPU's fused kernel: none). () = unknown: priced inside fwd_flops as before.
     attention: tuple[tuple[int, int, int, float], ...] = ()
     attention_counted: float = 0.0  # per sample
-    # [Note: elementwise kernels] in planner/kernels.py: of the moved bytes, the operators whose
+    # [Note: elementwise kernels] in measure/kernels.py: of the moved bytes, the operators whose
     # arithmetic per element is heavy (GELU, softmax, ...) as (op, output elements, bytes) per
     # sample, forward and backward; () = unknown (priced by their bytes alone)
     fwd_elementwise: tuple[tuple[str, float, float], ...] = ()
@@ -185,11 +185,11 @@ class ModelStats:
     # (transformers: ~120 MiB); 0 for the built-ins ([Note: a worker's own memory])
     import_bytes: float = 0.0
     # a user's one-module model as its layer pipeline cuts it, one block per repeated layer
-    # ([Note: layer view] in planner/layer_stats.py): what a pipeline's stages are priced on;
+    # ([Note: layer view] in measure/layer_stats.py): what a pipeline's stages are priced on;
     # empty when `blocks` are the pipeline's units (the built-ins) or it has none
     layer_blocks: tuple[BlockStats, ...] = ()
     # a user's one-module model's FSDP2 units ([Note: FSDP units of a user's model] in
-    # planner/layer_stats.py), (parameter bytes, tensors) each in forward order, the root (what is
+    # measure/layer_stats.py), (parameter bytes, tensors) each in forward order, the root (what is
     # not in a repeated layer) first; empty when `blocks` are the units (the built-ins)
     fsdp_units: tuple[tuple[float, int], ...] = ()
 
@@ -282,73 +282,73 @@ class HostProfile:
     matmul_concurrent: dict[int, float] = field(default_factory=dict)
     # processes computing at once -> how much longer a transformer layer's forward + backward
     # takes on each than on one alone ([Note: shared cores, measured on a step] in
-    # planner/contention.py); {} = not measured (the matmul rates above decide)
+    # measure/contention.py); {} = not measured (the matmul rates above decide)
     step_slowdown: dict[int, float] = field(default_factory=dict)
     # ranks that wait for each other every step -> the seconds that waiting for the slowest of
     # them adds per synchronization, and the share of the compute between synchronizations it
-    # adds ([Note: ranks' skew] in planner/contention.py); {} = not measured (none priced;
+    # adds ([Note: ranks' skew] in measure/contention.py); {} = not measured (none priced;
     # profiles saved before the seconds were measured hold the share alone)
     sync_wait_s: dict[int, float] = field(default_factory=dict)
     step_skew: dict[int, float] = field(default_factory=dict)
     # ranks of a mesh -> seconds per call of the clip over DTensor gradients on it beyond its
     # per-tensor cost, its norm's all-reduce included ([Note: DTensor clip per call] in
-    # planner/probes.py); {} = not measured (the clip's reduce priced as a small all-reduce)
+    # measure/probes.py); {} = not measured (the clip's reduce priced as a small all-reduce)
     dtensor_clip_call_s: dict[int, float] = field(default_factory=dict)
     # [Note: per-step costs] part of the end of a step -> (seconds per tensor, seconds per
     # byte) of one process alone: "adamw", "sgd" (``optimizer.step()``), "clip" (the
     # global-norm clip), "check" (the non-finite check); "dtensor <part>" the same on DTensor
     # parameters, the check and the updates on a mesh of two ranks (one before commit 2c98492:
-    # it read low), [Note: DTensor end of step] in planner/probes.py; absent: the plain ones.
+    # it read low), [Note: DTensor end of step] in measure/probes.py; absent: the plain ones.
     # {} = not calibrated: the cost model falls back to the memory-bound update alone.
     step_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
     op_s: float = 0.0  # seconds per ATen operator call on tiny tensors (dispatch); 0 = unknown
     # ZeRO stage (0: FSDP2's replicate) -> seconds FSDP2's hooks add per wrapped module to a
-    # forward + backward ([Note: FSDP2 unit overhead] in planner/probes.py); {} = unknown
+    # forward + backward ([Note: FSDP2 unit overhead] in measure/probes.py); {} = unknown
     fsdp_unit_s: dict[int, float] = field(default_factory=dict)
     # ZeRO stage (0: replicate) -> seconds per parameter tensor a wrapped module holds beyond
-    # two ([Note: FSDP2 tensor overhead] in planner/probes.py); {} = unknown (none priced)
+    # two ([Note: FSDP2 tensor overhead] in measure/probes.py); {} = unknown (none priced)
     fsdp_tensor_s: dict[int, float] = field(default_factory=dict)
     # ZeRO stage -> (a unit's parameter bytes, seconds its all-gathers and reduce-scatter take
     # inside a step on two ranks, FSDP2's copies and waits included, its hooks not): [Note: FSDP2
-    # collectives in a step] in planner/probes.py; {} = not measured (the isolated curves)
+    # collectives in a step] in measure/probes.py; {} = not measured (the isolated curves)
     fsdp_in_step: dict[int, Curve] = field(default_factory=dict)
-    # [Note: DTensor module overhead] in planner/probes.py: seconds tensor parallelism's
+    # [Note: DTensor module overhead] in measure/probes.py: seconds tensor parallelism's
     # DTensor dispatch adds per parallelized module to one forward + backward; 0 = unknown
     tp_module_s: float = 0.0
     # ranks on the host -> (bytes, seconds one tensor-parallel all-reduce takes inside a step
     # on tp groups of two, its DTensor dispatch not included): [Note: tensor-parallel
-    # collectives in a step] in planner/probes.py; {} = not measured (the isolated curves)
+    # collectives in a step] in measure/probes.py; {} = not measured (the isolated curves)
     tp_in_step: dict[int, Curve] = field(default_factory=dict)
     # ranks -> seconds one all-reduce of a few floats (the end of step's loss, flag and norm)
     # takes when the ranks reach it from their compute: [Note: the step's reductions in a step]
-    # in planner/contention.py; {} = not measured (the isolated curves)
+    # in measure/contention.py; {} = not measured (the isolated curves)
     reduce_in_step: dict[int, float] = field(default_factory=dict)
-    # [Note: loop overhead] in planner/calibrate_worker.py: seconds a training step spends in its own
+    # [Note: loop overhead] in measure/calibrate_worker.py: seconds a training step spends in its own
     # Python beyond what the rest of the profile prices, once per step and once per micro-batch
     # (one process alone, a CPU host); 0 = not calibrated
     loop_step_s: float = 0.0
     loop_microbatch_s: float = 0.0
-    # [Note: pipeline runtime overhead] in planner/calibrate_worker.py: pipeline schedule ->
+    # [Note: pipeline runtime overhead] in measure/calibrate_worker.py: pipeline schedule ->
     # seconds the pipeline runtime adds to every F and every B of a stage beyond the loop's
     # share, and seconds it adds once per flush (PipeDream: per step), two stages on one host
     # (priced as measured, whatever the ranks on the host); {} = not calibrated
     pipe_action_s: dict[str, float] = field(default_factory=dict)
     pipe_flush_s: dict[str, float] = field(default_factory=dict)
-    # [Note: parameter-server exchange] in planner/calibrate_wire.py: mode ("sync", "async") ->
+    # [Note: parameter-server exchange] in measure/calibrate_wire.py: mode ("sync", "async") ->
     # workers at one server -> fixed seconds per step of the exchange; {} = not calibrated
     ps_exchange_s: dict[str, dict[int, float]] = field(default_factory=dict)
-    # [Note: timing rounds] in planner/timing.py: measured figure ("matmul fp32 1024",
+    # [Note: timing rounds] in measure/timing.py: measured figure ("matmul fp32 1024",
     # "memory bandwidth", "training loop") -> interquartile range / median of its rounds
     spread: dict[str, float] = field(default_factory=dict)
-    # [Note: cold operands] in planner/kernels.py: weight size s -> fp32 FLOP/s of a Linear's
+    # [Note: cold operands] in measure/kernels.py: weight size s -> fp32 FLOP/s of a Linear's
     # forward (rows x s) @ (s x s) on operands not in cache, one process alone; {} = unknown
     # (the square matmuls of `matmul_by_size` price the Linears, as before)
     gemm_by_size: dict[int, float] = field(default_factory=dict)
-    # [Note: attention kernels] in planner/kernels.py: (sequence length, head size) -> (forward,
+    # [Note: attention kernels] in measure/kernels.py: (sequence length, head size) -> (forward,
     # backward) fp32 FLOP/s of causal scaled-dot-product attention, one process alone;
     # {} = unknown (attention priced at the matmul rate)
     attention_rates: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
-    # [Note: elementwise kernels] in planner/kernels.py: ATen operator ("aten.gelu") -> fp32
+    # [Note: elementwise kernels] in measure/kernels.py: ATen operator ("aten.gelu") -> fp32
     # seconds per output element, one process alone; {} = unknown (priced by bytes moved)
     elementwise_s: dict[str, float] = field(default_factory=dict)
     # [Note: host drift] in planner/drift.py: speed figure ("matmul fp32", "matmul half",

@@ -1,7 +1,7 @@
 """What a fresh training worker holds before its model's own states ([Note: a worker's own
 memory] in planner/memory.py): the imports, the runtime its first optimizer and step add
 (`fresh_worker_memory`, for `polytrain calibrate`) and what a user's model factory adds
-(`factory_import_bytes`, for `planner.stats`). Each is read in a fresh interpreter: a worker is
+(`factory_import_bytes`, for `measure.stats`). Each is read in a fresh interpreter: a worker is
 one (the launcher spawns ``python -m polytrain.trainer.worker``), and this process has imported
 other things.
 """

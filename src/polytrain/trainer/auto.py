@@ -1,6 +1,6 @@
 """``strategy = "auto"``: the planner picks the layout and the process count, then it runs.
 
-The launching process measures the model (`planner.stats`, meta device: no memory), reads this
+The launching process measures the model (`measure.stats`, meta device: no memory), reads this
 host's saved profile (`polytrain calibrate`; without one the catalog's nominal figures are used),
 asks the planner's search for the fastest layout on 1 to ``launch.nproc`` processes of this host
 and writes the first plan's fields into the job (contract 3: a plan is exactly `JobConfig`
@@ -19,11 +19,11 @@ from polytrain.config.base import to_dict
 from polytrain.config.io import job_from_dict, merge
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
+from polytrain.measure.host import profile_for
+from polytrain.measure.stats import model_stats
 from polytrain.planner.catalog import device_key_of
 from polytrain.planner.cluster import parse_cluster
-from polytrain.planner.host import profile_for
 from polytrain.planner.search import PlanRequest, search
-from polytrain.planner.stats import model_stats
 from polytrain.planner.types import HostProfile, Layout, Prediction
 
 __all__ = ["AutoChoice", "apply_layout", "host_cluster_spec", "resolve_auto"]

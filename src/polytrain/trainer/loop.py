@@ -25,6 +25,7 @@ from polytrain.core.optim import lr_at
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
+from polytrain.measure.mfu import mfu_inputs
 from polytrain.models.gpt import generate
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import (
@@ -35,7 +36,6 @@ from polytrain.observe.metrics import (
     peak_memory_mb,
 )
 from polytrain.observe.trace import merge_traces
-from polytrain.planner.mfu import mfu_inputs
 from polytrain.trainer.build import build_strategy
 from polytrain.trainer.checkpoint import Checkpointer, check_same_job, restart_count
 from polytrain.trainer.export import save_weights

@@ -23,7 +23,7 @@ measured counts and, past the largest, shared evenly (rate(n) = rate(k) k / n). 
 CPU-bound time measured in one process alone (measured block times, the per-step costs) slows
 by the same factor rate(1) / rate(n). A profile that measured the slowdown on a transformer
 layer's step (`HostProfile.step_slowdown`, [Note: shared cores, measured on a step] in
-planner/contention.py) uses that instead of the matmul rates: `host_slowdown`. Accelerators do not
+measure/contention.py) uses that instead of the matmul rates: `host_slowdown`. Accelerators do not
 share: there it is 1.
 """
 
@@ -135,7 +135,7 @@ class Env:
           percent of its 8192-cube rate).
 
         Without them, `flops_rate`. On a CPU host in fp32 with the Linear-shaped rates on
-        operands out of cache ([Note: cold operands] in planner/kernels.py), those instead of
+        operands out of cache ([Note: cold operands] in measure/kernels.py), those instead of
         the square matmuls' (at the shared-core rate, [Note: shared cores]).
 
         [Note: matmul size at a shard] Under tensor parallelism a rank multiplies by its shard
@@ -253,7 +253,7 @@ class Env:
     def fsdp_overhead_s(self, stage: int, units: int, tensors: float = 0.0) -> float:
         """FSDP2's hook overhead for ``units`` sharded modules holding ``tensors`` parameter
         tensors in one forward + backward, as calibrated ([Note: FSDP2 unit overhead], [Note:
-        FSDP2 tensor overhead] in planner/probes.py: per unit, and per tensor beyond two a
+        FSDP2 tensor overhead] in measure/probes.py: per unit, and per tensor beyond two a
         unit); 0 without a profile that measured it."""
         prof = self.profile
         if prof is None:
@@ -265,7 +265,7 @@ class Env:
     def fsdp_in_step_s(self, stage: int, nbytes: float, dp: int, stride: int) -> float | None:
         """Seconds of one unit's ZeRO-``stage`` collectives inside a step, for a unit of
         ``nbytes`` parameter bytes, as measured on two ranks of this host ([Note: FSDP2
-        collectives in a step] in planner/probes.py); None for another group size, a group
+        collectives in a step] in measure/probes.py); None for another group size, a group
         that leaves the calibrated host, or a profile without it (the isolated curves)."""
         prof = self.profile
         curve = prof.fsdp_in_step.get(stage) if prof is not None else None
@@ -277,7 +277,7 @@ class Env:
         """Seconds of one tensor-parallel ``op`` of ``nbytes`` over ``tp`` ranks inside a step.
         For a group of two on the calibrated CPU host with a profile that measured it, the
         all-reduce the probe ran there with the nearest count of ranks on the host ([Note:
-        tensor-parallel collectives in a step] in planner/probes.py), another operation that
+        tensor-parallel collectives in a step] in measure/probes.py), another operation that
         curve times the isolated curves' ratio; otherwise `collective_s`."""
         prof = self.profile
         curves = prof.tp_in_step if prof is not None else {}
@@ -294,7 +294,7 @@ class Env:
     def skew_s(self, compute_s: float, ranks: int, syncs: float = 0.0, stride: int = 1) -> float:
         """Seconds that waiting for the slowest of ``ranks`` ranks adds to a step with
         ``compute_s`` seconds of each rank's own work and ``syncs`` synchronizations priced
-        without that wait ([Note: ranks' skew] in planner/contention.py): the calibrated
+        without that wait ([Note: ranks' skew] in measure/contention.py): the calibrated
         seconds per synchronization and share of the compute for that many ranks (between two
         measured counts, in proportion; past them, the nearest) on a calibrated CPU host whose
         group stays on it; 0 otherwise (not measured: an accelerator's, or across hosts)."""
@@ -306,7 +306,7 @@ class Env:
     def dtensor_clip_call_s(self, ranks: int) -> float:
         """Seconds per step of the clip over DTensor gradients on a mesh of ``ranks`` beyond its
         per-tensor cost, its norm's all-reduce included ([Note: DTensor clip per call] in
-        planner/probes.py): the calibrated figure for that mesh size (between two measured
+        measure/probes.py): the calibrated figure for that mesh size (between two measured
         sizes, in proportion; past them, the nearest) on a calibrated CPU host whose mesh stays
         on it; 0 otherwise (not measured: the caller prices the clip's reduce instead)."""
         seconds = self._on_host(self.profile.dtensor_clip_call_s if self.profile else {}, ranks)
@@ -327,7 +327,7 @@ class Env:
         """Seconds of one of the end of step's all-reduces of a few floats (loss, non-finite
         flag, squared norm) over ``ranks`` ranks. Reached ``together`` (every rank from the
         same compute) on the calibrated CPU host with a profile that measured it: the figure
-        for that world size ([Note: the step's reductions in a step] in planner/contention.py; past
+        for that world size ([Note: the step's reductions in a step] in measure/contention.py; past
         the largest measured, that figure times the isolated curves' ratio between the two
         sizes); otherwise (or after some ranks waited for others, as pipeline stages do)
         `collective_s` of 8 bytes."""
@@ -351,7 +351,7 @@ class Env:
         ``nbytes`` bytes on one rank (0 for a part the profile lacks); [Note: per-step costs].
         ``dtensors`` of the tensors are DTensors (their share of the bytes with them): those
         are priced at the ``"dtensor <part>"`` figures where calibrated ([Note: DTensor end of
-        step] in planner/probes.py), else at the plain ones."""
+        step] in measure/probes.py), else at the plain ones."""
         costs = self.profile.step_costs if self.profile is not None else {}
         share = min(dtensors / tensors, 1.0) if tensors > 0 else 0.0
         total = 0.0
@@ -428,7 +428,7 @@ class Env:
 
     def ps_exchange_s(self, mode: str, workers: int) -> float | None:
         """Fixed seconds per step of a parameter-server exchange with ``workers`` workers at a
-        server, as calibrated ([Note: parameter-server exchange] in planner/calibrate_wire.py):
+        server, as calibrated ([Note: parameter-server exchange] in measure/calibrate_wire.py):
         linear between the measured worker counts and past them (ssp prices as async); None
         without it or for a group that leaves the calibrated host."""
         prof = self.profile

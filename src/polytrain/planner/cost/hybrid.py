@@ -84,7 +84,7 @@ def _spmd(
     units = n + 1  # FSDP2's: every block, then the root
     if layout.zero:
         z_fwd, z_bwd, z_bytes = fwd, bwd, grad_bytes
-        if stats.fsdp_units:  # [Note: FSDP units of a user's model] in planner/layer_stats.py
+        if stats.fsdp_units:  # [Note: FSDP units of a user's model] in measure/layer_stats.py
             z_fwd, z_bwd, z_bytes = _fsdp_unit_split(stats, fwd, bwd, layout.tp)
             units = len(stats.fsdp_units)
         # FSDP2 gathers every micro-step; with accumulation it reduce-scatters on the last only
@@ -119,7 +119,7 @@ def _spmd(
     per_step, per_micro = loop_s(env)
     loop = per_step + per_micro * layout.grad_accum
     # every rank waits for every other each step (the collectives, the end of step's reduce):
-    # for the stalls of the others' own work since ([Note: ranks' skew] in planner/contention.py)
+    # for the stalls of the others' own work since ([Note: ranks' skew] in measure/contention.py)
     syncs = _syncs(layout, stats, env, grad_bytes)
     skew = env.skew_s(compute - tp_s + opt + fsdp + loop, dp * layout.tp, syncs)
     step += opt + fsdp + loop + skew
@@ -138,7 +138,7 @@ def _spmd(
 
 # [Note: synchronizations priced apart]
 # The wait for the slowest rank at a synchronization ([Note: ranks' skew] in
-# planner/contention.py) is in the price of the collectives whose figures were timed in a step,
+# measure/contention.py) is in the price of the collectives whose figures were timed in a step,
 # between compute: the end of step's [loss, flag] reduce (`reduce_in_step`) and FSDP2's
 # gathers and reduce-scatters (`fsdp_in_step`). The others are priced without it, and
 # `_syncs` counts them for `Env.skew_s`: DDP's bucket all-reduces and FSDP2's replicate's

@@ -45,7 +45,7 @@ def block_times(
         ends = {"first": k == first, "last": k == last}
         comm_f = tp_comm_s(env, b, samples, tp, **ends)
         comm_b = tp_comm_s(env, b, samples, tp, backward=True, **ends)
-        # [Note: DTensor module overhead] in planner/probes.py: half of a forward + backward's
+        # [Note: DTensor module overhead] in measure/probes.py: half of a forward + backward's
         # dispatch in each pass
         dispatch = tp_dispatch_s(env, b, tp) / 2
         f = env.fwd_s(b, samples, tp) + comm_f + dispatch
@@ -80,7 +80,7 @@ def end_of_step_s(
 
 
 def dtensors(layout: Layout, blocks: Sequence[BlockStats]) -> float:
-    """[Note: DTensor end of step] in planner/probes.py: how many of a rank's parameter
+    """[Note: DTensor end of step] in measure/probes.py: how many of a rank's parameter
     tensors are DTensors. FSDP2 makes every one of them a DTensor (ZeRO-2/3, and its
     ``replicate`` for dp x tp); tensor parallelism alone the parameters of the modules its
     plan parallelizes (`BlockStats.tp_modules`; unknown: none counted). A PS or gossip
@@ -94,7 +94,7 @@ def dtensors(layout: Layout, blocks: Sequence[BlockStats]) -> float:
 def dtensor_mesh(layout: Layout, blocks: Sequence[BlockStats]) -> int:
     """Ranks of the mesh a rank's DTensor gradients live on (1: none are DTensors): FSDP2's
     (ZeRO-2/3; its ``replicate`` over the tp ranks for dp x tp) spans dp x tp, tensor
-    parallelism's alone the tp group ([Note: DTensor end of step] in planner/probes.py)."""
+    parallelism's alone the tp group ([Note: DTensor end of step] in measure/probes.py)."""
     if dtensors(layout, blocks) <= 0:
         return 1
     spmd = layout.sync == "allreduce" and layout.pp == 1
@@ -109,9 +109,9 @@ def step_reduce_s(layout: Layout, stats: ModelStats, env: Env, mesh: int = 1) ->
     pipeline stages), one more of the squared norm over the shards' group. Latency-bound:
     `Env.step_reduce_s`; a pipeline's stages reach them apart (the last stage ends its flush
     first and waits), so they keep the isolated price ([Note: the step's reductions in a
-    step] in planner/probes.py). Over DTensor gradients on a ``mesh`` of several ranks the
+    step] in measure/probes.py). Over DTensor gradients on a ``mesh`` of several ranks the
     clip's norm is priced per call as calibrated, its all-reduce included ([Note: DTensor clip
-    per call] in planner/probes.py), where the profile measured it."""
+    per call] in measure/probes.py), where the profile measured it."""
     ranks = layout.dp * layout.tp * layout.pp
     together = layout.pp == 1
     loss = env.step_reduce_s(ranks, together=together)
@@ -129,7 +129,7 @@ def clips_shards(layout: Layout, stats: ModelStats) -> bool:
 
 def loop_s(env: Env) -> tuple[float, float]:
     """(seconds per step, seconds per micro-batch) of the training step's own Python, as
-    calibrated ([Note: loop overhead] in planner/calibrate_worker.py), slowed like all CPU work by
+    calibrated ([Note: loop overhead] in measure/calibrate_worker.py), slowed like all CPU work by
     shared cores; (0, 0) without a profile that measured it."""
     prof = env.profile
     if prof is None:

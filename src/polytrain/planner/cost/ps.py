@@ -44,7 +44,7 @@ def ps_step(
     # Chunks are pipelined (a chunk is on the wire while the next is packed), so latency is
     # paid once per push and pull per server, not per chunk. On the calibrated host the fixed
     # exchange measured on a probe replaces it ([Note: parameter-server exchange] in
-    # planner/calibrate_wire.py: messages, headers, the server's threads, for N workers).
+    # measure/calibrate_wire.py: messages, headers, the server's threads, for N workers).
     fixed = env.ps_exchange_s(mode, workers)
     latency = 2 * servers * link.latency + link.base if fixed is None else fixed
     worker_s = param_bytes / link.bandwidth + latency

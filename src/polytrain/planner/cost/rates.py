@@ -1,7 +1,7 @@
 """Reading calibrated tables: a rate at a size, on a grid, or at a count of processes.
 
 Pure helpers over the dictionaries a `HostProfile` holds (measured point -> value), shared by
-the cost model (`cost.common.Env`) and the calibration (`planner.calibrate`).
+the cost model (`cost.common.Env`) and the calibration (`measure.calibrate`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def size_rate(by_size: dict[int, float], dim: float) -> float:
 def grid_rate(grid: dict[tuple[int, int], float], t: float, d: float) -> float:
     """The rate at (``t``, ``d``) of a calibrated grid (the product of two axes): bilinear in
     log-log between the measured points, clamped to their range; [Note: attention kernels] in
-    planner/kernels.py."""
+    measure/kernels.py."""
     ts, ds = sorted({k[0] for k in grid}), sorted({k[1] for k in grid})
 
     def bracket(axis: list[int], x: float) -> tuple[int, int, float]:
@@ -74,7 +74,7 @@ def interpolated(measured: dict[int, float], n: float) -> float:
 def host_slowdown(n: float, *, step: dict[int, float], matmul: dict[int, float]) -> float:
     """How much slower one process computes with ``n`` computing at once than alone (>= 1): the
     measured ``step`` slowdowns (count -> factor, [Note: shared cores, measured on a step] in
-    planner/contention.py) read as rates 1 / factor (shared evenly past the largest count), else
+    measure/contention.py) read as rates 1 / factor (shared evenly past the largest count), else
     the concurrent ``matmul`` rates (count -> FLOP/s of each), else 1. [Note: shared cores] in
     cost/common.py."""
     rates = matmul

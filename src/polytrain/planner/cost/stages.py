@@ -105,7 +105,7 @@ def _shared_speed(env: Env, stages: int) -> list[float] | None:
 def _pipeline_runtime(env: Env, schedule: str) -> tuple[float, float]:
     """(seconds per F and per B, seconds per flush) the pipeline runtime adds beyond the loop's
     share, as calibrated for ``schedule`` on two stages ([Note: pipeline runtime overhead] in
-    planner/calibrate_worker.py: mostly waiting, so not slowed by the shared cores); (0, 0)
+    measure/calibrate_worker.py: mostly waiting, so not slowed by the shared cores); (0, 0)
     without a profile that measured it."""
     prof = env.profile
     if prof is None:
@@ -127,7 +127,7 @@ def _pipeline_stages(
     n = len(stats.blocks)
     fwd_s, bwd_s, send_f, send_b, tp_total = [], [], [], [], 0.0
     start = 0
-    # [Note: loop overhead] in planner/calibrate_worker.py: every stage calls its module and
+    # [Note: loop overhead] in measure/calibrate_worker.py: every stage calls its module and
     # runs a backward per micro-batch (the first fetches its inputs, the last its targets), so
     # a micro-batch's share of the loop's Python goes half into each F and B of every stage,
     # through the simulation

@@ -6,7 +6,7 @@ conjugates (``f``) in backward. They sit between dependent matmuls, so nothing h
 Derivation: docs/planner.md "Tensor parallel".
 
 [Note: tensor-parallel modules] With the plan's modules known (`BlockStats.tp_modules`, from
-the runtime's own plan, `planner.tp_stats`), the collectives are counted per module as torch's
+the runtime's own plan, `measure.tp_stats`), the collectives are counted per module as torch's
 DTensor styles issue them, each of its own activation:
 
 * ``colwise`` / ``qkv`` (``ColwiseParallel``: input Replicate, output Shard(-1)): nothing in
@@ -24,9 +24,9 @@ DTensor styles issue them, each of its own activation:
 
 A module whose divisor the degree does not divide is not parallelized (the plan's vocabulary
 rows), and costs nothing. On a calibrated CPU host a group of two pays each collective's price
-inside a step ([Note: tensor-parallel collectives in a step] in planner/probes.py). Each
+inside a step ([Note: tensor-parallel collectives in a step] in measure/probes.py). Each
 module also pays DTensor's dispatch, calibrated per module ([Note: DTensor module overhead]
-in planner/probes.py), half in each pass. Without the
+in measure/probes.py), half in each pass. Without the
 modules (a model without a plan, `stats_pure`): the old count, two all-reduces of the
 block's output per pass (one at the ends: embedding, head).
 """
@@ -114,7 +114,7 @@ def tp_collectives(
 
 def tp_dispatch_s(env: Env, block: BlockStats, tp: int) -> float:
     """DTensor's dispatch over the block's parallelized modules in one forward + backward
-    ([Note: DTensor module overhead] in planner/probes.py), slowed by shared cores; 0 without
+    ([Note: DTensor module overhead] in measure/probes.py), slowed by shared cores; 0 without
     the modules or a profile that measured it."""
     per_module = env.profile.tp_module_s if env.profile is not None else 0.0
     return per_module * len(block.tp_applied(tp)) * env.cpu_slowdown

@@ -1,6 +1,6 @@
 """Model statistics for the planner: FLOPs and bytes per block, and optionally seconds.
 
-The one torch-facing planner module besides `planner.calibrate`. It builds the job's model with
+The one torch-facing planner module besides `measure.calibrate`. It builds the job's model with
 the project's own builder (`models.registry.build_model`) and walks its block view
 (`models.base.BlockModel`) one block at a time, so a pipeline stage's cost is a sum over its
 blocks. FLOPs come from torch's `FlopCounterMode`; activation bytes from `saved_tensors_hooks`
@@ -36,12 +36,12 @@ from polytrain.config.io import save_job
 from polytrain.config.job import JobConfig
 from polytrain.core.step import autocast
 from polytrain.data.datasets import Dataset, DataSpec, TokenDataset, build_datasets
+from polytrain.measure.kernels import AttentionCounter, OpCounter
+from polytrain.measure.layer_stats import fsdp_units, layer_view
+from polytrain.measure.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.models.base import BlockModel, Inputs, inputs_to
 from polytrain.models.registry import BUILTINS, block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
-from polytrain.planner.kernels import AttentionCounter, OpCounter
-from polytrain.planner.layer_stats import fsdp_units, layer_view
-from polytrain.planner.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.planner.types import BlockStats, ModelStats
 from polytrain.planner.worker_memory import factory_import_bytes
 

@@ -1,7 +1,7 @@
 """What a training worker itself costs, for `polytrain calibrate`: its loop's own Python per step
 and per micro-batch ([Note: loop overhead]), the pipeline runtime's per action and per flush
 ([Note: pipeline runtime overhead]) and a rank's memory once it joined a group (`rank_baseline`;
-a fresh worker's own: `planner.worker_memory`). Moved out of `planner.calibrate`, which runs them
+a fresh worker's own: `planner.worker_memory`). Moved out of `measure.calibrate`, which runs them
 and keeps their figures in the `HostProfile`.
 """
 
@@ -32,15 +32,15 @@ from polytrain.core.optim import lr_at
 from polytrain.core.strategy import Strategy, step_result
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
+from polytrain.measure.kernels import OpCounter
+from polytrain.measure.stats import model_stats
+from polytrain.measure.timing import Rounds, median_and_spread
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import peak_memory_mb
 from polytrain.parallel.family import build_spmd
 from polytrain.pipeline.family import build_pipeline
 from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
-from polytrain.planner.kernels import OpCounter
-from polytrain.planner.stats import model_stats
-from polytrain.planner.timing import Rounds, median_and_spread
 from polytrain.planner.types import HostProfile, Layout
 
 __all__ = [

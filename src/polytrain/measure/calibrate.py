@@ -6,12 +6,12 @@ bandwidth of gloo collectives and p2p by message size and world size, what start
 group costs, how much memory a worker holds before it builds a model, and the end of a step
 (non-finite check, clip, optimizer update) per tensor and per byte ([Note: per-step costs]),
 on plain and on DTensor parameters, and DTensor's dispatch per tensor-parallel module (the
-probes in `planner.probes`). Everything runs with the thread count a worker uses (one intra-op
+probes in `measure.probes`). Everything runs with the thread count a worker uses (one intra-op
 thread per process: the launcher sets ``OMP_NUM_THREADS=1``). What a training worker itself
-costs (its loop's own Python, its memory) is measured by `planner.calibrate_worker`, the wire's
-figures (posted p2p, the parameter-server exchange) by `planner.calibrate_wire`, what several
+costs (its loop's own Python, its memory) is measured by `measure.calibrate_worker`, the wire's
+figures (posted p2p, the parameter-server exchange) by `measure.calibrate_wire`, what several
 ranks at once measure (the collectives' curves by world size, the ranks' contention, FSDP2's and
-tensor parallelism's collectives inside a step) by `planner.calibrate_ranks`.
+tensor parallelism's collectives inside a step) by `measure.calibrate_ranks`.
 """
 
 from __future__ import annotations
@@ -26,24 +26,21 @@ import torch
 
 from polytrain.comm.probe import COLLECTIVES
 from polytrain.errors import PlanError
-from polytrain.pipeline.schedule import SCHEDULE_NAMES
-from polytrain.planner.calibrate_ranks import (
+from polytrain.measure.calibrate_ranks import (
     matmul_rates,
     matmul_rounds,
     measure_fsdp_in_step,
     measure_tp_in_step,
     measure_worlds,
 )
-from polytrain.planner.calibrate_wire import PS_PROBE_WORKERS, posted_p2p_curve, ps_exchange
-from polytrain.planner.calibrate_worker import (
+from polytrain.measure.calibrate_wire import PS_PROBE_WORKERS, posted_p2p_curve, ps_exchange
+from polytrain.measure.calibrate_worker import (
     fit_pipeline_runtime,
     rank_baseline,
     rank_loop_overhead,
     rank_pipeline_steps,
 )
-from polytrain.planner.cost.rates import host_slowdown
-from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
-from polytrain.planner.host import (
+from polytrain.measure.host import (
     host_identity,
     operator_chain,
     saved_profile,
@@ -51,8 +48,8 @@ from polytrain.planner.host import (
     speed_rounds,
     speed_sample,
 )
-from polytrain.planner.kernels import OpCounter, rank_kernel_rates
-from polytrain.planner.probes import (
+from polytrain.measure.kernels import OpCounter, rank_kernel_rates
+from polytrain.measure.probes import (
     OPTIMIZERS,
     mean_costs,
     rank_dtensor_step_costs,
@@ -60,6 +57,10 @@ from polytrain.planner.probes import (
     rank_tp_module_s,
     step_costs,
 )
+from polytrain.measure.timing import timed, timed_rounds
+from polytrain.pipeline.schedule import SCHEDULE_NAMES
+from polytrain.planner.cost.rates import host_slowdown
+from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
 from polytrain.planner.profile_io import (
     cache_dir,
     fingerprint,
@@ -68,7 +69,6 @@ from polytrain.planner.profile_io import (
     profile_path,
     save_profile,
 )
-from polytrain.planner.timing import timed, timed_rounds
 from polytrain.planner.types import Curve, HostProfile
 from polytrain.planner.worker_memory import fresh_worker_memory
 from polytrain.testing.harness import run_distributed
@@ -104,20 +104,20 @@ class CalibrationPlan:
     ps_workers: tuple[int, ...] = PS_PROBE_WORKERS
     ps_rounds: int = 3  # launches of each (mode, workers); the figure is their median
     # a CPU host's kernels in a block: Linear weight sizes on cold operands ([Note: cold
-    # operands] in planner/kernels.py), attention's sequence lengths x head sizes ([Note:
+    # operands] in measure/kernels.py), attention's sequence lengths x head sizes ([Note:
     # attention kernels]); () skips them (an accelerator host)
     gemm_sizes: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
     attention_lengths: tuple[int, ...] = (32, 128)
     attention_heads: tuple[int, ...] = (32, 128)
     kernel_budget_s: float = 0.1  # per kernel shape
     # FSDP2's collectives inside a step on two ranks ([Note: FSDP2 collectives in a step] in
-    # planner/probes.py), ~10 s
+    # measure/probes.py), ~10 s
     fsdp_in_step: bool = True
     # tensor parallelism's all-reduces inside a step on tp groups of two, with each of these
     # rank counts on the host ([Note: tensor-parallel collectives in a step]), ~4 s and ~6 s
     tp_in_step_ranks: tuple[int, ...] = (2, 4)
     # the pipeline runtime's own cost per action and per flush, by schedule, on two stages
-    # ([Note: pipeline runtime overhead] in planner/calibrate_worker.py)
+    # ([Note: pipeline runtime overhead] in measure/calibrate_worker.py)
     pipeline_schedules: tuple[str, ...] = SCHEDULE_NAMES
     pipeline_steps: int = 40  # per round (6 rounds): ~25 s for the three schedules
     # whole calibrations in a row; each figure is their median ([Note: repeated calibrations]
@@ -179,7 +179,7 @@ def _mem_bw(nbytes: int, device: torch.device, budget_s: float) -> tuple[float, 
 def _op_seconds(device: torch.device, budget_s: float) -> float:
     """[Note: non-matmul time] Seconds per ATen operator call where the data is negligible: a
     forward and backward through 64 multiply-adds of 16 values, divided by the operator calls
-    `planner.kernels.OpCounter` counts in it (the same counter the model statistics use)."""
+    `measure.kernels.OpCounter` counts in it (the same counter the model statistics use)."""
     chain = operator_chain(device)
     counter = OpCounter()
     with counter:
@@ -234,7 +234,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
     gemm: dict[int, float] = {}
     attention: dict[tuple[int, int], tuple[float, float]] = {}
     elementwise: dict[str, float] = {}
-    if device.type == "cpu":  # [Note: kernels in a fresh process] in planner/kernels.py
+    if device.type == "cpu":  # [Note: kernels in a fresh process] in measure/kernels.py
         ((gemm, attention, elementwise, kernel_spread),) = run_distributed(
             rank_kernel_rates,
             1,
@@ -254,7 +254,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
     )
     tell("FSDP2 overhead per unit")
     if device.type == "cpu":  # DTensor's dispatch: [Note: DTensor end of step], [Note: DTensor
-        # module overhead] in planner/probes.py; an accelerator host: not measured yet
+        # module overhead] in measure/probes.py; an accelerator host: not measured yet
         shapes, budget = plan.step_shapes, plan.budget_s
         local = ("check", *OPTIMIZERS)  # nothing to communicate: on the pair's mesh
         pair = run_distributed(rank_dtensor_step_costs, 2, shapes, budget, local, timeout_s=300.0)
@@ -293,7 +293,7 @@ def _measure(plan: CalibrationPlan, threads: int, tell: Callable[[str], None]) -
     collectives: dict[str, dict[int, Curve]] = {op: {} for op in COLLECTIVES}
     ps_exchange_s: dict[str, dict[int, float]] = {}
     fsdp_in_step: dict[int, Curve] = {}
-    if device.type == "cpu" and 2 in plan.world_sizes:  # planner/calibrate_wire.py
+    if device.type == "cpu" and 2 in plan.world_sizes:  # measure/calibrate_wire.py
         posted, spread["p2p_posted world 2"] = posted_p2p_curve(plan.message_bytes)
         collectives["p2p_posted"] = {2: Curve(tuple(posted))}
         loop_s = loop_step_s + loop_micro_s

@@ -3,7 +3,7 @@ world size, and what ranks that compute at once cost each other (one process's m
 a step's slowdown beside the others, the ranks' skew, the step's small reductions between
 compute), plus FSDP2's and tensor parallelism's collectives inside a step. Each runs on
 `polytrain.testing`'s gloo harness (file:// rendezvous, spawned processes), one launch per world
-size; `planner.calibrate` folds the figures into the `HostProfile`.
+size; `measure.calibrate` folds the figures into the `HostProfile`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from polytrain.comm.collectives import barrier
 from polytrain.comm.probe import COLLECTIVES, time_collective
-from polytrain.planner.contention import rank_reduce_in_step, rank_step_slowdown, rank_sync_wait
-from polytrain.planner.probes import rank_dtensor_clip_call, rank_fsdp_in_step, rank_tp_in_step
-from polytrain.planner.timing import Rounds, median_and_spread
+from polytrain.measure.contention import rank_reduce_in_step, rank_step_slowdown, rank_sync_wait
+from polytrain.measure.probes import rank_dtensor_clip_call, rank_fsdp_in_step, rank_tp_in_step
+from polytrain.measure.timing import Rounds, median_and_spread
 from polytrain.planner.types import Curve
 from polytrain.testing.harness import run_distributed
 
@@ -97,11 +97,11 @@ def rank_collectives(
     first sweep: 4 calls where the single run of before made 3 to 6), and its seconds are the
     median of the sweeps; the matmul's rounds run between the sweeps, every rank's after a
     barrier. Under "step_slowdown" (world, rank 0's `rank_step_slowdown`: [Note: shared cores,
-    measured on a step] in planner/contention.py), under "sync_wait" (world, seconds per
+    measured on a step] in measure/contention.py), under "sync_wait" (world, seconds per
     synchronization) and "step_skew" (world, share) the two of `rank_sync_wait` ([Note: ranks'
     skew]), under "reduce_in_step" (world, `rank_reduce_in_step`: [Note: the
     step's reductions in a step]), under "dtensor_clip_call" (world, `rank_dtensor_clip_call`:
-    [Note: DTensor clip per call] in planner/probes.py)."""
+    [Note: DTensor clip per call] in measure/probes.py)."""
     cpu = torch.device("cpu")
     matmul = matmul_rounds((matmul_n,), ("fp32",), cpu, max(budget_s, 0.2))
     sweeps: dict[tuple[str, int], list[float]] = {(op, n): [] for op in ops for n in sizes}
@@ -193,7 +193,7 @@ def measure_worlds(
 
 
 def measure_fsdp_in_step(hooks: dict[int, float]) -> dict[int, Curve]:
-    """[Note: FSDP2 collectives in a step] in planner/probes.py: per ZeRO stage, a unit's
+    """[Note: FSDP2 collectives in a step] in measure/probes.py: per ZeRO stage, a unit's
     collectives inside a step on two ranks by its parameter bytes: what FSDP2 added per unit
     there, less its hooks (``hooks``: `fsdp_unit_s`, measured on one rank)."""
     (measured,) = run_distributed(rank_fsdp_in_step, 2, timeout_s=300.0)[:1]
@@ -206,7 +206,7 @@ def measure_fsdp_in_step(hooks: dict[int, float]) -> dict[int, Curve]:
 def measure_tp_in_step(
     ranks: tuple[int, ...], dispatch_s: float, slower: Callable[[int], float]
 ) -> dict[int, Curve]:
-    """[Note: tensor-parallel collectives in a step] in planner/probes.py: per count of ranks
+    """[Note: tensor-parallel collectives in a step] in measure/probes.py: per count of ranks
     on the host, one tp all-reduce inside a step on groups of two by its bytes: half of what
     tensor parallelism added per column- then row-wise pair there, less one module's DTensor
     dispatch (``dispatch_s``: `tp_module_s`, one process alone, slowed as the cost model slows

@@ -1,6 +1,6 @@
 """This host's identity and its saved calibration profile (torch-facing, nothing else).
 
-A profile (`polytrain calibrate`, `planner.calibrate`) is kept per fingerprint of the facts it
+A profile (`polytrain calibrate`, `measure.calibrate`) is kept per fingerprint of the facts it
 depends on; anything that wants this host's numbers (`polytrain plan`, ``--strategy auto``, a
 parameter server choosing its chunk size) finds it here without importing the calibration
 itself, which imports the strategies it measures.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from polytrain.measure.timing import Rounds
 from polytrain.planner.catalog import device_key_of
 from polytrain.planner.profile_io import cache_dir, fingerprint, load_profile, profile_path
-from polytrain.planner.timing import Rounds
 from polytrain.planner.types import HostProfile
 
 __all__ = [

@@ -2,16 +2,16 @@
 repeated layer, `layer_view`) and its ZeRO units (`fsdp_units`).
 
 [Note: layer view] A transformers model is one block to the trainer ([Note: block view] in
-`models.blocks`), so `planner.stats` counts it whole, which prices every layout but a pipeline.
+`models.blocks`), so `measure.stats` counts it whole, which prices every layout but a pipeline.
 A pipeline over its layers ([Note: layer pipeline] in `models.split`) runs `LayerStage`s: stage
 ``s`` runs the model's own forward with the layer list cut to its slice, the part before the
 layers (embeddings, masks) on every stage (only the first trains it), the part after them
 (final norm, head) on the last, a tied tensor (GPT-2's ``wte`` / ``lm_head``) owned by both
 ends. The layer view is that runtime class itself at one layer per stage: each stage is built
 on its own copy of the model (a stage demotes what it does not own; on meta, so a copy costs
-nothing, except for a model `planner.stats` must count on the CPU, where the copies are capped
+nothing, except for a model `measure.stats` must count on the CPU, where the copies are capped
 at 1 GiB) and counted by
-`planner.stats.stats_of` as one block, so a stage of any partition is priced as the sum of its
+`measure.stats.stats_of` as one block, so a stage of any partition is priced as the sum of its
 layers' blocks, what the pre part costs included, and the first and the last stage each hold
 the tie. Not offered: models with BatchNorm (a layer pipeline with more than one micro-batch
 cannot match one process: models/checks.py), and, in the search, PipeDream (pre-flight refuses

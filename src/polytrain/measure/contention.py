@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from polytrain.planner.timing import synchronised_seconds, timed
+from polytrain.measure.timing import synchronised_seconds, timed
 
 __all__ = ["rank_reduce_in_step", "rank_step_slowdown", "rank_sync_wait"]
 
@@ -163,7 +163,7 @@ def rank_sync_wait(rank: int, world: int) -> tuple[float, float]:
 # and one more when it clips sharded gradients (the squared norm: `cost/parts.step_reduce_s`).
 # The isolated curves price such a message at their smallest point, timed from a barrier (every
 # rank leaves it at a different moment, and the first waits for the last: [Note: a small
-# collective's price is its mean] in planner/calibrate.py): 1.4-1.6 ms on two ranks and 4.1-4.5
+# collective's price is its mean] in measure/calibrate.py): 1.4-1.6 ms on two ranks and 4.1-4.5
 # ms on four in the 2026-11-26 calibrations of the 2-core VM. In a step the ranks reach the
 # reduce from their own compute, and on that VM it cost 0.3-0.7 ms on two ranks and 1.8-1.9 ms
 # on four (2026-11-26 evening, 200 calls after four 160 x 160 matmuls each, less the same

@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from polytrain._torch_private import TorchDispatchMode
-from polytrain.planner.timing import Rounds
+from polytrain.measure.timing import Rounds
 
 __all__ = [
     "ELEMENTWISE",
@@ -288,7 +288,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops = 0
         self.moved = 0.0
-        # [Note: elementwise kernels] in planner/kernels.py: op -> [output elements, bytes]
+        # [Note: elementwise kernels] in measure/kernels.py: op -> [output elements, bytes]
         self.elementwise: dict[str, list[float]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

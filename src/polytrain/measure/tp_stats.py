@@ -1,4 +1,4 @@
-"""What the runtime's tensor-parallel plan does to each block, for `planner.stats` (torch-facing).
+"""What the runtime's tensor-parallel plan does to each block, for `measure.stats` (torch-facing).
 
 Which parameter bytes a plan splits ([Note: tensor-parallel shards]) and which modules it
 parallelizes, with the activations their collectives move ([Note: tensor-parallel modules] in

@@ -14,8 +14,8 @@ import torch
 
 from polytrain.config.job import JobConfig
 from polytrain.data.datasets import Dataset, DataSpec
+from polytrain.measure.stats import train_flops_per_sample
 from polytrain.planner.catalog import dense_peak
-from polytrain.planner.stats import train_flops_per_sample
 
 __all__ = ["mfu_inputs", "peak_flops"]
 

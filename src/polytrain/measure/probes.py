@@ -4,11 +4,11 @@ The end of a step over plain and over DTensor parameters ([Note: per-step costs]
 DTensor end of step]), tensor parallelism's per-module dispatch ([Note: DTensor module
 overhead]), FSDP2's hooks per unit and per tensor on one rank ([Note: FSDP2 unit overhead],
 [Note: FSDP2 tensor overhead]) and its collectives inside a step on two ranks ([Note: FSDP2
-collectives in a step]); `planner.calibrate` runs them and keeps their figures in the
+collectives in a step]); `measure.calibrate` runs them and keeps their figures in the
 `HostProfile`; tensor parallelism's collectives inside a step ([Note: tensor-parallel
 collectives in a step]) on two ranks and on two groups of two. How
 ranks on one host slow each other (shared cores, skew, the step's small reductions) is
-`planner.contention`'s.
+`measure.contention`'s.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from polytrain._torch_private import replicate
 from polytrain.config.job import OptimConfig
 from polytrain.core.optim import build_optimizer
 from polytrain.core.step import GradNorm, clip_gradients_, nonfinite_flag
+from polytrain.measure.timing import synchronised_seconds, timed
 from polytrain.parallel.grad_norm import grad_norm
-from polytrain.planner.timing import synchronised_seconds, timed
 
 __all__ = [
     "DTENSOR",

@@ -1,5 +1,5 @@
 """`polytrain calibrate`'s message probes: the pipeline's posted p2p and the parameter server's
-per-step exchange (called by `planner.calibrate`, which keeps the rest of the host's numbers).
+per-step exchange (called by `measure.calibrate`, which keeps the rest of the host's numbers).
 
 [Note: parameter-server exchange] A parameter-server step costs, beyond its bytes, a fixed
 exchange that does not shrink with the model: the worker's headers (one per chunk, a CLOCK;
@@ -11,7 +11,7 @@ cost model cannot count those trips from the protocol: which of them overlap and
 depends on the threads' timing. So `polytrain calibrate` runs the real `PSStrategy` (one server,
 1 and 2 workers, sync and async) on `_PROBE_MODEL`, whose compute and bytes are negligible, and
 keeps each worker's seconds per step less what the cost model already prices for that step:
-the loop's own Python ([Note: loop overhead] in planner/calibrate_worker.py) and its operator calls x
+the loop's own Python ([Note: loop overhead] in measure/calibrate_worker.py) and its operator calls x
 ``op_s``. What is left is the exchange's fixed seconds with N workers at one server
 (`HostProfile.ps_exchange_s`); `Env.ps_exchange_s` reads it at N, linear between and past the
 measured counts (the server's one main thread serves its workers' messages in turn, so each
@@ -47,9 +47,9 @@ from polytrain.config.job import (
 from polytrain.core.optim import lr_at
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
+from polytrain.measure.kernels import OpCounter
+from polytrain.measure.timing import median_and_spread
 from polytrain.models.registry import block_size_of, build_model
-from polytrain.planner.kernels import OpCounter
-from polytrain.planner.timing import median_and_spread
 from polytrain.ps.strategy import PSStrategy
 from polytrain.testing.harness import run_distributed
 
@@ -71,7 +71,7 @@ def rank_p2p_posted(
 ) -> tuple[list[tuple[float, float]], float]:
     """((bytes, one-way seconds) of a message whose receive is posted, spread): each size timed
     once per round, `_POSTED_ROUNDS` rounds, the median ([Note: posted receives] in
-    comm/probe.py; [Note: timing rounds] in planner/timing.py)."""
+    comm/probe.py; [Note: timing rounds] in measure/timing.py)."""
     init_distributed()
     wanted = [n for n in sizes if n <= POSTED_MAX_BYTES]
     times: dict[int, list[float]] = {n: [] for n in wanted}
