@@ -28,6 +28,7 @@ from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
 from polytrain.launch.local import Interrupted, launch
 from polytrain.trainer.auto import resolve_auto
+from polytrain.trainer.build import strategy_family
 from polytrain.trainer.outputs import RunLock, check_output_paths
 from polytrain.trainer.ownership import newest_checkpoint_note
 from polytrain.trainer.preflight import preflight
@@ -135,7 +136,7 @@ def run(
         job_path = run_dir / name
         save_job(job, job_path)
         try:
-            launch(job, job_path, run_dir)
+            launch(job, job_path, run_dir, strategy_family(job).tolerated_ranks(job))
         except Interrupted as exc:
             raise Interrupted(exc.signal, newest_checkpoint_note(job)) from None
     return run_dir

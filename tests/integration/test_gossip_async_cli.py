@@ -21,7 +21,7 @@ import torch
 
 from polytrain.comm.gossip_async import _step_of, with_step
 from polytrain.config import job_from_dict
-from polytrain.launch.local import tolerated_ranks
+from polytrain.gossip.family import DECENTRALIZED
 from tests.helpers.cli_runs import last_step, train_and_signal
 
 STEPS = 150
@@ -39,7 +39,7 @@ def test_a_message_carries_its_step_exactly(dtype: torch.dtype) -> None:
 
 def test_async_gossip_tolerates_every_rank_but_0() -> None:
     def job(mode: str) -> list[int]:
-        return tolerated_ranks(
+        return DECENTRALIZED.tolerated_ranks(
             job_from_dict(
                 {
                     "parallel": {"sync": "gossip"},

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from polytrain.config import job_from_dict
-from polytrain.launch.local import tolerated_ranks
+from polytrain.ps.family import PARAMETER_SERVER
+from polytrain.trainer.build import strategy_family
 from tests.helpers.cli_runs import SignalledRun, last_step, train_and_signal
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ STEPS = 1500
 
 def test_tolerated_ranks_are_ps_async_workers_but_rank_0() -> None:
     def job(**ps: object) -> list[int]:
-        return tolerated_ranks(
+        return PARAMETER_SERVER.tolerated_ranks(
             job_from_dict(
                 {
                     "parallel": {"sync": "ps"},
@@ -39,7 +40,7 @@ def test_tolerated_ranks_are_ps_async_workers_but_rank_0() -> None:
     assert job(mode="async") == [1, 2, 3]
     assert job(mode="ssp", staleness=1) == [1, 2, 3]
     assert job(mode="sync") == []
-    assert tolerated_ranks(job_from_dict({})) == []
+    assert strategy_family(job_from_dict({})).tolerated_ranks(job_from_dict({})) == []
 
 
 def run_and_kill(tmp_path: Path, rank: int) -> SignalledRun:

@@ -23,11 +23,13 @@ from polytrain.config.io import job_from_dict, load_job, merge, parse_override
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
 from polytrain.trainer.auto import resolve_auto
+from polytrain.trainer.build import FAMILIES
 
 __all__ = ["resolve_job", "train_command"]
 
-# flag name -> config path; the flag's value (when given) overrides that field.
-FLAG_FIELDS: dict[str, str] = {
+# flag name -> config path; the flag's value (when given) overrides that field. The options of
+# the job as a whole; each strategy family adds its own (`StrategyFamily.flags`), below.
+_JOB_FLAGS: dict[str, str] = {
     "strategy": "strategy",
     "model": "model.name",
     "size": "model.size",
@@ -59,18 +61,6 @@ FLAG_FIELDS: dict[str, str] = {
     "sufficient_factor": "parallel.sufficient_factor",
     "recompute": "parallel.recompute",
     "hierarchical": "parallel.hierarchical",
-    "schedule": "pipeline.schedule",
-    "microbatches": "pipeline.microbatches",
-    "partition": "pipeline.partition",
-    "memory_limit_mb": "pipeline.memory_limit_mb",
-    "ps_servers": "ps.servers",
-    "ps_mode": "ps.mode",
-    "staleness": "ps.staleness",
-    "topology": "gossip.topology",
-    "peers": "gossip.peers",
-    "compress": "gossip.compress",
-    "overlap": "gossip.overlap",
-    "period": "localsgd.period",
     "checkpoint_dir": "checkpoint.dir",
     "checkpoint_every": "checkpoint.every",
     "checkpoint_keep": "checkpoint.keep",
@@ -81,6 +71,8 @@ FLAG_FIELDS: dict[str, str] = {
     "trace": "observe.trace",
     "progress": "observe.progress",
 }
+_FAMILY_FLAGS = {flag: path for family in FAMILIES for flag, path in family.flags.items()}
+FLAG_FIELDS: dict[str, str] = {**_JOB_FLAGS, **_FAMILY_FLAGS}
 
 
 def _partition_value(text: str) -> Any:

@@ -1,15 +1,18 @@
-"""Strategy families: how the trainer builds a strategy and what pre-flight checks it needs.
+"""Strategy families: one registry row declares a family's whole surface.
 
-Each strategy package (``parallel/``, ``pipeline/``, ``ps/``, later ``gossip/``...) describes
-itself with one `StrategyFamily`: which jobs it runs, its pre-flight checks (no processes, on
-the model built on the meta device) and its builder (inside a worker). The trainer keeps the
-table of families and asks it for both, so it never reaches into a strategy's modules.
+Each strategy package (``parallel/``, ``pipeline/``, ``ps/``, ``gossip/``) describes itself with
+one `StrategyFamily`: which jobs it runs, its pre-flight checks (no processes, on the model
+built on the meta device), its builder (inside a worker), its own command-line flags (views of
+its config sections' fields), which ranks may die without ending the job, and the pure module
+under ``planner/cost/`` that prices it. The trainer keeps the table of families
+(`trainer.build.FAMILIES`); the CLI, the launcher's caller and the planner's tests read it, so
+none of them names a family. Adding a family is one package plus one row in that table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from polytrain.comm.init import DistContext
 from polytrain.config.job import JobConfig
@@ -19,22 +22,39 @@ from polytrain.data.sampler import Batches
 from polytrain.errors import ConfigError
 from polytrain.models.base import BlockModel
 
-__all__ = ["Builder", "Checks", "StrategyFamily", "family_for"]
+__all__ = ["Builder", "Checks", "StrategyFamily", "family_for", "no_rank_may_die"]
 
 # Inside a worker: the strategy of this rank (builds its mesh or groups, wraps the model).
 Builder = Callable[[JobConfig, DistContext, BlockModel, Batches], Strategy]
 # In the launching process: raise a one-line PolytrainError for what the family cannot run.
 Checks = Callable[[JobConfig, BlockModel, Dataset], None]
+# In the launching process: the ranks whose death the job survives ([Note: tolerated worker
+# deaths] in launch/tolerant.py); every other rank's death ends the job in one line.
+ToleratedRanks = Callable[[JobConfig], list[int]]
+
+
+def no_rank_may_die(job: JobConfig) -> list[int]:
+    """Synchronous families: every step is a collective, so every rank is needed."""
+    return []
 
 
 @dataclass(frozen=True)
 class StrategyFamily:
-    """One family of strategies: which jobs it runs, its pre-flight checks, its builder."""
+    """One family of strategies and everything outside its package that needs to know it.
+
+    ``flags`` maps a ``polytrain train`` option name to a field of the family's own config
+    sections (``sections``); the option's help is that field's. ``cost_model`` names the pure
+    module under ``polytrain.planner.cost`` whose formulas price the family's step (the planner
+    never imports a family; tests/unit/test_families.py checks both ends agree)."""
 
     name: str
     selects: Callable[[JobConfig], bool]
     checks: Checks
     build: Builder
+    cost_model: str
+    sections: tuple[str, ...] = ()
+    flags: Mapping[str, str] = field(default_factory=dict)
+    tolerated_ranks: ToleratedRanks = no_rank_may_die
 
 
 def family_for(job: JobConfig, families: tuple[StrategyFamily, ...]) -> StrategyFamily:

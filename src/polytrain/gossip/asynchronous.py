@@ -17,7 +17,7 @@ train on apart.
 
 [Note: no world collectives in async gossip] A dead rank would hang every world collective, so
 after start-up none is used (``world_collectives = False``, the launcher tolerates the death of
-any rank but 0, launch/local.py `tolerated_ranks`): the loss, the NaN/Inf branch and gradient
+any rank but 0, the family's `tolerated_ranks`): the loss, the NaN/Inf branch and gradient
 clipping are each worker's own; the logged loss is rank 0's. ``consensus_distance`` becomes the
 local mean distance to the copies that arrived this step (no all-reduce), evaluation runs this
 rank's replica on the whole validation batch, and the exported weights are rank 0's replica.

@@ -28,6 +28,14 @@ def _checks(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
         raise ConfigError(refusal)
 
 
+def _tolerated(job: JobConfig) -> list[int]:
+    """Asynchronous gossip survives any rank but 0 (which collects the final weights):
+    [Note: no world collectives in async gossip] in gossip/asynchronous.py."""
+    if job.parallel.sync == "gossip" and job.gossip.mode == "async":
+        return list(range(1, job.world_size))
+    return []
+
+
 def _build(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Batches) -> Strategy:
     """No mesh: every rank holds a full replica and talks to the ranks its graph names."""
     model = model.to(ctx.device)
@@ -44,4 +52,14 @@ DECENTRALIZED = StrategyFamily(
     selects=lambda job: job.parallel.sync in ("gossip", "localsgd"),
     checks=_checks,
     build=_build,
+    cost_model="polytrain.planner.cost.decentralized",
+    sections=("gossip", "localsgd"),
+    flags={
+        "topology": "gossip.topology",
+        "peers": "gossip.peers",
+        "compress": "gossip.compress",
+        "overlap": "gossip.overlap",
+        "period": "localsgd.period",
+    },
+    tolerated_ranks=_tolerated,
 )

@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,6 @@ __all__ = [
     "launch",
     "loopback_port",
     "shutdown_grace_s",
-    "tolerated_ranks",
 ]
 
 # Signals that stop a run on purpose (Ctrl-C, kill, a closed terminal): exit 130, no traceback.
@@ -100,23 +100,6 @@ def _failure_of(err: ChildFailedError, log_dir: Path) -> WorkerFailure:
     return WorkerFailure(rank, exc_type, message, str(log_dir))
 
 
-def tolerated_ranks(job: JobConfig) -> list[int]:
-    """Ranks whose death the job survives: PS async/ssp workers other than rank 0, and every
-    rank but 0 of asynchronous gossip.
-
-    Rank 0 collects the final weights and the servers (the last ``ps.servers`` ranks) hold them;
-    sync and hierarchical PS, and every other strategy, need all ranks (their steps are
-    collectives). See [Note: tolerated worker deaths] in launch/tolerant.py.
-    """
-    world = job.world_size
-    if job.parallel.sync == "gossip" and job.gossip.mode == "async":
-        return list(range(1, world))  # [Note: no world collectives in async gossip]
-    ps = job.ps
-    if job.parallel.sync != "ps" or ps.mode not in ("async", "ssp") or ps.hierarchical:
-        return []
-    return list(range(1, world - ps.servers))
-
-
 def loopback_port(endpoint: str) -> int | None:
     """The port of a ``HOST:PORT`` endpoint whose host is a loopback address, else None.
 
@@ -137,8 +120,11 @@ def loopback_port(endpoint: str) -> int | None:
     return None
 
 
-def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
-    """Start ``job.launch.nproc`` workers on this node running ``job_path``; wait for them."""
+def launch(job: JobConfig, job_path: Path, run_dir: Path, tolerated: Sequence[int] = ()) -> None:
+    """Start ``job.launch.nproc`` workers on this node running ``job_path``; wait for them.
+
+    ``tolerated``: the ranks whose death the job survives (its strategy family declares them,
+    `core.registry.StrategyFamily.tolerated_ranks`; [Note: tolerated worker deaths])."""
     lc = job.launch
     port = 0 if not lc.rdzv_endpoint else loopback_port(lc.rdzv_endpoint)
     local = lc.nnodes == 1 and port is not None
@@ -181,7 +167,7 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path) -> None:
             config,
             sys.executable,
             args,
-            tolerated_ranks(job),
+            list(tolerated),
             grace_s=shutdown_grace_s(lc.timeout_s),  # [Note: stopped ranks]
         )
     except SignalException as exc:  # torch elastic turns SIGINT/SIGTERM into this

@@ -130,4 +130,5 @@ SPMD = StrategyFamily(
     selects=lambda job: job.parallel.sync == "allreduce" and job.parallel.pp == 1,
     checks=check_spmd_job,
     build=build_spmd,
+    cost_model="polytrain.planner.cost.spmd",
 )

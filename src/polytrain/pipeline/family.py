@@ -62,4 +62,12 @@ PIPELINE = StrategyFamily(
     selects=lambda job: job.parallel.sync != "ps" and job.parallel.pp > 1,
     checks=check_pipeline,
     build=build_pipeline,
+    cost_model="polytrain.planner.cost.stages",
+    sections=("pipeline",),
+    flags={
+        "schedule": "pipeline.schedule",
+        "microbatches": "pipeline.microbatches",
+        "partition": "pipeline.partition",
+        "memory_limit_mb": "pipeline.memory_limit_mb",
+    },
 )

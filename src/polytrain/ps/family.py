@@ -19,6 +19,17 @@ def _checks(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
     check_ps_job(job, model)
 
 
+def _tolerated(job: JobConfig) -> list[int]:
+    """Asynchronous and bounded-stale workers other than rank 0 may die: rank 0 collects the
+    final weights and the servers (the last ``ps.servers`` ranks) hold them. Sync and
+    hierarchical PS steps are collectives over every worker ([Note: tolerated worker deaths]
+    in launch/tolerant.py)."""
+    ps = job.ps
+    if ps.mode not in ("async", "ssp") or ps.hierarchical:
+        return []
+    return list(range(1, job.world_size - ps.servers))
+
+
 def _build(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Batches) -> Strategy:
     """Dedicated server ranks (the last ``ps.servers``), no SPMD mesh."""
     return PSStrategy(job, ctx.rank, ctx.world_size, model, batches)
@@ -29,4 +40,8 @@ PARAMETER_SERVER = StrategyFamily(
     selects=lambda job: job.parallel.sync == "ps",
     checks=_checks,
     build=_build,
+    cost_model="polytrain.planner.cost.ps",
+    sections=("ps",),
+    flags={"ps_servers": "ps.servers", "ps_mode": "ps.mode", "staleness": "ps.staleness"},
+    tolerated_ranks=_tolerated,
 )

@@ -44,7 +44,17 @@ from polytrain.planner.cost.rates import (
 )
 from polytrain.planner.types import BACKWARD_FLOPS_PER_FORWARD, BlockStats, HostProfile
 
-__all__ = ["Env", "ring_factor"]
+__all__ = ["Env", "Shape", "ring_factor"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one step divides the global batch: the stages (each a list of blocks; one stage
+    without a pipeline), samples per replica and per micro-batch."""
+
+    stages: list[list[BlockStats]]
+    replica_samples: float
+    mb_samples: float
 
 
 def ring_factor(op: str, n: int) -> float:

@@ -22,9 +22,17 @@ Derivation: docs/planner.md "Decentralized".
 from __future__ import annotations
 
 from polytrain.gossip.graphs import graph_for_round, torus_shape
-from polytrain.planner.cost.common import Env
+from polytrain.planner.cost.common import Env, Shape
+from polytrain.planner.cost.parts import end_of_step_s, loop_s
+from polytrain.planner.types import Layout, ModelStats
 
-__all__ = ["TOPOLOGIES", "gossip_exchange_s", "localsgd_average_s", "topology_fits"]
+__all__ = [
+    "TOPOLOGIES",
+    "gossip_exchange_s",
+    "localsgd_average_s",
+    "replicas_step",
+    "topology_fits",
+]
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete")  # fixed graphs; random is not priced
 
@@ -74,3 +82,31 @@ def localsgd_average_s(env: Env, n: int, model_bytes: float, period: int) -> flo
     if n < 2 or period < 1:
         return 0.0
     return env.collective_s("all_reduce", model_bytes, n, 1) / period
+
+
+def replicas_step(
+    layout: Layout, stats: ModelStats, env: Env, shape: Shape
+) -> tuple[float, dict[str, float]]:
+    """Whole-model replicas (the decentralized family's registry row names this module): local
+    compute, the end of step, then the exchange (a gossip round or local SGD's amortized
+    average), nothing overlapped."""
+    replica_samples = shape.replica_samples
+    compute = sum(
+        env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
+    )
+    opt = end_of_step_s(layout, stats, env, stats.blocks)
+    per_step, per_micro = loop_s(env)  # see `cost.parts.loop_s`
+    loop = per_step + per_micro
+    model_bytes = float(stats.param_bytes)  # the flat fp32 model (gossip.compress = "none")
+    if layout.sync == "gossip":
+        comm = gossip_exchange_s(env, layout.topology, layout.dp, model_bytes)
+    else:
+        comm = localsgd_average_s(env, layout.dp, model_bytes, layout.period)
+    return compute + opt + comm + loop, {
+        "compute": compute,
+        "tp_comm": 0.0,
+        "dp_comm": comm,
+        "bubble": 0.0,
+        "optimizer": opt,
+        "loop": loop,
+    }

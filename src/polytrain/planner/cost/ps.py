@@ -19,9 +19,13 @@ Derivation: docs/planner.md "Parameter servers".
 
 from __future__ import annotations
 
-from polytrain.planner.cost.common import Env
+from dataclasses import replace
 
-__all__ = ["ps_step"]
+from polytrain.planner.cost.common import Env, Shape
+from polytrain.planner.cost.parts import loop_s
+from polytrain.planner.types import Layout, ModelStats
+
+__all__ = ["ps_layout_step", "ps_step"]
 
 
 def ps_step(
@@ -66,3 +70,47 @@ def ps_step(
     if absorb > cycle:  # server-bound
         return absorb, absorb - compute_s
     return cycle, worker_s
+
+
+def ps_layout_step(
+    layout: Layout, stats: ModelStats, env: Env, shape: Shape
+) -> tuple[float, dict[str, float]]:
+    """Step seconds and breakdown of a parameter-server ``layout`` (its registry row names
+    this module): the workers' compute, then `ps_step`'s exchange."""
+    replica_samples = shape.replica_samples
+    # The servers wait on the network while the workers compute: only workers share the cores.
+    env = replace(env, computing=min(layout.dp, env.cluster.per_host))
+    compute = sum(
+        env.fwd_s(b, replica_samples) + env.bwd_s(b, replica_samples) for b in stats.blocks
+    )
+    # a worker checks and clips its gradient before it pushes (core.step.apply_update)
+    tensors = sum(b.tensors for b in stats.blocks)
+    parts = ("check", "clip") if stats.grad_clip else ("check",)
+    compute += env.step_cost_s(parts, tensors, float(stats.param_bytes))
+    per_step, per_micro = loop_s(env)  # a worker's own loop (see `cost.parts.loop_s`)
+    loop = per_step + per_micro
+    # sync: every worker waits for the slowest at the servers each step ([Note: ranks' skew])
+    skew = env.skew_s(compute, layout.dp) if layout.ps_mode == "sync" else 0.0
+    compute += loop + skew
+    step, comm = ps_step(
+        env,
+        layout.ps_mode,
+        layout.dp,
+        max(layout.ps_servers, 1),
+        compute,
+        float(stats.param_bytes),
+        float(stats.params),
+        stats.optimizer_state_per_param,
+        stats.dtype_bytes,
+        tensors=tensors,
+        optimizer=stats.optimizer,
+    )
+    return step, {
+        "compute": compute - loop - skew,
+        "tp_comm": 0.0,
+        "dp_comm": comm,
+        "bubble": 0.0,
+        "optimizer": 0.0,
+        "loop": loop,
+        "skew": skew,
+    }

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from polytrain.planner.cost.common import Env
+from polytrain.planner.cost.common import Env, Shape
 from polytrain.planner.cost.parts import block_times, end_of_step_s, input_bytes, loop_s
 from polytrain.planner.cost.pipeline import PipelineTiming, pipeline_step
 from polytrain.planner.types import BlockStats, Layout, ModelStats
 
-__all__ = ["stages_step"]
+__all__ = ["stages_layout_step", "stages_step"]
 
 
 # [Note: a pipeline's shared cores] A pipeline's ranks do not all compute at once: a stage
@@ -33,6 +33,14 @@ __all__ = ["stages_step"]
 # the mean (utilization x ranks): on five runs on two 2-vCPU hosts that priced gpt tiny's pp4
 # 1F1B m8 5-27% low (mean -18%), the instant count -18..+1% (mean -9%); docs/planner.md
 # "A pipeline's shared cores".
+
+
+def stages_layout_step(
+    layout: Layout, stats: ModelStats, env: Env, shape: Shape
+) -> tuple[float, dict[str, float]]:
+    """Step seconds and breakdown of a pipeline ``layout`` (its registry row names this
+    module) over the balanced stages the prediction chose."""
+    return stages_step(layout, stats, env, shape.stages, shape.mb_samples)
 
 
 def stages_step(
