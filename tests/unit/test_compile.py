@@ -48,7 +48,7 @@ def test_compile_keeps_names_and_binds_each_block_and_its_deep_copy() -> None:
 def test_compile_after_recompute_compiles_the_checkpointed_forward() -> None:
     model = apply_compile(apply_recompute(_model()))
     block = model.blocks[0]
-    assert isinstance(block.forward, partial) and block.forward.args == (block,)
+    assert isinstance(block.forward, partial) and block.forward.args == (block, False)
     assert is_compiled(block)
 
 

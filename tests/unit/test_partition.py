@@ -200,6 +200,12 @@ def test_memory_model_counts_state_activations_and_stash() -> None:
     # inputs (10 each) + output kept per micro-batch, one block's activations rebuilt at a time
     assert recompute.stage_memory_bytes[0] == 2 * 160 + 3 * (20 + 7) + 100
     assert recompute.stage_time_s[0] == pytest.approx(2 * (2 / 3 + 2 / 3))
+    # recompute = "every:2": blocks 0 and 2 keep their inputs, blocks 1 and 3 their activations
+    every2 = evaluate_partition(
+        profiles, [2, 2], schedule="gpipe", num_microbatches=3, recompute=True, recompute_every=2
+    )
+    assert every2.stage_memory_bytes[0] == 2 * 160 + 3 * (10 + 100 + 7) + 100
+    assert every2.stage_time_s[0] == pytest.approx((2 / 3 + 2 / 3) + (1 / 3 + 2 / 3))
 
 
 def test_infeasible_names_the_stage_and_the_fix() -> None:

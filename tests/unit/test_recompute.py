@@ -1,13 +1,19 @@
-"""SPMD recomputation: same names, same gradients, fewer saved activations (parallel/recompute)."""
+"""Recomputation: same names, same gradients, fewer saved activations, and each policy
+(whole blocks, every K-th, selective per op) recomputes what it says (core/recompute.py)."""
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
+import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from polytrain.config.parallel import RecomputePolicy, recompute_policy
 from polytrain.core.recompute import apply_recompute, is_recomputed
+from polytrain.errors import ConfigError
 from polytrain.models.base import BlockModel
 
 
@@ -59,3 +65,71 @@ def test_a_deep_copy_recomputes_its_own_block() -> None:
     x = torch.randn(4, 32)
     assert torch.count_nonzero(clone(x)) == 0  # the copy's forward runs the copy's weights
     assert torch.count_nonzero(model(x)) > 0
+
+
+def _ops_in_backward(model: BlockModel, x: torch.Tensor) -> Counter[str]:
+    """The aten ops run during backward: a recomputed forward shows up as forward ops there."""
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    loss = model.loss(model(x), x)
+    with Count() as counter:
+        loss.backward()
+    return counter.ops
+
+
+@pytest.mark.parametrize(
+    ("policy", "blocks", "matmuls", "gelus"),
+    [
+        (RecomputePolicy("none"), [], 0, 0),
+        # torch stops a recomputation once backward's tensors are rebuilt: each block's first
+        # Linear (addmm) and its GELU run again, its last Linear does not
+        (RecomputePolicy("full"), [0, 1, 2], 3, 3),
+        (RecomputePolicy("full", every=2), [0, 2], 2, 2),
+        (RecomputePolicy("ops"), [0, 1, 2], 0, 3),  # matmul outputs kept, GELU recomputed
+    ],
+    ids=["none", "full", "every2", "ops"],
+)
+def test_each_policy_recomputes_what_it_says(
+    policy: RecomputePolicy, blocks: list[int], matmuls: int, gelus: int
+) -> None:
+    plain = _model()
+    model = apply_recompute(copy.deepcopy(plain), policy)
+    assert [k for k, b in enumerate(list(model.blocks)[:3]) if is_recomputed(b)] == blocks
+    x = torch.randn(8, 32)
+    torch.manual_seed(1)
+    ops = _ops_in_backward(model, x)
+    assert ops["addmm"] == matmuls  # forward's Linear; backward's own matmuls are mm
+    assert ops["gelu"] == gelus  # forward's GELU; backward's own is gelu_backward
+    torch.manual_seed(1)
+    plain.loss(plain(x), x).backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (True, RecomputePolicy("full")),
+        ("full", RecomputePolicy("full")),
+        ("every:3", RecomputePolicy("full", every=3)),
+        ("ops", RecomputePolicy("ops")),
+        (False, RecomputePolicy("none")),
+    ],
+)
+def test_recompute_values_name_a_policy(value: bool | str, expected: RecomputePolicy) -> None:
+    assert recompute_policy(value) == expected
+
+
+@pytest.mark.parametrize("value", ["every:0", "every:x", "sometimes"])
+def test_a_bad_recompute_value_is_one_line(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"parallel.recompute = .*: expected true, false"):
+        recompute_policy(value)

@@ -12,7 +12,42 @@ from typing import Literal
 from polytrain.config.base import option, positive
 from polytrain.errors import ConfigError
 
-__all__ = ["PSConfig", "ParallelConfig", "PipelineConfig"]
+__all__ = ["PSConfig", "ParallelConfig", "PipelineConfig", "RecomputePolicy", "recompute_policy"]
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """Which blocks recompute their activations in backward, and how.
+
+    ``mode``: "none"; "full" (the block's whole forward runs again; it keeps only its input);
+    "ops" (selective, op level: the outputs of matrix multiplications and attention are kept,
+    the cheap element-wise ops between them are recomputed, as torchtitan's selective op
+    checkpointing and Korthikanti et al. 2022's "selective recomputation"). ``every``: only the
+    blocks whose index is a multiple of it (torchtitan's layer frequency; Megatron's "block"
+    method recomputes a count of layers instead)."""
+
+    mode: Literal["none", "full", "ops"] = "none"
+    every: int = 1
+
+    def covers(self, index: int) -> bool:
+        """Whether block (or repeated layer) ``index`` of the model is recomputed."""
+        return self.mode != "none" and index % self.every == 0
+
+
+_RECOMPUTE_FORMS = "true, false, 'full', 'ops' or 'every:K' (K >= 1: every K-th block)"
+
+
+def recompute_policy(value: bool | str) -> RecomputePolicy:
+    """The policy a ``parallel.recompute`` value names (true = 'full', false = none)."""
+    if isinstance(value, bool):
+        return RecomputePolicy("full" if value else "none")
+    text = value.strip().lower()
+    if text in ("full", "ops", "none"):
+        return RecomputePolicy(text)  # type: ignore[arg-type]
+    head, sep, count = text.partition(":")
+    if head == "every" and sep and count.isdigit() and int(count) >= 1:
+        return RecomputePolicy("full", int(count))
+    raise ConfigError(f"parallel.recompute = {value!r}: expected {_RECOMPUTE_FORMS}")
 
 
 @dataclass
@@ -38,7 +73,17 @@ class ParallelConfig:
     sufficient_factor: Literal["auto", "on", "off"] = option(
         "off", "sufficient-factor (late multiply) exchange for large linear layers"
     )
-    recompute: bool = option(False, "recompute activations in backward instead of storing them")
+    recompute: bool | str = option(
+        False,
+        "recompute activations in backward instead of storing them: true or 'full' (every "
+        "block), 'every:K' (every K-th block), 'ops' (keep matmul and attention outputs, "
+        "recompute the element-wise ops), false",
+    )
+
+    @property
+    def recompute_policy(self) -> RecomputePolicy:
+        return recompute_policy(self.recompute)
+
     hierarchical: Literal["auto", "on", "off"] = option(
         "auto",
         "DDP all-reduce in two levels (reduce inside a host, all-reduce across hosts, broadcast "
@@ -65,6 +110,11 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.recompute, str) and self.recompute.strip().lower() in ("true", "false"):
+            self.recompute = self.recompute.strip().lower() == "true"  # a command-line value
+        if isinstance(self.recompute, str) and recompute_policy(self.recompute).mode == "none":
+            self.recompute = False
+        recompute_policy(self.recompute)  # a one-line error for anything else
         positive("parallel", "dp", self.dp, allow_zero=True)
         positive("parallel", "spatial", self.spatial)
         positive("parallel", "tp", self.tp)
@@ -243,5 +293,5 @@ _PLAIN_DP_CLASHES: dict[str, Callable[[ParallelConfig], bool]] = {
     "grad_compression": lambda c: c.grad_compression != "none",
     "sufficient_factor": lambda c: c.sufficient_factor != "off",
     "hybrid": lambda c: bool(c.hybrid),
-    "recompute": lambda c: c.recompute,
+    "recompute": lambda c: bool(c.recompute),
 }

@@ -83,7 +83,7 @@ def build_spmd(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Bat
         apply_tensor_parallel(model, mesh.sub("tp"), job.model.name, p.tp_plan)
         name = f"tp{p.tp}"
     if p.recompute:
-        apply_recompute(model)
+        apply_recompute(model, p.recompute_policy)
     if job.train.compile:
         apply_compile(model)
     if p.zero:

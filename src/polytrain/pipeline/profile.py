@@ -265,7 +265,10 @@ def _search_args(job: JobConfig) -> dict[str, Any]:
         "schedule": job.pipeline.schedule,
         "num_microbatches": m,
         "memory_limit_bytes": limit_mb * _MIB if limit_mb > 0 else None,
-        "recompute": job.parallel.recompute,
+        # 'ops' keeps the matmul outputs: priced here as if nothing were recomputed (an upper
+        # bound on its memory) until the profile counts activations per op
+        "recompute": job.parallel.recompute_policy.mode == "full",
+        "recompute_every": job.parallel.recompute_policy.every,
         "update_every": m if job.pipeline.pipedream_update == "step" else 1,
     }
 

@@ -21,21 +21,26 @@ from functools import partial
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint
 
+from polytrain.config.parallel import RecomputePolicy
+from polytrain.core.recompute import checkpointed_call
 from polytrain.errors import PartitionError
 from polytrain.models.base import BlockModel
 
 __all__ = ["StageModule", "build_stage"]
 
+NO_RECOMPUTE = RecomputePolicy()
+
 
 class StageModule(nn.Module):
     """Blocks ``[start, stop)`` of a model; ``state_dict`` keys are the full model's."""
 
-    def __init__(self, blocks: Mapping[int, nn.Module], recompute: bool = False) -> None:
+    def __init__(
+        self, blocks: Mapping[int, nn.Module], recompute: RecomputePolicy = NO_RECOMPUTE
+    ) -> None:
         super().__init__()
         self.blocks = nn.ModuleDict({str(i): block for i, block in sorted(blocks.items())})
-        self.recompute = recompute
+        self.recompute = recompute  # which blocks (by their index in the model) and how
 
     def forward(
         self, x: torch.Tensor, weights: Mapping[str, torch.Tensor] | None = None
@@ -47,8 +52,8 @@ class StageModule(nn.Module):
                 prefix = f"blocks.{key}."
                 local = {n[len(prefix) :]: t for n, t in weights.items() if n.startswith(prefix)}
                 fn = partial(_call, block, local)
-            if self.recompute and self.training and _has_parameters(block):
-                x = checkpoint(fn, x, use_reentrant=False, preserve_rng_state=True)
+            if self.recompute.covers(int(key)) and self.training and _has_parameters(block):
+                x = checkpointed_call(fn, self.recompute.mode == "ops", x)
             else:
                 x = fn(x)
         return x
@@ -65,7 +70,7 @@ def _has_parameters(module: nn.Module) -> bool:
 
 
 def build_stage(
-    model: BlockModel, start: int, stop: int, *, recompute: bool = False
+    model: BlockModel, start: int, stop: int, *, recompute: RecomputePolicy = NO_RECOMPUTE
 ) -> StageModule:
     """The stage holding blocks ``[start, stop)`` of ``model`` (the modules are shared, not copied)."""
     if not 0 <= start < stop <= model.num_blocks:

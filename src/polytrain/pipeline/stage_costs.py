@@ -175,6 +175,7 @@ class StageCosts:
         schedule: str,
         num_microbatches: int,
         recompute: bool,
+        recompute_every: int = 1,
         link_bytes_per_s: float | None,
         link_latency_s: float,
         update_every: int,
@@ -187,6 +188,8 @@ class StageCosts:
         self.schedule = schedule
         self.num_microbatches = num_microbatches
         self.recompute = recompute
+        # which blocks are recomputed (`parallel.recompute = "every:K"`: every K-th of the model)
+        covered = [recompute and k % recompute_every == 0 for k in range(len(profiles))]
         self.link_bytes_per_s = link_bytes_per_s
         self.link_latency_s = link_latency_s
         self.in_flight = in_flight_microbatches(schedule, num_stages, num_microbatches)
@@ -194,14 +197,13 @@ class StageCosts:
             stash_bound(s, num_stages, update_every) if schedule == "pipedream" else 0
             for s in range(num_stages)
         ]
-        forward_factor = 2.0 if recompute else 1.0
 
         def prefix(values: Iterator[float]) -> list[float]:
             return list(itertools.accumulate(values, initial=0.0))
 
         self._time = prefix(
-            forward_factor * b.forward_s + b.backward_s + b.update_s / num_microbatches
-            for b in profiles
+            (2.0 if rec else 1.0) * b.forward_s + b.backward_s + b.update_s / num_microbatches
+            for b, rec in zip(profiles, covered, strict=True)
         )
         self._params = prefix(float(b.param_count) for b in profiles)
         self._param_bytes = prefix(float(b.param_bytes) for b in profiles)
@@ -211,7 +213,8 @@ class StageCosts:
         self._act = prefix(float(b.activation_bytes) for b in profiles)
         # recomputation wraps blocks with parameters: they keep only their input
         self._kept = prefix(
-            float(b.input_bytes if b.param_count else b.activation_bytes) for b in profiles
+            float(b.input_bytes if b.param_count and rec else b.activation_bytes)
+            for b, rec in zip(profiles, covered, strict=True)
         )
         # and rebuild one block's activations at a time: the largest over [a, b), precomputed
         n = len(self.profiles)
@@ -220,7 +223,7 @@ class StageCosts:
             largest = 0.0
             for b in range(a + 1, n + 1):
                 block = self.profiles[b - 1]
-                if block.param_count:
+                if block.param_count and covered[b - 1]:
                     largest = max(largest, float(block.activation_bytes))
                 self._rebuilt[a][b] = largest
 

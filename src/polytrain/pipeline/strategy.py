@@ -195,7 +195,7 @@ class PipelineStrategy(Strategy):
         )
         self.ranges = block_ranges(counts)
         start, stop = self.ranges[self.stage_index]
-        stage = build_stage(model, start, stop, recompute=job.parallel.recompute).to(device)
+        stage = build_stage(model, start, stop, recompute=job.parallel.recompute_policy).to(device)
         if self.tp > 1:  # tensor parallel inside the stage, before dp (docs/tensor_parallel.md)
             apply_tensor_parallel_to_stage(
                 stage, model, mesh.sub("tp"), job.model.name, job.parallel.tp_plan
@@ -231,7 +231,7 @@ class PipelineStrategy(Strategy):
             )
         self.ranges = block_ranges(counts)
         if job.parallel.recompute:  # each layer re-run in backward; names unchanged
-            apply_recompute(model)
+            apply_recompute(model, job.parallel.recompute_policy)
         full = model.state_dict()
         keys = stage_keys(user, split, self.ranges, "blocks.0.")
         self._stage_keys = [[(k, full[k].shape, full[k].dtype) for k in ks] for ks in keys]
@@ -328,7 +328,7 @@ class PipelineStrategy(Strategy):
         runtimes = []
         for counts in candidates:
             start, stop = block_ranges(counts)[self.stage_index]
-            stage = build_stage(model, start, stop, recompute=self.job.parallel.recompute)
+            stage = build_stage(model, start, stop, recompute=self.job.parallel.recompute_policy)
             runtimes.append(
                 StageRuntime(
                     stage,

@@ -228,7 +228,7 @@ class PSStrategy(Strategy):
                 local=self.server.link if self.server is not None else None,
             )
             if job.parallel.recompute:  # [Note: recompute on workers]
-                apply_recompute(model)
+                apply_recompute(model, job.parallel.recompute_policy)
             if job.train.compile:  # the overlap's hooks run around each compiled block
                 apply_compile(model)
             if self.overlap:  # [Note: prioritised overlap] in polytrain.ps.overlap
