@@ -51,7 +51,9 @@ TORCH_STRATEGY_PACKAGES = {
 # Strategy packages, present and planned (ARCHITECTURE.md's target layering): they import
 # `core` and lower layers, never `trainer` (which picks them from its family table) or `cli`.
 STRATEGY_PACKAGES = {"parallel", "pipeline", "ps", "gossip", "hybrid", "spatial"}
-ABOVE_STRATEGIES = {"trainer", "cli", "scheduler", "measure"}
+# `testing` runs whole jobs (testing/jobs.py -> trainer) and is imported by nothing below it
+# but `measure` (its multi-process harness times calibration probes).
+ABOVE_STRATEGIES = {"trainer", "cli", "scheduler", "measure", "testing"}
 # package -> packages it must not import (lower layers never import higher ones).
 FORBIDDEN = {
     "comm": {"core", "config", *ABOVE_STRATEGIES, *STRATEGY_PACKAGES, "planner"},
@@ -62,8 +64,9 @@ FORBIDDEN = {
     "core": {*ABOVE_STRATEGIES, *STRATEGY_PACKAGES, "planner"},
     "planner": {*ABOVE_STRATEGIES, "measure", "core", "models", "data", "comm", "config"},
     **{package: ABOVE_STRATEGIES for package in STRATEGY_PACKAGES},
-    "trainer": {"cli"},
+    "trainer": {"cli", "scheduler", "testing"},
     "measure": {"trainer", "cli", "scheduler"},
+    "testing": {"cli", "scheduler", "measure"},
 }
 
 
