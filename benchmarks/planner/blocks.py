@@ -9,7 +9,7 @@ intra-op thread. Load moves both the same way within a run; compare runs at simi
 
     PYTHONPATH=src:. python benchmarks/planner/blocks.py --models gpt,mlp --batch 32
 
-Results and what they showed: docs/planner.md "Compute" ("Kernels a CPU block runs").
+Results and what they showed: docs/planner.md "Compute".
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Recomputation on one GPU: forward + backward of a GPT-2-small-shaped model in bf16, plain
 against recomputed (`parallel.recompute`), the ratio, CUDA's sync debug mode over one
 recomputed step, and the torch profiler's busiest host operators. The planner prices a
-recomputed block as one more forward; docs/planner.md "One GPU, calibrated" records what this
-measured (2.35x on an H100, host-bound).
+recomputed block as one more forward; docs/planner.md "Current accuracy" records what this
+measured (2.35x, host-bound).
 
     python benchmarks/planner/gpu_recompute.py
 """

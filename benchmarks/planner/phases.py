@@ -10,7 +10,7 @@ them: forward, backward, the non-finite check, the loss and flag reduction, the 
 
     PYTHONPATH=src:. python benchmarks/planner/phases.py --layouts dp2,zero2,zero3,tp2,dp2-tp2
 
-Results and what they showed: docs/planner.md "Compute" ("Where the time went").
+What it showed: docs/planner.md "Ranks' skew", "The end of a step, dispatch and the loop".
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ except by chance: this is the floor under `main.py`'s errors on a host whose spe
     python benchmarks/planner/repeat.py --runs 6 --workdir /tmp/repeat   # ~12 min here
     python benchmarks/planner/repeat.py --reuse /tmp/repeat   # price saved profiles again
 
-Results and what they showed: docs/planner.md "The host's speed".
+Results and what they showed: docs/planner.md "Calibration" ("Repeated calibrations").
 """
 
 from __future__ import annotations
