@@ -1,0 +1,149 @@
+"""Through a real slurmctld: a job preempted by checkpoint resumes on another node count.
+
+A one-host cluster (munged, slurmctld, slurmd n1 and n2; tests/helpers/slurm.py) with 2 device
+slots per node: slots 0-1 on n1, 2-3 on n2. Two copies of one tiny GPT job run through
+`SlurmBackend` in the order the executor would drive them: A starts on slots (1, 2) (two nodes,
+one worker each), B on slot 0 (n1); once A's step-10 checkpoint has landed A is stopped
+(scancel), then started again with ``resume = True`` on slot 3 (one node). B is the
+unpreempted run of the same job, so A's final weights must equal B's up to fp32 round-off (two
+replicas averaging gradients vs one). Slurm's records of these runs, captured with
+``scontrol -o show job``, are the samples the unit tests parse.
+
+[Note: SGD for the comparison] The job uses SGD, as the repository's other resume-under-another-
+layout tests do. Under AdamW the attention key bias, whose exact gradient is zero (a constant
+added to every key's score cancels in the softmax), receives only round-off, and Adam divides it
+by its own root-mean-square: those round-off differences become lr-sized steps. Measured with
+AdamW (lr 3e-3, 40 steps): k.bias differed by up to 6e-5, every other weight by at most 1.6e-6.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from polytrain.scheduler.backend import Launch
+from polytrain.scheduler.slurm import SlurmBackend
+from polytrain.testing import scaled
+from tests.helpers.slurm import SlurmCluster, SlurmUnavailable, start_cluster
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHONPATH = os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT)) if p)
+STEPS, EVERY = 40, 10
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    try:
+        with start_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
+            yield cluster
+    except SlurmUnavailable as exc:
+        pytest.skip(f"no Slurm cluster: {exc}")
+
+
+def job_file(path: Path, final: Path) -> Path:
+    path.write_text(
+        "\n".join(
+            [
+                "[model]",
+                'name = "gpt"',
+                'size = "tiny"',
+                "[train]",
+                f"steps = {STEPS}",
+                "global_batch_size = 8",
+                'device = "cpu"',
+                "seed = 3",
+                "eval_every = 0",
+                "sample_tokens = 0",
+                "[optim]",  # [Note: SGD for the comparison]
+                'name = "sgd"',
+                "lr = 0.05",
+                "momentum = 0.9",
+                'schedule = "constant"',
+                "warmup_steps = 0",
+                "[checkpoint]",
+                f'save_final = "{final}"',
+                "keep = 10",
+            ]
+        )
+        + "\n"
+    )
+    return path
+
+
+def wait_for(ready: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + scaled(timeout_s)
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {scaled(timeout_s):.0f} s")
+        time.sleep(0.1)
+
+
+def test_preempted_job_resumes_on_fewer_nodes_to_the_same_weights(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    backend = SlurmBackend(
+        slurm.nodes,
+        slurm.cpus_per_node,
+        slurm_conf=slurm.conf,
+        exports={"PYTHONPATH": PYTHONPATH},
+        python=sys.executable,
+    )
+
+    def launch(job: str, start: int, devices: tuple[int, ...], resume: bool) -> Launch:
+        return Launch(
+            job_id=job,
+            config=tmp_path / f"{job}.toml",
+            devices=devices,
+            run_dir=tmp_path / "runs" / f"{job}-{start}",
+            checkpoint_dir=tmp_path / "ckpt" / job,
+            checkpoint_every=EVERY,
+            resume=resume,
+            log=tmp_path / "logs" / f"{job}-{start}.log",
+        )
+
+    for job in ("a", "b"):
+        job_file(tmp_path / f"{job}.toml", tmp_path / f"{job}.safetensors")
+    backend.start(launch("a", 0, (1, 2), resume=False))  # n1 + n2, one worker each
+    backend.start(launch("b", 0, (0,), resume=False))  # n1, alongside A's first worker
+    first = tmp_path / "ckpt" / "a" / f"step_{EVERY:09d}" / "manifest.json"
+    wait_for(first.exists, 90, "A's first checkpoint")
+    a_first = backend.submitted["a"][0]
+    backend.stop("a")
+    stopped = backend.record(a_first)
+    assert stopped is not None and stopped["JobState"] == "CANCELLED", stopped
+    assert stopped["NodeList"] == "n[1-2]" and stopped["NumNodes"] == "2", stopped
+    newest = max(p.name for p in (tmp_path / "ckpt" / "a").glob("step_*"))
+    assert newest < f"step_{STEPS:09d}", f"A reached its last step before the stop ({newest})"
+
+    backend.start(launch("a", 1, (3,), resume=True))  # one node now: n2
+    ended: dict[str, int] = {}
+    wait_for(lambda: ended.update(backend.poll()) or len(ended) == 2, 120, "A and B to end")
+    logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
+    assert ended == {"a": 0, "b": 0}, (ended, logs)
+    resumed = backend.record(backend.submitted["a"][1])
+    assert resumed is not None and resumed["NodeList"] == "n2", resumed
+    assert "polytrain: resumed from" in logs["a-1.log"], logs["a-1.log"]
+    assert "2 rank(s) in all" in logs["a-0.log"] and "1 rank(s) in all" in logs["a-1.log"]
+
+    a = load_file(str(tmp_path / "a.safetensors"))
+    b = load_file(str(tmp_path / "b.safetensors"))
+    assert set(a) == set(b)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"max |A - B| over all weights: {worst:.3g}")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
+    if os.environ.get("POLYTRAIN_SLURM_SAMPLES"):  # refresh the unit tests' samples
+        out = subprocess.run(
+            ["scontrol", "-o", "show", "job"], env=slurm.env, capture_output=True, text=True
+        ).stdout
+        Path(os.environ["POLYTRAIN_SLURM_SAMPLES"]).write_text(out)
