@@ -181,6 +181,38 @@ def _stop(procs: dict[str, subprocess.Popen[bytes]], grace_s: float = 5.0) -> No
             proc.wait(timeout=5)
 
 
+def _drain(env: dict[str, str], timeout_s: float = 10.0) -> None:
+    """Cancel every job still known and wait until none is running or completing, so that each
+    slurmstepd reports to a live slurmd and exits on its own."""
+    run = {"env": env, "capture_output": True, "text": True, "timeout": 10}
+    with contextlib.suppress(subprocess.SubprocessError, OSError):
+        subprocess.run(["scancel", "--user", str(os.geteuid())], **run)  # type: ignore[call-overload]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            out = subprocess.run(["squeue", "-h", "-o", "%i"], **run).stdout  # type: ignore[call-overload]
+            if not out.strip():
+                return
+            time.sleep(0.2)
+
+
+def _stray_stepds(conf: Path) -> list[int]:
+    """slurmstepd processes of this cluster that outlived it, found by ``SLURM_CONF`` in their
+    environment (a step daemon detaches from slurmd, so it is not our child)."""
+    found = []
+    marker = f"SLURM_CONF={conf}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != "slurmstepd":
+                continue
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
 @contextlib.contextmanager
 def start_cluster(root: Path, timeout_s: float = 20.0) -> Iterator[SlurmCluster]:
     """munged + slurmctld + one slurmd per node under ``root``, up and idle; stopped on exit."""
@@ -216,7 +248,12 @@ def start_cluster(root: Path, timeout_s: float = 20.0) -> Iterator[SlurmCluster]
         _wait("Slurm nodes", idle, timeout_s)
         yield cluster
     finally:
+        if "slurmctld" in procs:
+            _drain(env)
         _stop(procs)
+        for pid in _stray_stepds(conf):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def slurm_cluster(root: Path) -> Iterator[SlurmCluster]:

@@ -20,6 +20,12 @@ the node-rank, the run directory and ``exec`` live in the inner script.
 taken (several nodes of one job on one machine). Two jobs on one port would therefore meet in
 one rendezvous; the port is derived from the job id, ``base + SLURM_JOB_ID % 20000``, so that
 concurrent jobs never share one.
+
+[Note: a run dir per node] Every launcher takes an exclusive lock on its run directory
+(``observe.out_dir``), and on a shared file system two nodes given the same directory (or
+picking the same default ``runs/<time>``) would collide. Node 0 writes the job's run directory
+(``%j`` becomes the Slurm job id), where rank 0's metrics land; node k writes ``node<k>``
+inside it.
 """
 
 from __future__ import annotations
@@ -45,11 +51,11 @@ class ScriptSpec:
     config: Path  # the job's TOML, absolute (the batch shell's cwd is the submit directory)
     nodes: int
     nproc_per_node: int
-    output: Path | None = None  # stdout+stderr of the whole job (#SBATCH --output)
+    output: Path | str | None = None  # stdout+stderr of the job (#SBATCH --output; %j = id)
     partition: str | None = None
     nodelist: tuple[str, ...] = ()  # pin the job to these nodes (the policy's placement)
     train_args: tuple[str, ...] = ()  # more `polytrain train` flags (out dir, checkpoints, resume)
-    run_dir: Path | None = None  # node 0's --out-dir; node k writes <run_dir>/node<k>
+    run_dir: Path | str = "runs/slurm-%j"  # node 0's --out-dir ([Note: a run dir per node])
     python: str = "python3"
     exports: Mapping[str, str] = field(default_factory=dict)  # exported before srun
     signal: str | None = None  # e.g. "TERM@60": warn before the time limit
@@ -88,13 +94,11 @@ def train_command(spec: ScriptSpec) -> list[str]:
 
 
 # Run by `bash -c` on every node ([Note: per-node expansion]): "$@" is train_command, $rdzv the
-# endpoint, $run_dir node 0's run directory ('' = the job's own).
+# endpoint, $run_dir node 0's run directory ([Note: a run dir per node]).
 _PER_NODE = (
-    'out=(); if [ -n "$run_dir" ]; then '
-    'if [ "$SLURM_NODEID" = 0 ]; then out=(--out-dir "$run_dir"); '
-    'else out=(--out-dir "$run_dir/node$SLURM_NODEID"); fi; fi; '
+    'out="$run_dir"; if [ "$SLURM_NODEID" != 0 ]; then out="$run_dir/node$SLURM_NODEID"; fi; '
     'exec "$@" --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" --rdzv-endpoint "$rdzv" '
-    '"${out[@]}"'
+    '--out-dir "$out"'
 )
 
 
@@ -129,7 +133,8 @@ def batch_script(spec: ScriptSpec) -> str:
         "head_addr=$(scontrol show node \"$head_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
         "# One port per job: concurrent jobs never share a rendezvous store.",
         f'export rdzv="$head_addr:$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))"',
-        f"export run_dir={q(str(spec.run_dir)) if spec.run_dir else q('')}",
+        f"run_dir={q(str(spec.run_dir))}",
+        'export run_dir="${run_dir//%j/$SLURM_JOB_ID}"',
         'echo "polytrain-slurm: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, rendezvous $rdzv"',
         f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {q(_PER_NODE)} polytrain-node \\",
         "    " + " ".join(q(a) for a in train_command(spec)),
