@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 
 from polytrain.scheduler.backend import Launch
 from polytrain.scheduler.slurm import SlurmBackend
+from polytrain.scheduler.slurm_script import ScriptSpec, batch_script
 from polytrain.testing import scaled
 from tests.helpers.slurm import SlurmCluster, SlurmUnavailable, start_cluster
 
@@ -86,6 +87,47 @@ def wait_for(ready: Callable[[], object], timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {scaled(timeout_s):.0f} s")
         time.sleep(0.1)
+
+
+def test_script_gives_each_node_its_rank_endpoint_and_run_dir(tmp_path: Path) -> None:
+    """The generated script run by bash with stand-ins for scontrol, srun and python: each
+    "node" (srun's stand-in runs the task once per node id) must receive its own node rank,
+    the shared endpoint and its own run directory ([Note: per-node expansion])."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "scontrol": 'if [ "$1 $2" = "show hostnames" ]; then echo n7; echo n8; '
+        'else echo "NodeName=n7 Arch=x86_64 NodeAddr=10.1.2.3 NodeHostName=h7"; fi',
+        # srun: drop its options, then run the task once per node with that node's id.
+        "srun": 'while [[ "$1" == --* ]]; do shift; done; '
+        'for i in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$i "$@" || exit; done',
+        "fake-python": f'printf "%s\\n" "$*" >> {tmp_path}/calls.txt',
+    }
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    spec = ScriptSpec(
+        "j", Path("/jobs/a b.toml"), nodes=2, nproc_per_node=3, python=str(bin_dir / "fake-python")
+    )
+    (tmp_path / "job.sbatch").write_text(batch_script(spec))
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "45678",
+        "SLURM_JOB_NODELIST": "n[7-8]",
+        "SLURM_NNODES": "2",
+    }
+    done = subprocess.run(
+        ["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    common = "-m polytrain train --config /jobs/a b.toml --nproc 3 --nnodes 2"
+    endpoint = "--rdzv-endpoint 10.1.2.3:25678"
+    assert calls == [
+        f"{common} --node-rank 0 {endpoint} --out-dir runs/slurm-45678",
+        f"{common} --node-rank 1 {endpoint} --out-dir runs/slurm-45678/node1",
+    ]
 
 
 def test_preempted_job_resumes_on_fewer_nodes_to_the_same_weights(

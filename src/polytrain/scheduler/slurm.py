@@ -97,7 +97,8 @@ def nodes_for(
     return tuple(counts), next(iter(counts.values()))
 
 
-_FIELD = re.compile(r"(\w+)=(.*?)(?=\s+\w+=|$)")
+# Keys are words that may hold ':' and '/' (``AllocNode:Sid``, ``CPUs/Task``, ``ReqB:S:C:T``).
+_FIELD = re.compile(r"([\w:/]+)=(.*?)(?=\s+[\w:/]+=|$)")
 
 
 def parse_job_records(text: str) -> dict[str, dict[str, str]]:
