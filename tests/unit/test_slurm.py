@@ -132,7 +132,7 @@ def test_a_resumed_start_on_one_node_runs_all_its_workers_there(tmp_path: Path) 
 
 def test_rendezvous_port_is_per_job_and_endpoint_is_the_first_nodes_address() -> None:
     script = batch_script(ScriptSpec("j", Path("/j.toml"), nodes=2, nproc_per_node=4))
-    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in script
     assert "NodeAddr=" in script
     assert 'export rdzv="$head_addr:$((20000 + SLURM_JOB_ID % 20000))"' in script
 

@@ -129,7 +129,8 @@ def batch_script(spec: ScriptSpec) -> str:
         *(f"#SBATCH {h}" for h in header),
         "set -euo pipefail",
         *(f"export {k}={q(v)}" for k, v in sorted(spec.exports.items())),
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # sed, not head: head exits early and, under pipefail, scontrol's SIGPIPE fails the job.
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         "head_addr=$(scontrol show node \"$head_node\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')",
         "# One port per job: concurrent jobs never share a rendezvous store.",
         f'export rdzv="$head_addr:$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))"',
