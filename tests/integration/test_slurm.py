@@ -2,11 +2,12 @@
 
 A one-host cluster (munged, slurmctld, slurmd n1 and n2; tests/helpers/slurm.py) with 2 device
 slots per node: slots 0-1 on n1, 2-3 on n2. Two copies of one tiny GPT job run through
-`SlurmBackend` in the order the executor would drive them: A starts on slots (1, 2) (two nodes,
-one worker each), B on slot 0 (n1); once A's step-10 checkpoint has landed A is stopped
-(scancel), then started again with ``resume = True`` on slot 3 (one node). B is the
-unpreempted run of the same job, so A's final weights must equal B's up to fp32 round-off (two
-replicas averaging gradients vs one). Slurm's records of these runs, captured with
+`SlurmBackend` in the order the executor would drive it: A starts on slots (1, 2) (two nodes,
+one worker each); once A's step-10 checkpoint has landed A is stopped (scancel), then started
+again with ``resume = True`` on slot 3 (one node). B is submitted as a user would, from
+``polytrain sched slurm-script`` and ``sbatch``, and runs alongside on one node, unpreempted.
+B is the same job, so A's final weights must equal B's up to fp32 round-off (two replicas
+averaging gradients vs one). Slurm's records of these runs, captured with
 ``scontrol -o show job``, are the samples the unit tests parse.
 
 [Note: SGD for the comparison] The job uses SGD, as the repository's other resume-under-another-
@@ -18,7 +19,9 @@ AdamW (lr 3e-3, 40 steps): k.bias differed by up to 6e-5, every other weight by 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,8 +32,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from polytrain.cli.sched_slurm import slurm_script_command
 from polytrain.scheduler.backend import Launch
-from polytrain.scheduler.slurm import SlurmBackend
+from polytrain.scheduler.slurm import SlurmBackend, exit_code
 from polytrain.scheduler.slurm_script import ScriptSpec, batch_script
 from polytrain.testing import scaled
 from tests.helpers.slurm import SlurmCluster, SlurmUnavailable, start_cluster
@@ -155,12 +159,32 @@ def test_preempted_job_resumes_on_fewer_nodes_to_the_same_weights(
 
     for job in ("a", "b"):
         job_file(tmp_path / f"{job}.toml", tmp_path / f"{job}.safetensors")
+    t0 = time.monotonic()
     backend.start(launch("a", 0, (1, 2), resume=False))  # n1 + n2, one worker each
-    backend.start(launch("b", 0, (0,), resume=False))  # n1, alongside A's first worker
+    # B as a user submits it: `polytrain sched slurm-script`, then sbatch (Slurm picks the node).
+    slurm_script_command(
+        tmp_path / "b.toml",
+        nodes=1,
+        nproc_per_node=1,
+        out=tmp_path / "b.sbatch",
+        python=sys.executable,
+    )
+    submit = subprocess.run(
+        ["sbatch", "--parsable", "b.sbatch"],
+        cwd=tmp_path,
+        env={**slurm.env, "PYTHONPATH": PYTHONPATH},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert submit.returncode == 0, submit.stderr
+    b_id = submit.stdout.strip()
     first = tmp_path / "ckpt" / "a" / f"step_{EVERY:09d}" / "manifest.json"
     wait_for(first.exists, 90, "A's first checkpoint")
+    t_checkpoint = time.monotonic() - t0
     a_first = backend.submitted["a"][0]
     backend.stop("a")
+    t_stop = time.monotonic() - t0 - t_checkpoint
     stopped = backend.record(a_first)
     assert stopped is not None and stopped["JobState"] == "CANCELLED", stopped
     assert stopped["NodeList"] == "n[1-2]" and stopped["NumNodes"] == "2", stopped
@@ -169,13 +193,27 @@ def test_preempted_job_resumes_on_fewer_nodes_to_the_same_weights(
 
     backend.start(launch("a", 1, (3,), resume=True))  # one node now: n2
     ended: dict[str, int] = {}
-    wait_for(lambda: ended.update(backend.poll()) or len(ended) == 2, 120, "A and B to end")
+    wait_for(lambda: ended.update(backend.poll()) or ended, 120, "A to end")
+    wait_for(lambda: exit_code(backend.record(b_id) or {}) is not None, 60, "B to end")
+    b_record = backend.record(b_id) or {}
+    t_all = time.monotonic() - t0
     logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
-    assert ended == {"a": 0, "b": 0}, (ended, logs)
+    b_log = (tmp_path / f"polytrain-{b_id}.out").read_text()
+    assert ended == {"a": 0} and exit_code(b_record) == 0, (ended, b_record, logs, b_log)
     resumed = backend.record(backend.submitted["a"][1])
     assert resumed is not None and resumed["NodeList"] == "n2", resumed
-    assert "polytrain: resumed from" in logs["a-1.log"], logs["a-1.log"]
+    said = re.search(r"polytrain: resumed from .*step_\d+ \(step (\d+)\)", logs["a-1.log"])
+    assert said is not None, logs["a-1.log"]
+    metrics = (tmp_path / "runs" / "a-1" / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line)["step"] for line in metrics]
+    assert logged and min(logged) > int(said[1]) and max(logged) == STEPS, logged
     assert "2 rank(s) in all" in logs["a-0.log"] and "1 rank(s) in all" in logs["a-1.log"]
+    assert (tmp_path / "runs" / f"slurm-{b_id}" / "metrics.jsonl").exists(), b_log
+    print(
+        f"A's step-{EVERY} checkpoint {t_checkpoint:.1f} s after submit; stop (scancel until "
+        f"ended) {t_stop:.1f} s; A resumed on 1 node ({newest}) and B ended {t_all:.1f} s "
+        "after the first submit"
+    )
 
     a = load_file(str(tmp_path / "a.safetensors"))
     b = load_file(str(tmp_path / "b.safetensors"))
