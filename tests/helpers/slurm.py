@@ -78,9 +78,11 @@ def _ensure_binaries() -> None:
     except subprocess.TimeoutExpired:
         raise SlurmUnavailable("apt-get install of Slurm timed out") from None
     still = [b for b in _BINARIES if shutil.which(b) is None]
-    if done.returncode != 0 or still:
-        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise SlurmUnavailable(f"apt-get install of Slurm failed: {last}")
+    if still:
+        raise SlurmUnavailable(f"{', '.join(still)} not on PATH after apt-get install")
 
 
 def _free_ports(count: int) -> list[int]:

@@ -22,6 +22,8 @@ PURE = [
     "planner",
     "ps/sharding.py",
     "ps/consistency.py",
+    "scheduler/slurm.py",
+    "scheduler/slurm_script.py",
 ]
 # The planner's torch-facing modules (planner2's): model statistics and host calibration (its
 # timing rounds in planner/timing.py).
