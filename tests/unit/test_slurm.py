@@ -4,13 +4,20 @@ back (real ``scontrol -o show job`` samples), and ``polytrain sched slurm-script
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from polytrain.errors import ConfigError
-from polytrain.scheduler.backend import Launch
-from polytrain.scheduler.slurm import SlurmBackend, exit_code, nodes_for, parse_job_records
+from polytrain.scheduler.backend import Backend, Launch
+from polytrain.scheduler.slurm import (
+    SlurmBackend,
+    SlurmError,
+    exit_code,
+    nodes_for,
+    parse_job_records,
+)
 from polytrain.scheduler.slurm_script import ScriptSpec, batch_script
 from tests.helpers.cli import assert_usage_error, run_main
 
@@ -271,3 +278,87 @@ def test_slurm_script_never_overwrites_out(
     )
     assert code == 0, err
     assert fresh.read_text().startswith("#!/bin/bash\n") and str(fresh) in said
+
+
+# -- the backend against a scripted Slurm -------------------------------------------------------
+
+
+class FakeSlurm:
+    """Stands in for ``subprocess.run`` in `polytrain.scheduler.slurm`: records every command
+    and answers ``scontrol show job`` from a script of states per Slurm job id."""
+
+    def __init__(self, states: dict[str, list[str]]) -> None:
+        self.states = states
+        self.calls: list[list[str]] = []
+        self.next_id = 41
+        self.conf: str | None = None
+
+    def __call__(self, cmd: list[str], **kwargs: object) -> Answer:
+        self.calls.append(cmd)
+        assert isinstance(cmd, list) and kwargs.get("timeout"), "argument list and a timeout"
+        self.conf = dict(kwargs["env"]).get("SLURM_CONF")  # type: ignore[call-overload]
+        if cmd[0] == "sbatch":
+            self.next_id += 1
+            return Answer(0, f"{self.next_id}\n")
+        if cmd[0] == "scancel":
+            return Answer(0, "")
+        slurm_id = cmd[-1]
+        if slurm_id not in self.states:
+            return Answer(1, "", "slurm_load_jobs error: Invalid job id specified")
+        queue = self.states[slurm_id]
+        state = queue.pop(0) if len(queue) > 1 else queue[0]
+        code = {"FAILED": "3:0", "CANCELLED": "0:15"}.get(state, "0:0")
+        return Answer(
+            0, f"JobId={slurm_id} JobName=x JobState={state} Reason=None ExitCode={code}\n"
+        )
+
+
+class Answer:
+    def __init__(self, returncode: int, stdout: str, stderr: str = "") -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeSlurm:
+    slurm = FakeSlurm({})
+    monkeypatch.setattr("polytrain.scheduler.slurm.subprocess.run", slurm)
+    return slurm
+
+
+def test_backend_reports_each_end_once_and_never_a_stopped_job(
+    fake: FakeSlurm, tmp_path: Path
+) -> None:
+    backend: Backend = SlurmBackend(["n1", "n2"], 2, slurm_conf=tmp_path / "slurm.conf")
+    fake.states = {
+        "42": ["PENDING", "RUNNING", "COMPLETED"],
+        "43": ["RUNNING", "RUNNING", "FAILED"],
+        "44": ["RUNNING", "COMPLETING", "COMPLETING", "CANCELLED"],
+    }
+    for job, devices in (("a", (0,)), ("b", (1,)), ("c", (2, 3))):
+        backend.start(replace(launch(tmp_path, devices, resume=False), job_id=job))
+    assert [c[0] for c in fake.calls] == ["sbatch"] * 3
+    assert fake.conf == str(tmp_path / "slurm.conf")
+    assert (tmp_path / "logs" / "c-0.sbatch").read_text().count("--nodelist=n2") == 1
+    assert backend.poll() == {}  # PENDING, RUNNING, RUNNING
+    backend.stop("c")  # scancel, then waits through COMPLETING until CANCELLED
+    assert [c[0] for c in fake.calls[-4:]] == ["scancel", "scontrol", "scontrol", "scontrol"]
+    assert backend.poll() == {}  # a RUNNING, b RUNNING; c is no longer asked about
+    assert backend.poll() == {"a": 0, "b": 3}
+    assert backend.poll() == {}
+
+
+def test_backend_reports_a_job_slurm_forgot_as_failed(fake: FakeSlurm, tmp_path: Path) -> None:
+    backend = SlurmBackend(["n1"], 1)
+    backend.start(launch(tmp_path, (0,), resume=False))
+    fake.states = {}  # `scontrol show job 42`: Invalid job id
+    assert backend.poll() == {"job-7": 1}
+
+
+def test_backend_stop_that_never_ends_is_an_error(fake: FakeSlurm, tmp_path: Path) -> None:
+    backend = SlurmBackend(["n1"], 1, stop_timeout_s=0.3)
+    backend.start(launch(tmp_path, (0,), resume=False))
+    fake.states = {"42": ["COMPLETING"]}
+    with pytest.raises(SlurmError, match=r"Slurm job 42 \('job-7'\) did not end within 0.3 s"):
+        backend.stop("job-7")
+    with pytest.raises(ConfigError, match="not running on Slurm"):
+        backend.stop("job-7")
