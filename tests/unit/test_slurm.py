@@ -85,8 +85,10 @@ def launch(tmp_path: Path, devices: tuple[int, ...], resume: bool) -> Launch:
 
 
 def sbatch_options(script: str) -> dict[str, str]:
+    """#SBATCH options as {name: value} ('' for a flag without a value)."""
     lines = [line.removeprefix("#SBATCH ") for line in script.splitlines()]
-    return dict(o.lstrip("-").split("=", 1) for o in lines if o.startswith("--"))
+    options = [o.lstrip("-").partition("=") for o in lines if o.startswith("--")]
+    return {name: value for name, _, value in options}
 
 
 def srun_argv(script: str) -> list[str]:
@@ -109,6 +111,7 @@ def test_script_allocates_one_launcher_task_per_node_on_the_placed_nodes(tmp_pat
         "output": str(tmp_path / "logs" / "job-7-1.log"),
         "partition": "low",
         "nodelist": "n1,n2",
+        "no-requeue": "",
     }
     assert "export PYTHONPATH='/a b'" in script
     argv = srun_argv(script)

@@ -21,6 +21,12 @@ script anyway, so `stop` is ``scancel`` (SIGTERM to the launchers, which stop th
 and every start is a new ``sbatch``. `stop` returns only once Slurm reports the job ended:
 a resumed start must never overlap the stopped one's last writes to the checkpoint directory.
 
+[Note: no requeue behind the executor's back] Every script is submitted with
+``--no-requeue``: a node failure or a preemption by a higher-priority partition then ends the
+start (NODE_FAIL, PREEMPTED: reported as a failure) instead of rerunning the same script later,
+unseen by the executor, as a first start (``--no-resume``) into a run directory that already
+holds a run.
+
 Exit codes (`exit_code`): COMPLETED and FAILED report the script's exit status; a job killed
 by a signal reports 128 + signal, as a shell does; other ends (TIMEOUT, NODE_FAIL,
 OUT_OF_MEMORY, PREEMPTED by a higher partition, a cancellation nobody here asked for) report
@@ -123,8 +129,8 @@ def exit_code(record: Mapping[str, str]) -> int | None:
     code, signal = int(status or 0), int(sig or 0)
     if signal:
         return 128 + signal
-    if state in ("COMPLETED", "FAILED"):
-        return code if state == "COMPLETED" or code else 1
+    if state == "COMPLETED":
+        return code
     return code or 1
 
 
@@ -152,7 +158,10 @@ class SlurmBackend:
         stop_timeout_s: float = 60.0,
     ) -> None:
         if not nodes or slots_per_node < 1:
-            raise ConfigError(f"a Slurm cluster of {list(nodes)} x {slots_per_node} slots")
+            raise ConfigError(
+                f"a Slurm backend needs nodes and device slots on them (nodes: {list(nodes)}, "
+                f"slots per node: {slots_per_node}): name at least one node and one slot"
+            )
         self.nodes, self.slots_per_node = tuple(nodes), slots_per_node
         self.partition, self.python, self.gpus = partition, python, gpus
         self.exports = dict(exports or {})
@@ -204,6 +213,7 @@ class SlurmBackend:
             python=self.python,
             exports=self.exports,
             gpus_per_node=self.gpus,
+            requeue=False,  # [Note: no requeue behind the executor's back]
         )
         return batch_script(spec)
 

@@ -60,6 +60,7 @@ class ScriptSpec:
     exports: Mapping[str, str] = field(default_factory=dict)  # exported before srun
     signal: str | None = None  # e.g. "TERM@60": warn before the time limit
     gpus_per_node: bool = False  # one slot = one GPU (--gpus-per-node) instead of one CPU
+    requeue: bool | None = None  # False: --no-requeue; None: the cluster's default
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -121,6 +122,8 @@ def batch_script(spec: ScriptSpec) -> str:
         header.append(f"--nodelist={','.join(spec.nodelist)}")
     if spec.signal:
         header.append(f"--signal={spec.signal}")
+    if spec.requeue is not None:
+        header.append("--requeue" if spec.requeue else "--no-requeue")
     q = shlex.quote
     lines = [
         "#!/bin/bash",
