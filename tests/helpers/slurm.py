@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -127,6 +128,9 @@ def _write_conf(root: Path, ports: list[int]) -> Path:
         "MinJobAge=3600",  # keep ended jobs visible to `scontrol show job` (no accounting)
         "KillWait=5",  # SIGTERM -> SIGKILL grace on scancel (default 30 s)
         "SchedulerParameters=sched_interval=1",
+        # Job ids (and so rendezvous ports, [Note: rendezvous port]) differ between clusters
+        # that run at once on one host, e.g. two test sessions.
+        f"FirstJobId={random.randrange(1, 9000)}",
     ]
     for name, port in zip(NODES, node_ports, strict=True):
         lines.append(

@@ -127,7 +127,7 @@ def test_script_gives_each_node_its_rank_endpoint_and_run_dir(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     common = "-m polytrain train --config /jobs/a b.toml --nproc 3 --nnodes 2"
-    endpoint = "--rdzv-endpoint 10.1.2.3:25678"
+    endpoint = "--rdzv-endpoint 10.1.2.3:20678"
     assert calls == [
         f"{common} --node-rank 0 {endpoint} --out-dir runs/slurm-45678",
         f"{common} --node-rank 1 {endpoint} --out-dir runs/slurm-45678/node1",

@@ -144,7 +144,7 @@ def test_rendezvous_port_is_per_job_and_endpoint_is_the_first_nodes_address() ->
     script = batch_script(ScriptSpec("j", Path("/j.toml"), nodes=2, nproc_per_node=4))
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in script
     assert "NodeAddr=" in script
-    assert 'export rdzv="$head_addr:$((20000 + SLURM_JOB_ID % 20000))"' in script
+    assert 'export rdzv="$head_addr:$((20000 + SLURM_JOB_ID % 9000))"' in script
 
 
 def test_gpu_nodes_get_their_devices_as_gpus() -> None:

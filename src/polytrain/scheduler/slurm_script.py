@@ -18,8 +18,10 @@ the node-rank, the run directory and ``exec`` live in the inner script.
 [Note: rendezvous port] Jobs can share a host (and on a one-host test cluster every node is
 127.0.0.1), and polytrain's launcher joins an existing store on its endpoint when the port is
 taken (several nodes of one job on one machine). Two jobs on one port would therefore meet in
-one rendezvous; the port is derived from the job id, ``base + SLURM_JOB_ID % 20000``, so that
-concurrent jobs never share one.
+one rendezvous; the port is derived from the job id, ``20000 + SLURM_JOB_ID % 9000``, so that
+concurrent jobs never share one (unless their ids differ by a multiple of 9000). The range
+20000-28999 stays below torch's default rendezvous port (29400) and Linux's ephemeral ports
+(32768 and up), from which the kernel picks outgoing connections' local ports.
 
 [Note: a run dir per node] Every launcher takes an exclusive lock on its run directory
 (``observe.out_dir``), and on a shared file system two nodes given the same directory (or
@@ -40,7 +42,7 @@ from polytrain.errors import ConfigError
 __all__ = ["ScriptSpec", "batch_script", "train_command"]
 
 PORT_BASE = 20000
-PORT_SPAN = 20000
+PORT_SPAN = 9000
 
 
 @dataclass(frozen=True)
