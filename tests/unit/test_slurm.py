@@ -338,10 +338,16 @@ def test_backend_reports_each_end_once_and_never_a_stopped_job(
         "44": ["RUNNING", "COMPLETING", "COMPLETING", "CANCELLED"],
     }
     for job, devices in (("a", (0,)), ("b", (1,)), ("c", (2, 3))):
-        backend.start(replace(launch(tmp_path, devices, resume=False), job_id=job))
+        log = tmp_path / "logs" / f"{job}-0.log"
+        backend.start(replace(launch(tmp_path, devices, resume=False), job_id=job, log=log))
     assert [c[0] for c in fake.calls] == ["sbatch"] * 3
     assert fake.conf == str(tmp_path / "slurm.conf")
-    assert (tmp_path / "logs" / "c-0.sbatch").read_text().count("--nodelist=n2") == 1
+    assert "#SBATCH --nodelist=n2\n" in (tmp_path / "logs" / "c-0.sbatch").read_text()
+    again = replace(
+        launch(tmp_path, (0,), resume=True), job_id="d", log=tmp_path / "logs" / "a-0.log"
+    )
+    with pytest.raises(ConfigError, match=r"a-0.sbatch already exists"):
+        backend.start(again)  # a start never overwrites an earlier start's script
     assert backend.poll() == {}  # PENDING, RUNNING, RUNNING
     backend.stop("c")  # scancel, then waits through COMPLETING until CANCELLED
     assert [c[0] for c in fake.calls[-4:]] == ["scancel", "scontrol", "scontrol", "scontrol"]

@@ -153,7 +153,6 @@ class SlurmBackend:
         slurm_conf: Path | None = None,
         exports: Mapping[str, str] | None = None,
         python: str = sys.executable,
-        script_dir: Path | None = None,
         gpus: bool = False,
         stop_timeout_s: float = 60.0,
     ) -> None:
@@ -165,7 +164,6 @@ class SlurmBackend:
         self.nodes, self.slots_per_node = tuple(nodes), slots_per_node
         self.partition, self.python, self.gpus = partition, python, gpus
         self.exports = dict(exports or {})
-        self.script_dir = script_dir
         self.stop_timeout_s = stop_timeout_s
         self.env = dict(os.environ)
         if slurm_conf is not None:
@@ -222,9 +220,15 @@ class SlurmBackend:
             raise ConfigError(f"job {launch.job_id!r} is already running on Slurm")
         launch.log.parent.mkdir(parents=True, exist_ok=True)
         launch.run_dir.parent.mkdir(parents=True, exist_ok=True)
-        directory = self.script_dir or launch.log.parent
-        path = directory / f"{launch.job_id}-{len(self.submitted.get(launch.job_id, []))}.sbatch"
-        path.write_text(self.script(launch))
+        # Beside the start's log and named after it: a record of this start, never overwritten.
+        path = launch.log.with_suffix(".sbatch")
+        try:
+            with path.open("x") as f:
+                f.write(self.script(launch))
+        except FileExistsError:
+            raise ConfigError(
+                f"{path} already exists: each start of {launch.job_id!r} needs its own log path"
+            ) from None
         out = self._call("sbatch", "--parsable", str(path))
         slurm_id = out.strip().split(";")[0]  # "<id>[;<cluster>]"
         self._running[launch.job_id] = slurm_id
