@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["NODES", "SlurmCluster", "SlurmUnavailable", "slurm_cluster", "start_cluster"]
+__all__ = ["NODES", "SlurmCluster", "SlurmUnavailable", "start_cluster"]
 
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 2  # declared, not detected (SlurmdParameters=config_overrides)
@@ -53,13 +53,8 @@ class SlurmCluster:
     def env(self) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
-    def scontrol(self, *args: str) -> str:
-        done = subprocess.run(
-            ["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=10
-        )
-        return done.stdout
-
     def log(self, name: str) -> str:
+        """A daemon's log (``slurmctld``, ``slurmd.n1``, ...), for a failing test's message."""
         path = self.root / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
@@ -260,9 +255,3 @@ def start_cluster(root: Path, timeout_s: float = 20.0) -> Iterator[SlurmCluster]
         for pid in _stray_stepds(conf):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def slurm_cluster(root: Path) -> Iterator[SlurmCluster]:
-    """Generator body of a pytest fixture; raises SlurmUnavailable for the caller to skip."""
-    with start_cluster(root) as cluster:
-        yield cluster

@@ -199,7 +199,14 @@ def test_preempted_job_resumes_on_fewer_nodes_to_the_same_weights(
     t_all = time.monotonic() - t0
     logs = {p.name: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
     b_log = (tmp_path / f"polytrain-{b_id}.out").read_text()
-    assert ended == {"a": 0} and exit_code(b_record) == 0, (ended, b_record, logs, b_log)
+    controller = slurm.log("slurmctld")[-2000:]
+    assert ended == {"a": 0} and exit_code(b_record) == 0, (
+        ended,
+        b_record,
+        logs,
+        b_log,
+        controller,
+    )
     resumed = backend.record(backend.submitted["a"][1])
     assert resumed is not None and resumed["NodeList"] == "n2", resumed
     said = re.search(r"polytrain: resumed from .*step_\d+ \(step (\d+)\)", logs["a-1.log"])
