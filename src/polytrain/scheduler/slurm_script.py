@@ -12,8 +12,8 @@ confine all K workers to one CPU. Slurm reserves the same K CPUs either way.
 
 [Note: per-node expansion] ``$SLURM_NODEID`` differs per task, so it must be expanded by a shell
 that ``srun`` starts on each node, not by the batch shell (which runs on node 0 only). The
-train command is passed to ``bash -c`` as positional arguments (quoted once, here) and only
-the node-rank, the run directory and ``exec`` live in the inner script.
+train command is passed to ``bash -c`` as positional arguments (quoted once, here); only the
+node rank, the node count, the endpoint and the node's run directory are expanded there.
 
 [Note: rendezvous port] Jobs can share a host (and on a one-host test cluster every node is
 127.0.0.1), and polytrain's launcher joins an existing store on its endpoint when the port is
