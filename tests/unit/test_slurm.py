@@ -19,6 +19,7 @@ from polytrain.scheduler.slurm import (
     parse_job_records,
 )
 from polytrain.scheduler.slurm_script import ScriptSpec, batch_script
+from tests.helpers import slurm as slurm_helper
 from tests.helpers.cli import assert_usage_error, run_main
 
 SAMPLES = Path(__file__).parent / "data" / "scontrol_show_job.txt"
@@ -371,3 +372,17 @@ def test_backend_stop_that_never_ends_is_an_error(fake: FakeSlurm, tmp_path: Pat
         backend.stop("job-7")
     with pytest.raises(ConfigError, match="not running on Slurm"):
         backend.stop("job-7")
+
+
+# -- the test cluster's skip reasons ------------------------------------------------------------
+
+
+def test_cluster_without_slurm_and_without_root_skips_with_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(slurm_helper.shutil, "which", lambda name: None)
+    monkeypatch.setattr(slurm_helper.os, "geteuid", lambda: 1000)
+    with pytest.raises(slurm_helper.SlurmUnavailable) as exc:
+        slurm_helper._ensure_binaries()
+    assert str(exc.value).startswith("Slurm not installed (munged, slurmctld, slurmd")
+    assert "\n" not in str(exc.value)
