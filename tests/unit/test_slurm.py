@@ -307,6 +307,8 @@ class FakeSlurm:
         if cmd[0] == "scancel":
             return Answer(0, "")
         slurm_id = cmd[-1]
+        if self.states.get(slurm_id) == ["DOWN"]:
+            return Answer(1, "", "slurm_load_jobs error: Unable to contact slurm controller")
         if slurm_id not in self.states:
             return Answer(1, "", "slurm_load_jobs error: Invalid job id specified")
         queue = self.states[slurm_id]
@@ -362,6 +364,18 @@ def test_backend_reports_a_job_slurm_forgot_as_failed(fake: FakeSlurm, tmp_path:
     backend.start(launch(tmp_path, (0,), resume=False))
     fake.states = {}  # `scontrol show job 42`: Invalid job id
     assert backend.poll() == {"job-7": 1}
+
+
+def test_backend_does_not_fail_jobs_while_the_controller_is_unreachable(
+    fake: FakeSlurm, tmp_path: Path
+) -> None:
+    backend = SlurmBackend(["n1"], 1)
+    backend.start(launch(tmp_path, (0,), resume=False))
+    fake.states = {"42": ["DOWN"]}
+    with pytest.raises(SlurmError, match="Unable to contact slurm controller"):
+        backend.poll()
+    fake.states = {"42": ["COMPLETED"]}
+    assert backend.poll() == {"job-7": 0}  # still tracked: reported once the controller answers
 
 
 def test_backend_stop_that_never_ends_is_an_error(fake: FakeSlurm, tmp_path: Path) -> None:

@@ -175,18 +175,26 @@ class SlurmBackend:
     def devices(self) -> int:
         return len(self.nodes) * self.slots_per_node
 
-    def _call(self, *cmd: str) -> str:
+    def _run(self, *cmd: str) -> subprocess.CompletedProcess[str]:
+        """One Slurm command: an argument list, a timeout, ``SLURM_CONF`` in its environment."""
         try:
-            done = subprocess.run(
+            return subprocess.run(
                 list(cmd), env=self.env, capture_output=True, text=True, timeout=_CALL_TIMEOUT_S
             )
         except subprocess.TimeoutExpired:
             raise SlurmError(f"{cmd[0]} did not answer within {_CALL_TIMEOUT_S:g} s") from None
         except FileNotFoundError:
             raise SlurmError(f"{cmd[0]} not found: install Slurm's client commands") from None
+
+    @staticmethod
+    def _failed(cmd: tuple[str, ...], done: subprocess.CompletedProcess[str]) -> SlurmError:
+        said = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return SlurmError(f"{' '.join(cmd[:2])} failed ({done.returncode}): {said}")
+
+    def _call(self, *cmd: str) -> str:
+        done = self._run(*cmd)
         if done.returncode != 0:
-            said = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise SlurmError(f"{' '.join(cmd[:2])} failed ({done.returncode}): {said}")
+            raise self._failed(cmd, done)
         return done.stdout
 
     def script(self, launch: Launch) -> str:
@@ -236,18 +244,12 @@ class SlurmBackend:
 
     def record(self, slurm_id: str) -> dict[str, str] | None:
         """Slurm's record of one job, None once Slurm has forgotten it (after ``MinJobAge``)."""
-        cmd = ["scontrol", "-o", "show", "job", slurm_id]
-        try:
-            done = subprocess.run(
-                cmd, env=self.env, capture_output=True, text=True, timeout=_CALL_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired:
-            raise SlurmError(f"scontrol did not answer within {_CALL_TIMEOUT_S:g} s") from None
+        cmd = ("scontrol", "-o", "show", "job", slurm_id)
+        done = self._run(*cmd)
         if done.returncode != 0:
             if "Invalid job id" in done.stderr:
                 return None
-            said = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise SlurmError(f"scontrol show job {slurm_id} failed ({done.returncode}): {said}")
+            raise self._failed(cmd, done)
         return parse_job_records(done.stdout).get(slurm_id)
 
     def stop(self, job_id: str) -> None:
