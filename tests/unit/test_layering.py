@@ -25,6 +25,8 @@ PURE = [
     "ps/sharding.py",
     "ps/consistency.py",
     "gossip/graphs.py",
+    "scheduler/slurm.py",
+    "scheduler/slurm_script.py",
 ]
 # Modules of strategy families that are pure and that the planner reads: it simulates the same
 # schedule action lists, partitions and peer graphs the runtime uses (ARCHITECTURE.md).
