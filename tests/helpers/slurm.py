@@ -71,6 +71,10 @@ def _ensure_binaries() -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        if done.returncode != 0:  # a fresh image has no package lists yet
+            update = ["apt-get", "update", "-qq"]
+            subprocess.run(update, env=env, capture_output=True, text=True, timeout=180)
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired:
         raise SlurmUnavailable("apt-get install of Slurm timed out") from None
     still = [b for b in _BINARIES if shutil.which(b) is None]
