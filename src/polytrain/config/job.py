@@ -67,6 +67,12 @@ class ModelConfig:
     args: dict[str, Any] = option(
         {}, "keyword arguments of a factory model (a TOML table, e.g. [model.args] n_layer = 2)"
     )
+    init_from: str = option(
+        "",
+        "start from these pretrained weights: a .safetensors file or a transformers "
+        "save_pretrained directory (sharded included); step 0, no optimizer state ('' = the "
+        "seed's initial weights)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "block_size"):

@@ -27,6 +27,7 @@ from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
 from polytrain.measure.mfu import mfu_inputs
 from polytrain.models.gpt import generate
+from polytrain.models.pretrained import load_pretrained
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.observe.metrics import (
     MetricsWriter,
@@ -116,6 +117,8 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     train_set, val_set, spec = build_datasets(job.data, block_size)
     batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
     model = build_model(job.model, spec, job.train.seed)
+    if job.model.init_from:  # before any strategy shards or splits the model
+        load_pretrained(model, job.model.init_from)
     strategy = build_strategy(job, ctx, model, batches)
     checkpointer = None
     start = 0
