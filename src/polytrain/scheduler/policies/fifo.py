@@ -1,0 +1,33 @@
+"""First in, first out: the baseline of Tiresias (NSDI'19) and Pollux (OSDI'21).
+
+Jobs start in submission order on the devices they asked for and keep them until they finish
+(non-preemptive). Without backfill a job that does not fit blocks every job behind it
+(head-of-line blocking): a one-device job waits behind a 64-device job for the cluster to
+drain. That is the behaviour the papers measure against, so it is the default; with
+``backfill=True`` a later job that fits the free devices starts ahead of the blocked one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from polytrain.scheduler.jobs import JobState, JobView
+from polytrain.scheduler.policies._fill import fill
+from polytrain.scheduler.policy import Allocation, Cluster
+
+__all__ = ["Fifo"]
+
+
+@dataclass(frozen=True)
+class Fifo:
+    backfill: bool = False
+    name: str = "fifo"
+
+    def decide(self, jobs: Sequence[JobView], cluster: Cluster, now: float) -> Allocation:
+        running = {j.id: j.allocated for j in jobs if j.state is JobState.RUNNING and j.allocated}
+        waiting = sorted(
+            (j for j in jobs if j.active and j.id not in running), key=lambda j: (j.submitted, j.id)
+        )
+        free = cluster.devices - sum(running.values())
+        return fill(waiting, free, backfill=self.backfill, start=running)
