@@ -104,4 +104,5 @@ class JobView:
     @property
     def active(self) -> bool:
         """Waiting for or holding devices (not done, not being stopped)."""
-        return self.state in (JobState.QUEUED, JobState.RUNNING, JobState.SUSPENDED)
+        state = self.state  # identity tests: policies ask this of every job at every decision
+        return state is JobState.RUNNING or state is JobState.QUEUED or state is JobState.SUSPENDED

@@ -130,6 +130,7 @@ def simulate(
         (spec.submitted, _ARRIVAL, i, 0) for i, spec in enumerate(trace)
     ]
     heapq.heapify(heap)
+    by_id = {spec.id: i for i, spec in enumerate(trace)}
     active: dict[int, _Job] = {}  # by index in trace, arrival order
     running: dict[int, _Job] = {}
     held: dict[str, tuple[int, ...]] = {}
@@ -182,7 +183,6 @@ def simulate(
         decisions += 1
         if check:
             check_allocation(allocation, views, cluster)
-        by_id = {job.spec.id: i for i, job in active.items()}
         for index in {*running, *(by_id[k] for k, v in allocation.items() if v)}:
             job = jobs[index]
             if _apply(job, allocation.get(job.spec.id, 0), now, restart_s):
