@@ -22,6 +22,14 @@ PURE = [
     "planner",
     "ps/sharding.py",
     "ps/consistency.py",
+    "scheduler/jobs.py",
+    "scheduler/policy.py",
+    "scheduler/policies",
+    "scheduler/speedup.py",
+    "scheduler/trace.py",
+    "scheduler/simulate.py",
+    "scheduler/report.py",
+    "scheduler/durations.py",
 ]
 # The planner's torch-facing modules (planner2's): model statistics and host calibration (its
 # timing rounds in planner/timing.py).
