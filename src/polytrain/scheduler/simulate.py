@@ -11,10 +11,10 @@ is a legal one) and :func:`~.policy.place` (so no two jobs share a device).
 says how long it ran on the devices it asked for, and its speed-up curve ``s`` says how fast
 it progresses on any other count. While it holds ``k`` devices it does ``s(k)`` one-device
 seconds of work per second, except right after a resume or a resize: then it holds its
-devices but does no work for ``restart_s`` (checkpoint, relaunch, restore). The default, 30 s,
-is at the low end of the restart costs Pollux (OSDI'21, §5: 15-120 s) and Gandiva (OSDI'18,
-suspend-resume in about a second for the GPU state, plus the framework's relaunch) report; a
-first start costs nothing extra in any policy.
+devices but does no work for ``restart_s`` (checkpoint, relaunch, restore). Pollux (OSDI'21)
+and Gandiva (OSDI'18) both charge a re-allocated job such a delay; the default, 30 s, is ours
+(a knob: ``--restart``), not a measured figure. A first start costs nothing extra in any
+policy.
 """
 
 from __future__ import annotations

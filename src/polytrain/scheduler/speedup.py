@@ -1,17 +1,17 @@
 """Analytic speed-up curves for simulated jobs: a few model classes, each an Amdahl curve.
 
 Traces such as Philly's record how long a job ran on the devices it asked for, not how it
-would scale on others; an elastic policy needs the whole curve. Pollux (OSDI'21, §5) and Sia
-(SOSP'23) give each trace job a model class (chosen by its size) and use that class's measured
-scaling. We do the same with analytic curves: class ``c`` has a serial fraction ``alpha`` and
+would scale on others; an elastic policy needs the whole curve. The simulators of Pollux
+(OSDI'21) and Sia (SOSP'23) give each trace job a model class (chosen by its size) and use that
+class's measured scaling. We do the same with analytic curves: class ``c`` has a serial fraction ``alpha`` and
 speed-up ``s(k) = 1 / (alpha + (1 - alpha) / k)`` (Amdahl's law; equivalently
 ``k / (1 + alpha (k - 1))``: a fixed share of each step that does not shrink with more devices,
 such as the gradient exchange of data parallelism). They are not derived from polytrain's
 planner: pricing every device count of every job with the cost model needs a model and a
 calibrated host per class, which a trace does not give.
 
-Classes by GPU-time (duration x devices), longer jobs being larger models that scale better,
-as Pollux's workload assigns them::
+Classes by GPU-time (duration x devices), on the assumption that longer jobs train larger
+models, which scale better (the curves are ours, not fitted to any measurement)::
 
     class    alpha   s(8)   s(32)   GPU-time
     small    0.15    3.9     5.7    < 1 GPU-hour

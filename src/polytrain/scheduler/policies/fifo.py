@@ -1,9 +1,9 @@
-"""First in, first out: the baseline of Tiresias (NSDI'19) and Pollux (OSDI'21).
+"""First in, first out: the baseline scheduling papers measure against (a cluster's default queue).
 
 Jobs start in submission order on the devices they asked for and keep them until they finish
 (non-preemptive). Without backfill a job that does not fit blocks every job behind it
 (head-of-line blocking): a one-device job waits behind a 64-device job for the cluster to
-drain. That is the behaviour the papers measure against, so it is the default; with
+drain. That is the usual baseline's behaviour, so it is the default; with
 ``backfill=True`` a later job that fits the free devices starts ahead of the blocked one.
 """
 

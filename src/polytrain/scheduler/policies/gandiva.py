@@ -1,6 +1,6 @@
 """Gandiva-style time slicing: over-subscribed jobs take turns, one slice at a time.
 
-Xiao et al., "Gandiva: Introspective Cluster Scheduling for Deep Learning", OSDI 2018, §4.2
+Xiao et al., "Gandiva: Introspective Cluster Scheduling for Deep Learning", OSDI 2018
 (suspend-resume and time slicing). Only the time slicing is modelled, not Gandiva's packing,
 migration or grow-shrink.
 

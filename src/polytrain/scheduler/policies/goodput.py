@@ -1,7 +1,7 @@
 """Elastic allocation by marginal speed-up, Pollux-like.
 
 Qiao et al., "Pollux: Co-adaptive Cluster Scheduling for Goodput-Optimized Deep Learning",
-OSDI 2021, §4. Pollux re-allocates devices so that the jobs' summed speed-up (throughput
+OSDI 2021. Pollux re-allocates devices so that the jobs' summed speed-up (throughput
 relative to a fair share) is highest, and charges each re-allocation its restart cost. This
 policy keeps that idea with three simple, documented steps instead of Pollux's genetic search
 and its learned goodput model (the speed-up curves are given: ``JobView.speedup``):

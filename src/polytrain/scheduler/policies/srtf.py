@@ -1,4 +1,4 @@
-"""Shortest remaining time first, preemptive (the SRTF of Tiresias's and Gandiva's comparisons).
+"""Shortest remaining time first, preemptive: the clairvoyant reference point.
 
 At every decision (a submission, a completion, a slice boundary) the active jobs are ranked by
 ``remaining`` (seconds left at their requested devices; unknown counts as infinite) and the
