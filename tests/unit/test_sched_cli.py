@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from benchmarks.scheduler import main as benchmark
 
 from polytrain.scheduler.durations import parse_duration
 from tests.helpers.cli import assert_usage_error, run_main
@@ -108,3 +109,16 @@ def test_durations_as_typed() -> None:
         172800.0,
     ]
     assert parse_duration("0", "--restart", allow_zero=True) == 0.0
+
+
+def test_sched_alone_prints_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_main(["sched"], capsys)
+    assert code == 2 and "simulate" in out + err
+
+
+def test_the_benchmark_without_its_trace_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert benchmark.main(["--trace", str(tmp_path / "philly.csv")]) == 2
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 1 and "no trace at" in out

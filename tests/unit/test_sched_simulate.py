@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from polytrain.errors import ConfigError
 from polytrain.scheduler.policies import Fifo, Goodput, Srtf, get_policy
 from polytrain.scheduler.policy import Cluster
 from polytrain.scheduler.report import percentile
@@ -74,6 +75,15 @@ def test_gandiva_slices_by_hand() -> None:
     jobs = [TraceJob("A", 0.0, 150.0, 1, line=2), TraceJob("B", 0.0, 150.0, 1, line=3)]
     result = simulate(jobs, get_policy("gandiva"), Cluster(1, slice_s=100.0), restart_s=10.0)
     assert jcts(result) == pytest.approx({"A": 260.0, "B": 320.0})
+
+
+def test_empty_and_duplicate_traces_are_one_line() -> None:
+    with pytest.raises(ConfigError, match="no jobs to simulate"):
+        simulate([], Fifo(), Cluster(2))
+    with pytest.raises(ConfigError, match="job id 'J2' appears twice"):
+        simulate([*TINY, TINY[1]], Fifo(), Cluster(2))
+    with pytest.raises(ConfigError, match=r"job 'J1' \(line 2\) asks 2 devices, the cluster has 1"):
+        simulate(TINY, Fifo(), Cluster(1))
 
 
 def test_percentile_is_nearest_rank() -> None:

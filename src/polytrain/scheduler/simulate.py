@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from polytrain.errors import ConfigError
 from polytrain.scheduler.jobs import JobState, JobView, advance
 from polytrain.scheduler.policy import Cluster, Policy, check_allocation, place
 from polytrain.scheduler.report import JobRecord, Summary, summarize
@@ -123,6 +124,12 @@ def simulate(
 
     ``check`` verifies every allocation (:func:`check_allocation`) and places it on device
     indices (:func:`place`); ``keep_placements`` keeps each placement for tests."""
+    if not trace:
+        raise ConfigError("no jobs to simulate: give a trace with at least one job")
+    by_id = {spec.id: i for i, spec in enumerate(trace)}
+    if len(by_id) < len(trace):
+        again = next(spec for i, spec in enumerate(trace) if by_id[spec.id] != i)
+        raise ConfigError(f"job id {again.id!r} appears twice: give every job its own id")
     fit_cluster(trace, cluster.devices)  # a job that can never run is a one-line error
     wall = time.perf_counter()
     jobs = [_Job(spec) for spec in trace]
@@ -130,7 +137,6 @@ def simulate(
         (spec.submitted, _ARRIVAL, i, 0) for i, spec in enumerate(trace)
     ]
     heapq.heapify(heap)
-    by_id = {spec.id: i for i, spec in enumerate(trace)}
     active: dict[int, _Job] = {}  # by index in trace, arrival order
     running: dict[int, _Job] = {}
     held: dict[str, tuple[int, ...]] = {}
