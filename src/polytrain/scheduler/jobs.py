@@ -101,8 +101,10 @@ class JobView:
         """Since when a job that holds no devices has been waiting (stopped, else submitted)."""
         return self.submitted if self.last_stopped is None else self.last_stopped
 
-    @property
-    def active(self) -> bool:
-        """Waiting for or holding devices (not done, not being stopped)."""
-        state = self.state  # identity tests: policies ask this of every job at every decision
-        return state is JobState.RUNNING or state is JobState.QUEUED or state is JobState.SUSPENDED
+    active: bool = field(init=False, repr=False, compare=False)
+    """Waiting for or holding devices (not done, not being stopped). A field set once rather
+    than a property: policies read it of every job at every decision."""
+
+    def __post_init__(self) -> None:
+        active = self.state in (JobState.QUEUED, JobState.RUNNING, JobState.SUSPENDED)
+        object.__setattr__(self, "active", active)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from polytrain.scheduler.jobs import JobState, JobView
 from polytrain.scheduler.policies._fill import fill
 from polytrain.scheduler.policy import Allocation, Cluster
 
 __all__ = ["Fifo"]
+
+_SUBMISSION = attrgetter("submitted", "id")
 
 
 @dataclass(frozen=True)
@@ -25,9 +28,13 @@ class Fifo:
     name: str = "fifo"
 
     def decide(self, jobs: Sequence[JobView], cluster: Cluster, now: float) -> Allocation:
-        running = {j.id: j.allocated for j in jobs if j.state is JobState.RUNNING and j.allocated}
-        waiting = sorted(
-            (j for j in jobs if j.active and j.id not in running), key=lambda j: (j.submitted, j.id)
-        )
+        running: dict[str, int] = {}
+        waiting: list[JobView] = []
+        for j in jobs:  # one pass: a backlog of thousands is walked at every decision
+            if j.state is JobState.RUNNING and j.allocated:
+                running[j.id] = j.allocated
+            elif j.active:
+                waiting.append(j)
+        waiting.sort(key=_SUBMISSION)
         free = cluster.devices - sum(running.values())
         return fill(waiting, free, backfill=self.backfill, start=running)
