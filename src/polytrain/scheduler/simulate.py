@@ -12,9 +12,9 @@ says how long it ran on the devices it asked for, and its speed-up curve ``s`` s
 it progresses on any other count. While it holds ``k`` devices it does ``s(k)`` one-device
 seconds of work per second, except right after a resume or a resize: then it holds its
 devices but does no work for ``restart_s`` (checkpoint, relaunch, restore). Pollux (OSDI'21)
-and Gandiva (OSDI'18) both charge a re-allocated job such a delay; the default, 30 s, is ours
-(a knob: ``--restart``), not a measured figure. A first start costs nothing extra in any
-policy.
+and Gandiva (OSDI'18) both account for what stopping and restarting a job costs; the default,
+30 s, is ours (a knob: ``--restart``), not a measured figure. A first start costs nothing
+extra in any policy.
 """
 
 from __future__ import annotations
