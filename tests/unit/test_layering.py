@@ -27,6 +27,15 @@ PURE = [
     "gossip/graphs.py",
     "scheduler/slurm.py",
     "scheduler/slurm_script.py",
+    "scheduler/jobs.py",
+    "scheduler/policy.py",
+    "scheduler/policies",
+    "scheduler/speedup.py",
+    "scheduler/trace.py",
+    "scheduler/simulate.py",
+    "scheduler/report.py",
+    "scheduler/durations.py",
+    "scheduler/backend.py",
 ]
 # Modules of strategy families that are pure and that the planner reads: it simulates the same
 # schedule action lists, partitions and peer graphs the runtime uses (ARCHITECTURE.md).

@@ -76,7 +76,10 @@ class JobView:
     trace's duration gives it in the simulator). ``speedup`` maps a device count to the job's
     throughput relative to one device (the planner's predicted steps per second, normalised);
     absent counts are not runnable. ``restart_s`` is what a preemption or resize costs the job
-    (checkpoint, relaunch, restore)."""
+    (checkpoint, relaunch, restore). ``last_stopped`` is when the job last lost its devices
+    (None: it never ran) and ``executed_s`` the seconds it has held devices so far, the current
+    run included: least-recently-run order (Gandiva) and Tiresias's starvation promotion read
+    them."""
 
     id: str
     submitted: float
@@ -90,8 +93,18 @@ class JobView:
     first_started: float | None = None
     speedup: Mapping[int, float] = field(default_factory=dict)
     restart_s: float = 0.0
+    last_stopped: float | None = None
+    executed_s: float = 0.0
 
     @property
-    def active(self) -> bool:
-        """Waiting for or holding devices (not done, not being stopped)."""
-        return self.state in (JobState.QUEUED, JobState.RUNNING, JobState.SUSPENDED)
+    def waiting_since(self) -> float:
+        """Since when a job that holds no devices has been waiting (stopped, else submitted)."""
+        return self.submitted if self.last_stopped is None else self.last_stopped
+
+    active: bool = field(init=False, repr=False, compare=False)
+    """Waiting for or holding devices (not done, not being stopped). A field set once rather
+    than a property: policies read it of every job at every decision."""
+
+    def __post_init__(self) -> None:
+        active = self.state in (JobState.QUEUED, JobState.RUNNING, JobState.SUSPENDED)
+        object.__setattr__(self, "active", active)

@@ -43,7 +43,8 @@ class Cluster:
 class Policy(Protocol):
     """``decide`` is pure: the same jobs, cluster and ``now`` give the same allocation."""
 
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only, so frozen dataclasses implement it
 
     def decide(self, jobs: Sequence[JobView], cluster: Cluster, now: float) -> Allocation: ...
 
@@ -58,7 +59,7 @@ def check_allocation(allocation: Allocation, jobs: Sequence[JobView], cluster: C
         job = known.get(job_id)
         if job is None or not job.active:
             raise ConfigError(f"allocation gives {count} devices to {job_id!r}, not an active job")
-        if count < job.min_devices or count > cluster.devices:
+        if count < job.min_devices or count > min(job.devices, cluster.devices):
             raise ConfigError(
                 f"allocation gives {job_id!r} {count} devices (it runs on "
                 f"{job.min_devices}..{job.devices}, the cluster has {cluster.devices})"

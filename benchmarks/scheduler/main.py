@@ -1,0 +1,128 @@
+"""Scheduling policies on the Philly trace: average and p99 JCT and makespan against FIFO (issue 40).
+
+Question: on a reproducible sample of a real cluster's jobs, how much lower is the job
+completion time under each policy than under first-in-first-out, and do the issue's targets
+hold (Tiresias >= 2x lower average JCT than FIFO; goodput >= 1.3x lower than Tiresias)?
+
+The sample rule was fixed before any policy was run: 5,000 jobs drawn at random from the whole
+trace with seed 0 (``trace.sample``: submission times kept, so the sample keeps the trace's
+arrival pattern at ~1/16 of its rate), on two cluster sizes given by the offered load (device-
+seconds asked / capacity over the arrival span): 64 devices (load ~0.49) and 32 devices (load
+~0.97). Jobs asking more devices than the cluster has are left out and counted. Slice 40 min,
+restart cost 30 s, the policies' documented defaults. Every policy runs in the same process on
+the same jobs; each figure is a ratio against FIFO run alongside. FIFO with backfill runs too:
+it shows how much of FIFO's figure is head-of-line blocking.
+
+Run: python benchmarks/scheduler/main.py [--trace philly.csv] [--force]
+Writes results.json and cdf_<devices>.png beside this file (``--force`` replaces the PNGs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+TRACE = Path("/work/shared/data/traces/philly.csv")
+SAMPLE, SEED, DEVICES = 5000, 0, (64, 32)
+SLICE_S, RESTART_S = 2400.0, 30.0
+
+
+def on_path() -> None:
+    src = str(ROOT / "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+
+
+def run(trace: Path, devices: int, force: bool) -> dict[str, Any]:
+    from polytrain.scheduler.policies import POLICIES, get_policy
+    from polytrain.scheduler.policy import Cluster
+    from polytrain.scheduler.report import plot_cdf
+    from polytrain.scheduler.simulate import simulate
+    from polytrain.scheduler.trace import fit_cluster, offered_load, read_trace, sample
+
+    jobs, dropped = fit_cluster(sample(read_trace(trace), SAMPLE, SEED), devices, drop=True)
+    cluster = Cluster(devices, SLICE_S)
+    variants = {name: get_policy(name) for name in POLICIES}
+    variants["fifo+backfill"] = get_policy("fifo", backfill=True)  # FIFO without its blocking
+    summaries, jcts = {}, {}
+    for name, policy in variants.items():
+        result = simulate(jobs, policy, cluster, restart_s=RESTART_S)
+        summaries[name] = result.summary.as_dict() | {"policy": name}
+        jcts[name] = [r.jct for r in result.jobs]
+        s = result.summary
+        print(
+            f"{devices:>3} devices {name:<13} avg JCT {s.avg_jct_s / 3600:8.2f} h  p99 "
+            f"{s.p99_jct_s / 3600:8.1f} h  makespan {s.makespan_s / 86400:6.1f} d  util "
+            f"{s.utilisation:.2f}  preemptions {s.preemptions:>6}  {s.wall_s:5.1f} s",
+            flush=True,
+        )
+    png = HERE / f"cdf_{devices}.png"
+    if force:
+        png.unlink(missing_ok=True)
+    title = f"Philly, {len(jobs)} random jobs (seed {SEED}), {devices} devices, slice 40 min"
+    plot_cdf(jcts, png, title)
+    fifo = summaries["fifo"]
+    ratios = {
+        name: {key: fifo[key] / s[key] for key in ("avg_jct_s", "p99_jct_s", "makespan_s")}
+        for name, s in summaries.items()
+    }
+    tiresias, goodput = summaries["tiresias"], summaries["goodput"]
+    return {
+        "devices": devices,
+        "jobs": len(jobs),
+        "dropped_oversized": dropped,
+        "offered_load": offered_load(jobs, devices),
+        "policies": summaries,
+        "fifo_over_policy": ratios,
+        "targets": {
+            "tiresias_vs_fifo_avg_jct": fifo["avg_jct_s"] / tiresias["avg_jct_s"],
+            "goodput_vs_tiresias_avg_jct": tiresias["avg_jct_s"] / goodput["avg_jct_s"],
+        },
+        "cdf": png.name,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--force", action="store_true", help="replace existing cdf_*.png")
+    args = parser.parse_args(argv)
+    if not args.trace.is_file():
+        print(f"no trace at {args.trace}: pass --trace philly.csv (see README.md)")
+        return 2
+    on_path()
+    started = time.perf_counter()
+    configs = [run(args.trace, devices, args.force) for devices in DEVICES]
+    out = {
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}",
+        "sample": SAMPLE,
+        "seed": SEED,
+        "slice_s": SLICE_S,
+        "restart_s": RESTART_S,
+        "configs": configs,
+        "wall_s": time.perf_counter() - started,
+    }
+    (HERE / "results.json").write_text(json.dumps(out, indent=1) + "\n")
+    for config in configs:
+        t = config["targets"]
+        print(
+            f"{config['devices']} devices (load {config['offered_load']:.2f}): Tiresias / FIFO "
+            f"avg JCT {t['tiresias_vs_fifo_avg_jct']:.2f}x lower (target 2), goodput / Tiresias "
+            f"{t['goodput_vs_tiresias_avg_jct']:.2f}x lower (target 1.3)"
+        )
+    print(f"all simulations: {out['wall_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The discrete-event simulator against job completion times computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from polytrain.errors import ConfigError
+from polytrain.scheduler.policies import Fifo, Goodput, Srtf, get_policy
+from polytrain.scheduler.policy import Cluster
+from polytrain.scheduler.report import percentile
+from polytrain.scheduler.simulate import simulate
+from polytrain.scheduler.speedup import curve
+from polytrain.scheduler.trace import TraceJob
+
+# J1: 2 devices for 100 s from t=0; J2: 1 device, 50 s, t=10; J3: 1 device, 30 s, t=20.
+TINY = [
+    TraceJob("J1", 0.0, 100.0, 2, 2, line=2),
+    TraceJob("J2", 10.0, 50.0, 1, line=3),
+    TraceJob("J3", 20.0, 30.0, 1, line=4),
+]
+
+
+def jcts(result: object) -> dict[str, float]:
+    return {r.id: r.jct for r in result.jobs}  # type: ignore[attr-defined]
+
+
+def test_fifo_by_hand() -> None:
+    # J1 0-100; then J2 100-150 and J3 100-130.
+    result = simulate(TINY, Fifo(), Cluster(2), restart_s=30.0)
+    assert jcts(result) == pytest.approx({"J1": 100.0, "J2": 140.0, "J3": 110.0})
+    assert result.summary.makespan_s == pytest.approx(150.0)
+    assert result.summary.avg_queueing_s == pytest.approx((0 + 90 + 80) / 3)
+
+
+def test_srtf_by_hand_with_the_restart_cost() -> None:
+    # t=10: J2 (50 left) outranks J1 (90 left); J1 needs both devices, so it is preempted.
+    # t=20: J3 (30) and J2 (40) run; J3 ends at 50, J2 at 60; J1 resumes at 60, restarts for
+    # 30 s, then needs its 90 s: it ends at 180.
+    result = simulate(TINY, Srtf(), Cluster(2), restart_s=30.0)
+    assert jcts(result) == pytest.approx({"J1": 180.0, "J2": 50.0, "J3": 30.0})
+    assert {r.id: r.preemptions for r in result.jobs} == {"J1": 1, "J2": 0, "J3": 0}
+    busy = 2 * 10 + 2 * 120 + 50 + 30  # device-seconds held, the restart included
+    assert result.summary.utilisation == pytest.approx(busy / (2 * 180))
+    assert result.summary.p99_jct_s == pytest.approx(180.0)
+
+
+def test_goodput_shares_the_devices_and_slows_both_by_the_curve() -> None:
+    # Two 2-device jobs of class "small" on 2 devices: each is admitted at 1 device, so each
+    # runs at s(1) = 1 its work of duration x s(2) one-device seconds.
+    jobs = [
+        TraceJob("a", 0.0, 100.0, 2, model="small", line=2),
+        TraceJob("b", 0.0, 100.0, 2, model="small", line=3),
+    ]
+    result = simulate(jobs, Goodput(), Cluster(2), restart_s=30.0)
+    assert jcts(result) == pytest.approx(
+        {"a": 100.0 * curve("small", 2)[2]} | {"b": 100.0 * curve("small", 2)[2]}
+    )
+    assert jcts(simulate(jobs, Fifo(), Cluster(2))) == pytest.approx({"a": 100.0, "b": 200.0})
+
+
+@pytest.mark.parametrize("name", ["fifo", "srtf", "tiresias", "gandiva", "goodput"])
+def test_a_job_alone_takes_its_duration_and_is_fairly_treated(name: str) -> None:
+    alone = [TraceJob("only", 5.0, 7200.0, 4, 1, "large", line=2)]
+    result = simulate(alone, get_policy(name), Cluster(8, slice_s=600.0))
+    (record,) = result.jobs
+    assert (record.jct, record.queueing, record.preemptions) == (pytest.approx(7200.0), 0.0, 0)
+    assert record.rho == pytest.approx(1.0)
+    assert result.summary.utilisation == pytest.approx(4 / 8)
+
+
+def test_gandiva_slices_by_hand() -> None:
+    # One device, slice 100 s, restart 10 s: A (t=0, 150 s) and B (t=0, 150 s) alternate.
+    # 0-100 A (A: 50 left); 100-200 B (restart 0: a first start; B: 50 left); 200-300 A
+    # (restart 10, then 50 s: A ends at 260); 260 B resumes (restart until 270, ends at 320).
+    jobs = [TraceJob("A", 0.0, 150.0, 1, line=2), TraceJob("B", 0.0, 150.0, 1, line=3)]
+    result = simulate(jobs, get_policy("gandiva"), Cluster(1, slice_s=100.0), restart_s=10.0)
+    assert jcts(result) == pytest.approx({"A": 260.0, "B": 320.0})
+
+
+def test_empty_and_duplicate_traces_are_one_line() -> None:
+    with pytest.raises(ConfigError, match="no jobs to simulate"):
+        simulate([], Fifo(), Cluster(2))
+    with pytest.raises(ConfigError, match="job id 'J2' appears twice"):
+        simulate([*TINY, TINY[1]], Fifo(), Cluster(2))
+    with pytest.raises(ConfigError, match=r"job 'J1' \(line 2\) asks 2 devices, the cluster has 1"):
+        simulate(TINY, Fifo(), Cluster(1))
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 99), percentile(values, 50), percentile([3.0], 99)) == (
+        99.0,
+        50.0,
+        3.0,
+    )
