@@ -21,6 +21,7 @@ from polytrain.cli.calibrate import calibrate_command
 from polytrain.cli.doctor import doctor
 from polytrain.cli.hogwild import hogwild_command
 from polytrain.cli.plan import plan_command
+from polytrain.cli.sched import sched_app
 from polytrain.cli.timeline import timeline_command
 from polytrain.cli.train import train_command
 from polytrain.errors import PolytrainError
@@ -41,6 +42,7 @@ app.command("hogwild")(hogwild_command)
 app.command("timeline")(timeline_command)
 app.command("plan")(plan_command)
 app.command("calibrate")(calibrate_command)
+app.add_typer(sched_app, name="sched")
 
 
 def _subclasses(cls: type) -> list[type]:
