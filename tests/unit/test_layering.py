@@ -22,6 +22,7 @@ PURE = [
     "planner",
     "ps/sharding.py",
     "ps/consistency.py",
+    "scheduler",  # policies and simulator pure; executors drive the trainer through its CLI
 ]
 # The planner's torch-facing modules (planner2's): model statistics and host calibration (its
 # timing rounds in planner/timing.py).

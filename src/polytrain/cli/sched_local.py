@@ -5,12 +5,12 @@ scheduler/store.py): ``submit`` and ``cancel`` write it, ``serve`` polls it and 
 so ``serve`` may be stopped and restarted at any time (docs/scheduler.md, "Local executor").
 
 [Note: scheduler-owned keys] The scheduler sets, per start, ``launch.nproc`` (the devices the
-policy gives; the job file's value is the default request), ``train.device`` (serve's ``--device``), ``checkpoint.dir`` and
-``observe.out_dir`` (under the state directory), ``checkpoint.resume`` and, where the job file
-has none, ``checkpoint.every`` (``DEFAULT_CHECKPOINTS`` saves over the run: a preemption waits
-at most about a twentieth of the job for its checkpoint). A job file that sets one of
-these is accepted, and ``submit`` says which of its values are not used: the same file
-runs unchanged under ``polytrain train``.
+policy gives; the job file's value is only the default request), ``train.device`` (serve's
+``--device``), ``checkpoint.dir`` and ``observe.out_dir`` (under the state directory),
+``checkpoint.resume`` and, where the job file has none, ``checkpoint.every``
+(``DEFAULT_CHECKPOINTS`` saves over the run: a preemption waits at most about a twentieth of
+the job for its checkpoint). A job file that sets one of these is accepted, and ``submit`` says
+which of its values are not used: the same file keeps working under ``polytrain train``.
 """
 
 from __future__ import annotations
@@ -121,35 +121,40 @@ def serve_command(
     chosen = resolve_policy(policy)
     store = Store(state, create=True)
     lock = _lock(store)
-    too_big = [j for j in store.jobs() if not j.state.done and j.min_devices > devices]
-    if too_big:
-        raise ConfigError(
-            f"job {too_big[0].id!r} needs {too_big[0].min_devices} devices and --devices is "
-            f"{devices}: give --devices {too_big[0].min_devices} or more, or cancel the job"
-        )
-    store.set_cluster(devices, kind)
     stop: list[str] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.append(signal.Signals(signum).name)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    typer.echo(
-        f"polytrain: scheduling {store.dir} on {devices} {kind} slot(s), policy "
-        f"{chosen.name}, slice {cluster.slice_s:g} s"
-    )
-    executor = Executor(store, LocalBackend(kind), chosen, cluster)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        too_big = [j for j in store.jobs() if not j.state.done and j.min_devices > devices]
+        if too_big:
+            raise ConfigError(
+                f"job {too_big[0].id!r} needs {too_big[0].min_devices} devices and --devices "
+                f"is {devices}: give --devices {too_big[0].min_devices} or more, or cancel it"
+            )
+        store.set_cluster(devices, kind)
+        typer.echo(
+            f"polytrain: scheduling {store.dir} on {devices} {kind} slot(s), policy "
+            f"{chosen.name}, slice {cluster.slice_s:g} s"
+        )
+        executor = Executor(store, LocalBackend(kind), chosen, cluster)
         executor.serve(poll_s, until_idle=until_idle, stopping=lambda: bool(stop))
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         os.close(lock)
-    if stop:
-        running = [j.id for j in store.jobs() if j.state in (JobState.RUNNING, JobState.PREEMPTING)]
-        typer.echo(
-            f"polytrain: scheduler stopped ({stop[0]}); {len(running)} job(s) keep running and "
-            "are adopted by the next `polytrain sched serve` on this state directory"
-        )
+    if not stop:
+        done = [str(j.state) for j in store.jobs()]
+        counts = ", ".join(f"{done.count(s)} {s}" for s in sorted(set(done)))
+        typer.echo(f"polytrain: every job is done: {counts}")
+        return
+    running = [j.id for j in store.jobs() if j.state in (JobState.RUNNING, JobState.PREEMPTING)]
+    typer.echo(
+        f"polytrain: scheduler stopped ({stop[0]}); {len(running)} job(s) keep running and "
+        "are adopted by the next `polytrain sched serve` on this state directory"
+    )
 
 
 # -- submit ------------------------------------------------------------------------------------
