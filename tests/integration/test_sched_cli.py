@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from polytrain.cli.sched_local import _lock
+from polytrain.scheduler.jobs import JobState
 from polytrain.scheduler.store import Store
 from tests.helpers.cli import assert_usage_error, run_main
 
@@ -125,3 +126,16 @@ def test_submit_needs_a_served_state(tmp_path: Path, capsys: pytest.CaptureFixtu
     good = job_file(tmp_path, "good", GOOD)
     code, _, err = run_main(["sched", "submit", str(good), "--state", str(tmp_path / "s")], capsys)
     assert_usage_error(code, err, "polytrain sched serve --state")
+
+
+def test_logs_prints_every_start_in_order(
+    state: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = job_file(tmp_path, "good", GOOD)
+    assert run_main(["sched", "submit", str(good), "--state", str(state)], capsys)[0] == 0
+    store = Store(state)
+    store.transition("good", JobState.RUNNING, starts=2)  # as the serve loop records starts
+    for start in (1, 2):
+        (state / "jobs" / "good" / f"start-{start}.log").write_text(f"output of start {start}\n")
+    code, out, _ = run_main(["sched", "logs", "good", "--state", str(state)], capsys)
+    assert code == 0 and out == "output of start 1\noutput of start 2\n"
