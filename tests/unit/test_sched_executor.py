@@ -241,3 +241,37 @@ def test_no_two_jobs_ever_share_a_device(tmp_path: Path) -> None:
     assert JobState.FINISHED in states
     assert len({launch.job_id for launch in w.backend.launches}) == 5
     assert any(e["new"] == "suspended" for i in range(5) for e in w.store.events(f"j{i}"))
+
+
+class Recording(Scripted):
+    """Scripted, and keeps the views it was last asked about."""
+
+    def decide(self, jobs: Sequence[JobView], cluster: Cluster, now: float) -> Allocation:
+        self.views = {j.id: j for j in jobs}
+        return super().decide(jobs, cluster, now)
+
+
+def test_the_policy_sees_service_and_remaining_work(tmp_path: Path) -> None:
+    """attained = devices x seconds held; remaining = steps after the newest checkpoint x the
+    last logged step time, scaled from the devices it was measured on to the job's full count."""
+    policy = Recording([(0, {"a": 1}), (10, {"a": 0, "b": 1})])
+    w = World(tmp_path, policy)
+    w.submit("a", 2, steps=100)
+    w.submit("b", 1)
+    w.at(0)
+    run = tmp_path / "jobs" / "a" / "start-1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 40, "step_time_s": 0.5}\n{"step": 50, "st')
+    w.ckpt["a"] = 40
+    w.at(10)  # boundary: asked with a on 1 device for 10 s
+    a = policy.views["a"]
+    assert (a.attained, a.remaining, a.started) == (10.0, 60 * 0.5 * 1 / 2, 0.0)
+    w.ckpt["a"] = 50
+    w.at(12)  # stopped and suspended: its estimate stays, its service stops growing
+    a = policy.views["a"]
+    assert (a.state, a.attained, a.remaining, a.started) == (
+        JobState.SUSPENDED,
+        12.0,
+        50 * 0.5 * 1 / 2,
+        None,
+    )

@@ -182,6 +182,7 @@ class Executor:
             now=now,
             attained=attained,
             allocated=0,
+            last_allocated=job.allocated or job.last_allocated,
             placed=(),
             started=None,
             preempt_at=None,
@@ -209,13 +210,14 @@ class Executor:
     def _remaining(self, job: JobRecord) -> float | None:
         """Seconds left at ``job.devices`` devices: steps left (after the newest checkpoint)
         times the last logged step time, scaled linearly from the count it was measured on."""
-        if job.starts == 0 or job.allocated == 0:
+        measured_on = job.allocated or job.last_allocated
+        if job.starts == 0 or measured_on == 0:
             return None
         per_step = seconds_per_step(run_dir(self.store, job.id, job.starts))
         if per_step is None:
             return None
         done = self.checkpoints(checkpoint_dir(self.store, job.id)) or 0
-        return max(0, job.steps - done) * per_step * job.allocated / job.devices
+        return max(0, job.steps - done) * per_step * measured_on / job.devices
 
     def _decide(self, now: float) -> None:
         jobs = [job for job in self.store.jobs() if not job.state.done]

@@ -50,6 +50,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     submitted REAL NOT NULL,
     attained REAL NOT NULL DEFAULT 0,
     allocated INTEGER NOT NULL DEFAULT 0,
+    last_allocated INTEGER NOT NULL DEFAULT 0,
     placed TEXT NOT NULL DEFAULT '[]',
     started REAL,
     first_started REAL,
@@ -86,6 +87,7 @@ class JobRecord:
     submitted: float
     attained: float = 0.0  # device-seconds of service in finished runs
     allocated: int = 0  # devices held now (running or preempting)
+    last_allocated: int = 0  # devices of the latest run (its logged step time was on these)
     placed: tuple[int, ...] = ()  # their indices
     started: float | None = None  # when the current run started
     first_started: float | None = None
