@@ -110,7 +110,9 @@ def serve_command(
         str, typer.Option(help="what jobs train on: cpu | cuda (one GPU per slot)")
     ] = "cpu",
     poll: Annotated[str, typer.Option(help="how often the state is read, e.g. 1s")] = "1s",
-    until_idle: Annotated[bool, typer.Option(help="exit once every job is done (and there is one)")] = False,
+    until_idle: Annotated[
+        bool, typer.Option(help="exit once every job is done (and there is one)")
+    ] = False,
 ) -> None:
     """Run the queued jobs of a state directory on this host's device slots."""
     if device not in ("cpu", "cuda"):
