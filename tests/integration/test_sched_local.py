@@ -161,7 +161,9 @@ def test_preempted_and_resized_jobs_end_with_the_uninterrupted_weights(
     ref_a2, ref_a1 = reference(a, 2), reference(a, 1)
     round_off = max_difference(ref_a1, ref_a2)
     assert 0 < round_off < 1e-2
-    assert max_difference(weights["a"], ref_a2) <= 2 * round_off
+    resized = max_difference(weights["a"], ref_a2)
+    print(f"max |w - w_ref|: 1 vs 2 processes {round_off:.2e}, resized run {resized:.2e}")
+    assert resized <= 2 * round_off
     assert max_difference(weights["a"], ref_bc) > 100 * round_off
 
 

@@ -32,7 +32,6 @@ import typer
 from polytrain.api import prepare
 from polytrain.cli.train import resolve_job
 from polytrain.config.io import load_job
-from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
 from polytrain.scheduler.executor import (
     Executor,
@@ -162,16 +161,6 @@ def serve_command(
 # -- submit ------------------------------------------------------------------------------------
 
 
-def _count(job: JobConfig, devices: int | None) -> int:
-    if devices is not None:
-        return devices
-    if isinstance(job.launch.nproc, int):
-        return job.launch.nproc
-    raise ConfigError(
-        f"launch.nproc = {job.launch.nproc!r} in the job file is not a count: give --devices K"
-    )
-
-
 def _overridden(data: dict[str, Any]) -> list[str]:
     """The scheduler-owned keys the job file sets ([Note: scheduler-owned keys])."""
     owned = {
@@ -208,7 +197,7 @@ def submit_command(
     state: StateOption,
     name: Annotated[str | None, typer.Option(help="job id (default: the file's stem)")] = None,
     devices: Annotated[
-        int | None, typer.Option(help="devices it asks for (default launch.nproc)")
+        int | None, typer.Option(help="devices it asks for (default: launch.nproc, resolved)")
     ] = None,
     min_devices: Annotated[
         int | None, typer.Option(help="fewest devices it may run on (default: --devices)")
@@ -225,8 +214,10 @@ def submit_command(
     if store.has(job_id):
         raise ConfigError(f"job id {job_id!r} is already in the queue: choose another --name")
     data = load_job(job_file)
-    job = resolve_job(job_file, {}, [])  # types and values, before the counts are read
-    count = _count(job, devices)
+    # Types and values, and launch.nproc as `train --device D` resolves it ("auto": 2 CPU
+    # processes, or every visible GPU), before the counts are read.
+    job = resolve_job(job_file, {"device": device}, [])
+    count = job.launch.num_procs if devices is None else devices
     fewest = count if min_devices is None else min_devices
     if not 1 <= fewest <= count:
         raise ConfigError(
