@@ -1,15 +1,18 @@
 """The control loop: ask the policy at events and slice boundaries, then start, preempt, resume.
 
-One `Executor.tick` reads the store, acts through a `Backend`, and writes every state change
-back through `Store.transition` (so a killed scheduler loses nothing it had acted on):
+One `Executor.tick` reads the store, acts through a `Backend`, and records every state change
+with `Store.transition` (a scheduler killed between any two steps is put right by `recover`):
 
 1. jobs that ended (``Backend.poll``) become finished or failed;
 2. cancel requests stop their jobs;
 3. [Note: preemption by checkpoint] a job being preempted keeps running until a checkpoint
-   newer than the request has landed (its newest checkpoint step at request time is stored as
-   ``preempt_step``); only then is it stopped and suspended, so it loses no step. A job whose
-   newest checkpoint is its final step is left to finish by itself: the trainer refuses to
-   resume a checkpoint at ``train.steps``, and it is about to write its final weights;
+   newer than the request has landed (its newest checkpoint step at request time is stored
+   as ``preempt_step``); only then is it stopped and suspended. It resumes from that
+   checkpoint: only the steps it ran after it before the stop (about a poll period) are
+   redone, and a later save that the stop interrupts is an uncommitted ``.tmp`` the trainer
+   ignores. A job whose newest checkpoint is its final step is left to finish by itself: the
+   trainer refuses to resume a checkpoint at ``train.steps``, and it is about to write its
+   final weights;
 4. at an event (a submission, an end, a stop) or a slice boundary the policy decides; running
    jobs whose count changes are preempted (a resize is a preempt and a resume on the new
    count); waiting jobs start where `policy.place` finds their devices free. Devices of a job
