@@ -139,3 +139,17 @@ def test_logs_prints_every_start_in_order(
         (state / "jobs" / "good" / f"start-{start}.log").write_text(f"output of start {start}\n")
     code, out, _ = run_main(["sched", "logs", "good", "--state", str(state)], capsys)
     assert code == 0 and out == "output of start 1\noutput of start 2\n"
+
+
+def test_serve_refuses_fewer_devices_than_its_jobs_hold(
+    state: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = job_file(tmp_path, "good", GOOD)
+    assert run_main(["sched", "submit", str(good), "--state", str(state)], capsys)[0] == 0
+    Store(state).transition("good", JobState.RUNNING, allocated=2, placed=(0, 1), starts=1)
+    code, _, err = run_main(["sched", "serve", "--state", str(state), "--devices", "1"], capsys)
+    assert_usage_error(code, err, "job 'good' needs 2 devices and --devices is 1")
+    Store(state).update("good", min_devices=1)
+    code, _, err = run_main(["sched", "serve", "--state", str(state), "--devices", "1"], capsys)
+    assert_usage_error(code, err, "job 'good' still runs on device 1 and --devices is 1")
+    assert Store(state).cluster() == (2, "cpu")

@@ -135,6 +135,13 @@ def serve_command(
                 f"job {too_big[0].id!r} needs {too_big[0].min_devices} devices and --devices "
                 f"is {devices}: give --devices {too_big[0].min_devices} or more, or cancel it"
             )
+        held = [(max(j.placed), j.id) for j in store.jobs() if j.placed]
+        if held and max(held)[0] >= devices:
+            index, job_id = max(held)
+            raise ConfigError(
+                f"job {job_id!r} still runs on device {index} and --devices is {devices}: give "
+                f"--devices {index + 1} or more until it ends, or cancel it"
+            )
         store.set_cluster(devices, kind)
         typer.echo(
             f"polytrain: scheduling {store.dir} on {devices} {kind} slot(s), policy "
