@@ -17,7 +17,6 @@ import pytest
 from polytrain.scheduler.backend import Launch
 from polytrain.scheduler.executor import Executor, request_cancel
 from polytrain.scheduler.jobs import JobState, JobView
-from polytrain.scheduler.policies import Fifo, TimeSlice
 from polytrain.scheduler.policy import Allocation, Cluster, Policy
 from polytrain.scheduler.store import JobRecord, Store
 
@@ -73,6 +72,42 @@ class Scripted:
         table = [alloc for start, alloc in self.script if start <= now][-1]
         active = {j.id for j in jobs if j.active}
         return {k: v for k, v in table.items() if k in active}
+
+
+class Fifo:
+    """Whole jobs in submission order, none preempted (test-local: the policy package's own
+    fifo may differ in what it backfills)."""
+
+    name = "fifo"
+
+    def decide(self, jobs: Sequence[JobView], cluster: Cluster, now: float) -> Allocation:
+        out = {j.id: j.allocated for j in jobs if j.state == JobState.RUNNING}
+        free = cluster.devices - sum(out.values())
+        for job in sorted(jobs, key=lambda j: (j.submitted, j.id)):
+            if job.active and job.id not in out and job.devices <= free:
+                out[job.id] = job.devices
+                free -= job.devices
+        return out
+
+
+class LeastServed:
+    """Time slicing: a running job keeps its devices for a slice since it started, then every
+    job competes again, least attained service first."""
+
+    name = "least-served"
+
+    def decide(self, jobs: Sequence[JobView], cluster: Cluster, now: float) -> Allocation:
+        out = {
+            j.id: j.allocated
+            for j in jobs
+            if j.state == JobState.RUNNING and now - (j.started or 0.0) < cluster.slice_s
+        }
+        free = cluster.devices - sum(out.values())
+        for job in sorted(jobs, key=lambda j: (j.attained, j.submitted, j.id)):
+            if job.active and job.id not in out and job.devices <= free:
+                out[job.id] = job.devices
+                free -= job.devices
+        return out
 
 
 class World:
@@ -224,7 +259,7 @@ def test_no_two_jobs_ever_share_a_device(tmp_path: Path) -> None:
     """Gandiva-style slicing over 5 jobs on 4 devices for 400 ticks, with checkpoints landing
     and jobs ending at random: the fake backend asserts on every start."""
     rng = random.Random(0)
-    w = World(tmp_path, TimeSlice(), devices=4, slice_s=5.0)
+    w = World(tmp_path, LeastServed(), devices=4, slice_s=5.0)
     for i in range(5):
         w.submit(f"j{i}", rng.choice([1, 2, 4]), steps=10_000)
     for tick in range(400):
