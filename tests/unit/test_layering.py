@@ -25,17 +25,7 @@ PURE = [
     "ps/sharding.py",
     "ps/consistency.py",
     "gossip/graphs.py",
-    "scheduler/slurm.py",
-    "scheduler/slurm_script.py",
-    "scheduler/jobs.py",
-    "scheduler/policy.py",
-    "scheduler/policies",
-    "scheduler/speedup.py",
-    "scheduler/trace.py",
-    "scheduler/simulate.py",
-    "scheduler/report.py",
-    "scheduler/durations.py",
-    "scheduler/backend.py",
+    "scheduler",  # policies and simulator pure; executors drive the trainer through its CLI
 ]
 # Modules of strategy families that are pure and that the planner reads: it simulates the same
 # schedule action lists, partitions and peer graphs the runtime uses (ARCHITECTURE.md).

@@ -14,6 +14,13 @@ from typing import Annotated
 
 import typer
 
+from polytrain.cli.sched_local import (
+    cancel_command,
+    logs_command,
+    serve_command,
+    status_command,
+    submit_command,
+)
 from polytrain.cli.sched_slurm import slurm_script_command
 from polytrain.errors import ConfigError
 from polytrain.scheduler.durations import parse_duration
@@ -155,4 +162,9 @@ def _print_table(setup: dict[str, object], results: dict[str, SimResult]) -> Non
     Console(width=120).print(table)
 
 
+sched_app.command("serve")(serve_command)
+sched_app.command("submit")(submit_command)
+sched_app.command("status")(status_command)
+sched_app.command("cancel")(cancel_command)
+sched_app.command("logs")(logs_command)
 sched_app.command("slurm-script")(slurm_script_command)

@@ -33,6 +33,7 @@ class Launch:
     checkpoint_every: int
     resume: bool  # False on the first start only
     log: Path  # stdout and stderr of this start
+    workdir: Path | None = None  # where the job was submitted: its relative paths mean this
 
 
 class Backend(Protocol):
@@ -48,4 +49,11 @@ class Backend(Protocol):
 
     def poll(self) -> dict[str, int]:
         """Jobs that ended since the last poll, with their exit codes (0 = finished)."""
+        ...
+
+    def adopt(self, launch: Launch) -> bool:
+        """Take over a job that an earlier executor process started with ``launch`` (the
+        scheduler was restarted): True if it is still running or ended with an exit code that
+        the next `poll` reports; False if it is gone without one (it resumes from its newest
+        checkpoint)."""
         ...
