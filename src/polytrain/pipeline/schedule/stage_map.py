@@ -21,12 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from polytrain.errors import ScheduleError
-
-if TYPE_CHECKING:
-    from polytrain.pipeline.schedule.action import Action
+from polytrain.pipeline.schedule.action import Action
 
 __all__ = ["StageMap", "StageStyle"]
 
