@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from polytrain.pipeline.schedule import (
     Schedule,
     StageMap,
     build_next,
+    interleaved_1f1b,
     lower,
     one_f_one_b,
     one_f_one_b_idle_time,
@@ -240,3 +242,10 @@ def test_docstring_pictures_are_real() -> None:
     doc = str(importlib.import_module("polytrain.pipeline.schedule.zero_bubble").__doc__)
     assert textwrap.indent(render(zb_h1(4, 6), durations=Z), "    ") in doc
     assert textwrap.indent(render(zbv(2, 4), durations=Z), "    ") in doc
+
+
+def test_pipeline_doc_pictures_are_real() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "pipeline.md").read_text()
+    assert render(interleaved_1f1b(2, 4, 2)) in doc
+    assert render(zb_h1(4, 6), durations=Z) in doc
+    assert render(zbv(2, 4), durations=Z) in doc
