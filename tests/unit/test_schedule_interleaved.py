@@ -15,6 +15,7 @@ from polytrain.pipeline.schedule import (
     ZERO_BUBBLE_DURATIONS,
     Action,
     ActionKind,
+    P2PMessage,
     Schedule,
     StageMap,
     build,
@@ -25,6 +26,7 @@ from polytrain.pipeline.schedule import (
     interleaved_stage_map,
     lower,
     one_f_one_b,
+    p2p_message,
     peak_activation_memory,
     peak_activations,
     render,
@@ -324,3 +326,15 @@ def test_durations_fill_cells_and_are_checked() -> None:
         simulate(one_f_one_b(2, 1), durations={ActionKind.B: 0})
     # The zero-bubble durations leave F and I at one step and make a full B two.
     assert ZERO_BUBBLE_DURATIONS[ActionKind.B] == 2 * ZERO_BUBBLE_DURATIONS[ActionKind.I]
+
+
+def test_p2p_message_names_channel_and_content() -> None:
+    # ZBV on 3 ranks: rank 1 holds stages 1 and 4; stage 4's activations go to stage 5 on rank 0.
+    v = StageMap(3, 2, "v")
+    send = p2p_message(Action.parse("4SEND_F2"), v)
+    recv = p2p_message(Action.parse("5RECV_F2"), v)
+    assert send == recv == P2PMessage("activations", 1, 0, 4, 2)
+    assert send is not None and send.channel == ("activations", 1, 0)
+    grad = p2p_message(Action.parse("1RECV_B0"), v)
+    assert grad == p2p_message(Action.parse("2SEND_B0"), v) == P2PMessage("gradients", 2, 1, 2, 0)
+    assert p2p_message(Action.parse("1I0"), v) is None

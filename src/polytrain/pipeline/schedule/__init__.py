@@ -40,7 +40,7 @@ from polytrain.pipeline.schedule.formulas import (
 )
 from polytrain.pipeline.schedule.gpipe import gpipe
 from polytrain.pipeline.schedule.interleaved import interleaved_1f1b, interleaved_stage_map
-from polytrain.pipeline.schedule.lowering import lower
+from polytrain.pipeline.schedule.lowering import P2PMessage, lower, p2p_message
 from polytrain.pipeline.schedule.one_f_one_b import one_f_one_b
 from polytrain.pipeline.schedule.pipedream import (
     max_in_flight,
@@ -69,6 +69,7 @@ from polytrain.pipeline.schedule.zero_bubble import zb_h1, zbv, zbv_stage_map
 __all__ = [
     "DEFAULT_DURATIONS",
     "NEXT_SCHEDULE_NAMES",
+    "P2PMessage",
     "SCHEDULE_NAMES",
     "ZERO_BUBBLE_DURATIONS",
     "Action",
@@ -89,6 +90,7 @@ __all__ = [
     "max_in_flight",
     "one_f_one_b",
     "one_f_one_b_idle_time",
+    "p2p_message",
     "peak_activation_memory",
     "peak_activations",
     "pipedream",

@@ -45,12 +45,48 @@ the compute order, and `validate` checks that order on every channel.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal, NamedTuple
 
 from polytrain.errors import ScheduleError
 from polytrain.pipeline.schedule.action import Action, ActionKind, Schedule
 from polytrain.pipeline.schedule.stage_map import StageMap
 
-__all__ = ["lower"]
+__all__ = ["P2PMessage", "lower", "p2p_message"]
+
+
+class P2PMessage(NamedTuple):
+    """The message a send or receive moves; equal on both ends of a matched pair."""
+
+    tensor: Literal["activations", "gradients"]
+    src_rank: int
+    dst_rank: int
+    src_stage: int  # the stage whose F (activations) or B/I (gradients) produced it
+    microbatch_index: int
+
+    @property
+    def channel(self) -> tuple[str, int, int]:
+        """``(tensor, src_rank, dst_rank)``: messages on one channel match in program order
+        ([Note: runtime assumption]); a runtime keys its p2p groups and posted receives by it."""
+        return (self.tensor, self.src_rank, self.dst_rank)
+
+
+def p2p_message(action: Action, stage_map: StageMap) -> P2PMessage | None:
+    """What a lowered SEND_F, RECV_F, SEND_B or RECV_B moves, and between which ranks; None
+    for compute actions."""
+    stage, i = action.stage_index, action.microbatch_index
+    tensor: Literal["activations", "gradients"]
+    match action.kind:
+        case ActionKind.SEND_F:
+            src, dst, tensor = stage, stage + 1, "activations"
+        case ActionKind.RECV_F:
+            src, dst, tensor = stage - 1, stage, "activations"
+        case ActionKind.SEND_B:
+            src, dst, tensor = stage, stage - 1, "gradients"
+        case ActionKind.RECV_B:
+            src, dst, tensor = stage + 1, stage, "gradients"
+        case _:
+            return None
+    return P2PMessage(tensor, stage_map.rank_of(src), stage_map.rank_of(dst), src, i)
 
 
 def lower(

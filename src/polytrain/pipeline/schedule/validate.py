@@ -37,6 +37,7 @@ from typing import NoReturn
 from polytrain.errors import ScheduleError
 from polytrain.pipeline.schedule._grid import format_grid
 from polytrain.pipeline.schedule.action import Action, ActionKind, check_count
+from polytrain.pipeline.schedule.lowering import p2p_message
 from polytrain.pipeline.schedule.stage_map import StageMap
 
 __all__ = ["DEFAULT_DURATIONS", "ZERO_BUBBLE_DURATIONS", "Durations", "simulate", "validate"]
@@ -156,7 +157,15 @@ def simulate(
     stage_map = StageMap.infer(schedule) if stage_map is None else stage_map
     steps = {**DEFAULT_DURATIONS, **(durations or {})}
     for kind, value in steps.items():
-        check_count(f"durations[{kind.value}]", value, "the duration to a whole number of steps")
+        if kind not in DEFAULT_DURATIONS:
+            raise ScheduleError(
+                f"durations[{getattr(kind, 'value', kind)}] given: expected durations of F, B, I "
+                "and W only (sends and receives take no time in this model)"
+            )
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(
+                f"durations[{kind.value}] = {value!r}: expected a whole number of steps >= 1"
+            )
     num_ranks, num_stages = stage_map.num_ranks, stage_map.num_stages
     programs = [[a for a in schedule[rank] if a is not None] for rank in range(num_ranks)]
     split = {
@@ -410,19 +419,26 @@ def _endpoints(
 ) -> list[tuple[str, _Channel, _Message]]:
     """The message ends ``action`` stands for: ("send" | "recv", channel, message)."""
     stage, i, kind = action.stage_index, action.microbatch_index, action.kind
+    if lowered:
+        message = p2p_message(action, stage_map)
+        if message is None:
+            return []
+        end = "send" if kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "recv"
+        return [(end, message.channel, (message.src_stage, i))]
     last = stage_map.num_stages - 1
     ends: list[tuple[str, _Channel, _Message]] = []
 
     def remote(peer: int) -> bool:
         return 0 <= peer <= last and not stage_map.is_local(stage, peer)
 
-    if kind is (ActionKind.RECV_F if lowered else ActionKind.F) and remote(stage - 1):
+    # A compute action stands for the messages `lower` puts around it.
+    if kind is ActionKind.F and remote(stage - 1):
         ends.append(("recv", ("activations", stage_map.rank_of(stage - 1), rank), (stage - 1, i)))
-    if kind is (ActionKind.SEND_F if lowered else ActionKind.F) and remote(stage + 1):
+    if kind is ActionKind.F and remote(stage + 1):
         ends.append(("send", ("activations", rank, stage_map.rank_of(stage + 1)), (stage, i)))
-    if (kind is ActionKind.RECV_B if lowered else kind in _BACKWARDS) and remote(stage + 1):
+    if kind in _BACKWARDS and remote(stage + 1):
         ends.append(("recv", ("gradients", stage_map.rank_of(stage + 1), rank), (stage + 1, i)))
-    if (kind is ActionKind.SEND_B if lowered else kind in _BACKWARDS) and remote(stage - 1):
+    if kind in _BACKWARDS and remote(stage - 1):
         ends.append(("send", ("gradients", rank, stage_map.rank_of(stage - 1)), (stage, i)))
     return ends
 
