@@ -4,6 +4,7 @@ hand-offs, validation of split backwards, simulated bubbles and activation peaks
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 import textwrap
 from pathlib import Path
 
@@ -180,13 +181,18 @@ def test_zbv_p2p_order_is_consistent(p: int, m: int) -> None:
 @pytest.mark.parametrize(("p", "m"), [(p, m) for p in range(1, 9) for m in range(1, 4 * p + 1)])
 def test_zbv_bubble_and_memory(p: int, m: int) -> None:
     # Measured with F = I = W = 1 step per chunk. From m >= 2p - 1 every rank idles p - 1 steps
-    # whatever m: a bubble ratio of (p-1)/(6m), half of ZB-H1's (p-1)/(3m) on the same model
+    # whatever m, none of them between its first and last action: a bubble ratio of (p-1)/(6m), half of ZB-H1's (p-1)/(3m) on the same model
     # (a chunk is half a stage), at most 1/12 for m >= 2p. Peak: 2p chunks = p stages, as 1F1B.
     schedule = zbv(p, m)
     peaks = peak_activations(schedule)
     assert max(peaks.values()) <= zbv_peak_activations(p)
     if m >= 2 * p - 1:
         assert idle_per_rank(schedule, Z) == [zbv_idle_steps(p)] * p
+        # All of it is the staircase: rank r starts r steps late and ends p - 1 - r early.
+        for rank, row in enumerate(simulate(schedule, durations=Z)):
+            busy = [t for t, cell in enumerate(row) if cell is not None]
+            assert (busy[0], len(row) - 1 - busy[-1]) == (rank, p - 1 - rank)
+            assert len(busy) == busy[-1] - busy[0] + 1
         ratio = simulated_bubble_ratio(schedule, durations=Z)
         assert ratio == pytest.approx((p - 1) / (6 * m))
         assert set(peaks.values()) == {zbv_peak_activations(p)}
@@ -249,3 +255,16 @@ def test_pipeline_doc_pictures_are_real() -> None:
     assert render(interleaved_1f1b(2, 4, 2)) in doc
     assert render(zb_h1(4, 6), durations=Z) in doc
     assert render(zbv(2, 4), durations=Z) in doc
+
+
+@pytest.mark.parametrize("generator", [zb_h1, zbv])
+@pytest.mark.parametrize(
+    ("p", "m", "needle"),
+    [(0, 4, "num_ranks = 0"), (2, 0, "num_microbatches = 0"), (2, 1.5, "num_microbatches = 1.5")],
+)
+def test_zero_bubble_bad_sizes_one_line(
+    generator: Callable[[int, int], Schedule], p: int, m: int, needle: str
+) -> None:
+    with pytest.raises(ScheduleError) as info:
+        generator(p, m)
+    assert needle in str(info.value) and "\n" not in str(info.value)

@@ -72,7 +72,8 @@ def zb_h1_peak_activations(num_ranks: int, num_microbatches: int) -> int:
 
 def zbv_idle_steps(num_ranks: int) -> int:
     """Idle steps of every rank under ZBV with F, I and W one step per chunk and
-    ``m >= 2p - 1``: ``p - 1``, whatever ``m`` (a bubble ratio of ``(p - 1) / (6 m)``)."""
+    ``m >= 2p - 1``: ``p - 1`` whatever ``m`` (a bubble ratio of ``(p - 1) / (6 m)``), all of
+    them before rank ``r``'s first action (``r``) or after its last (``p - 1 - r``)."""
     check_count("num_ranks", num_ranks, "parallel.pp")
     return num_ranks - 1
 

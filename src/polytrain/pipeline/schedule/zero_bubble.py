@@ -40,9 +40,12 @@ and the W still owed, ``b``'s first. The phases are built for ``n = max(m, 2p - 
 micro-batches and the actions of micro-batches ``>= m`` are dropped: removing whole
 micro-batches from every rank keeps the order deadlock-free (what remains is a sub-order of a
 runnable one), so any ``m >= 1`` is accepted. With F, I and W one step per chunk and
-``m >= 2p - 1``, each rank idles ``p - 1`` steps whatever ``m``, a bubble ratio of
-``(p - 1) / (6 m)`` (ZB-H1's is ``(p - 1) / (3 m)``), and holds ``2 p`` chunk activations at
-its peak: ``p`` whole stages' worth, 1F1B's first-stage peak.
+``m >= 2p - 1``, no rank ever idles between its first and its last action: rank ``r`` starts
+``r`` steps late (its first input needs ``r`` forwards) and ends ``p - 1 - r`` steps early,
+``p - 1`` idle steps whatever ``m``. That staircase is the paper's "zero bubble" (a rank that
+ends early can start its optimizer step); counted as bubble it is a ratio of
+``(p - 1) / (6 m)``, against ZB-H1's ``(p - 1) / (3 m)``. Each rank holds ``2 p`` chunk
+activations at its peak: ``p`` whole stages' worth, 1F1B's first-stage peak.
 """
 
 from __future__ import annotations
