@@ -4,8 +4,8 @@ hand-offs, validation of split backwards, simulated bubbles and activation peaks
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest

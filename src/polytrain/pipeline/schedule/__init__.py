@@ -69,12 +69,12 @@ from polytrain.pipeline.schedule.zero_bubble import zb_h1, zbv, zbv_stage_map
 __all__ = [
     "DEFAULT_DURATIONS",
     "NEXT_SCHEDULE_NAMES",
-    "P2PMessage",
     "SCHEDULE_NAMES",
     "ZERO_BUBBLE_DURATIONS",
     "Action",
     "ActionKind",
     "Durations",
+    "P2PMessage",
     "Schedule",
     "StageMap",
     "StageStyle",
