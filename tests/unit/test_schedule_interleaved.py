@@ -84,7 +84,7 @@ def test_stage_map_placements() -> None:
     for p in range(1, 6):
         for k in range(1, 5):
             for style in ("loop", "v"):
-                m = StageMap(p, k, style)  # type: ignore[arg-type]
+                m = StageMap(p, k, style)
                 held = sorted(s for r in range(p) for s in m.stages_of(r))
                 assert held == list(range(p * k))
                 assert all(len(m.stages_of(r)) == k for r in range(p))

@@ -15,6 +15,7 @@ from polytrain.pipeline.schedule import (
     ZERO_BUBBLE_DURATIONS,
     Action,
     ActionKind,
+    Durations,
     Schedule,
     StageMap,
     build_next,
@@ -44,7 +45,7 @@ def strings(schedule: Schedule) -> dict[int, list[str]]:
     return {rank: [str(a) for a in actions] for rank, actions in schedule.items()}
 
 
-def idle_per_rank(schedule: Schedule, durations: dict) -> list[int]:
+def idle_per_rank(schedule: Schedule, durations: Durations) -> list[int]:
     return [sum(cell is None for cell in row) for row in simulate(schedule, durations=durations)]
 
 
