@@ -34,14 +34,13 @@ read a schedule accept any ``Mapping[int, Sequence[Action | None]]``.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TypeAlias
 
 from polytrain.errors import ScheduleError
 
-__all__ = ["Action", "ActionKind", "Schedule", "check_count", "check_sizes", "num_stages_of"]
+__all__ = ["Action", "ActionKind", "Schedule", "check_count", "check_sizes"]
 
 
 class ActionKind(str, Enum):
@@ -141,13 +140,3 @@ def check_count(name: str, value: object, field: str) -> None:
         raise ScheduleError(
             f"{name} = {value!r}: expected an integer >= 1; set {field} to 1 or more"
         )
-
-
-def num_stages_of(schedule: Mapping[int, Sequence[Action | None]]) -> int:
-    """Number of ranks of a schedule whose keys are exactly ``0 .. n-1``."""
-    ranks = sorted(schedule)
-    if not ranks or ranks != list(range(len(ranks))):
-        raise ScheduleError(
-            f"schedule has ranks {ranks}: expected ranks 0..n-1 (one stage per rank, n >= 1)"
-        )
-    return len(ranks)

@@ -15,6 +15,9 @@ numbered in model order (stage ``s`` feeds stage ``s + 1``); the schedule's keys
 ``s``, which is every GPipe, 1F1B and PipeDream schedule. Two consecutive stages on the *same*
 rank (the tip of the V, or every stage when ``p = 1``) exchange their tensors locally: `lower`
 adds no send or receive between them ([Note: local hand-off] in `lowering`).
+
+`validate` takes the map it checks against (default: one stage per rank) and never guesses it;
+`lower`, `simulate` and `render` read it off the schedule (`StageMap.infer`) unless given.
 """
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ def _slots(schedule: _ScheduleIn, stage_map: StageMap) -> dict[Action, _Cell]:
             if stage_map.stages_per_rank == 1 and stage != rank:
                 _fail(
                     f"rank {rank} runs {action} of stage {stage}: expected "
-                    f"stage_index == rank (one stage per rank)",
+                    "stage_index == rank (one stage per rank; pass stage_map for virtual stages)",
                     schedule,
                     marks=[(rank, slot)],
                 )
