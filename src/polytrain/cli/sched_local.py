@@ -33,6 +33,7 @@ from polytrain.api import prepare
 from polytrain.cli.train import resolve_job
 from polytrain.config.io import load_job
 from polytrain.errors import ConfigError
+from polytrain.scheduler.backend import Backend
 from polytrain.scheduler.executor import (
     Executor,
     checkpoint_dir,
@@ -45,6 +46,7 @@ from polytrain.scheduler.local import LocalBackend
 from polytrain.scheduler.policies import get_policy
 from polytrain.scheduler.policy import Cluster, Policy
 from polytrain.scheduler.progress import newest_checkpoint
+from polytrain.scheduler.slurm import SlurmBackend
 from polytrain.scheduler.store import JobRecord, Store, job_dir
 
 __all__ = [
@@ -112,8 +114,16 @@ def serve_command(
     until_idle: Annotated[
         bool, typer.Option(help="exit once every job is done (and there is one)")
     ] = False,
+    slurm_nodes: Annotated[
+        str,
+        typer.Option(
+            help="run the jobs on these Slurm nodes (comma list) through sbatch instead of on "
+            "this host; --devices is then slots per node x nodes"
+        ),
+    ] = "",
+    partition: Annotated[str, typer.Option(help="Slurm partition (with --slurm-nodes)")] = "",
 ) -> None:
-    """Run the queued jobs of a state directory on this host's device slots."""
+    """Run the queued jobs of a state directory on this host's device slots, or on Slurm."""
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {device!r}: choose cpu or cuda")
     kind: Literal["cpu", "cuda"] = "cuda" if device == "cuda" else "cpu"
@@ -147,7 +157,18 @@ def serve_command(
             f"polytrain: scheduling {store.dir} on {devices} {kind} slot(s), policy "
             f"{chosen.name}, slice {cluster.slice_s:g} s"
         )
-        executor = Executor(store, LocalBackend(kind), chosen, cluster)
+        backend: Backend = LocalBackend(kind)
+        if slurm_nodes:
+            nodes = [n.strip() for n in slurm_nodes.split(",") if n.strip()]
+            if devices % len(nodes):
+                raise ConfigError(
+                    f"--devices {devices} over {len(nodes)} Slurm node(s): give a multiple of "
+                    "the node count (the same slots on every node)"
+                )
+            backend = SlurmBackend(
+                nodes, devices // len(nodes), partition=partition or None, gpus=kind == "cuda"
+            )
+        executor = Executor(store, backend, chosen, cluster)
         executor.serve(poll_s, until_idle=until_idle, stopping=lambda: bool(stop))
     finally:
         for sig, handler in previous.items():

@@ -269,6 +269,18 @@ class SlurmBackend:
             "of scancel"
         )
 
+    def adopt(self, launch: Launch) -> bool:
+        """A restarted executor takes over the Slurm job of ``launch`` if Slurm still queues or
+        runs it (found by its job name); else it is gone and resumes from its checkpoint."""
+        name = f"polytrain-{launch.job_id}"
+        out = self._call("squeue", "-h", "--name", name, "-o", "%i")
+        ids = out.split()
+        if not ids:
+            return False
+        self._running[launch.job_id] = ids[-1]
+        self.submitted.setdefault(launch.job_id, []).append(ids[-1])
+        return True
+
     def poll(self) -> dict[str, int]:
         ended: dict[str, int] = {}
         for job_id, slurm_id in list(self._running.items()):
