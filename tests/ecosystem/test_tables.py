@@ -58,9 +58,9 @@ def test_tables_keep_integer_inputs_integer(tmp_path: Path, suffix: str) -> None
             [{"input_ids": [1, 2], "targets": 1}, {"input_ids": [1], "targets": 0}],
             "column 'input_ids' holds rows of different shapes",
         ),
-        ([{"input_ids": [1, 2]}, {"input_ids": [3, 4]}], "expected 'targets'"),
+        ([{"pixels": [1, 2]}, {"pixels": [3, 4]}], "a corpus needs a 'text' or input_ids"),
     ],
-    ids=["text", "ragged", "no targets"],
+    ids=["text", "ragged", "neither corpus nor targets"],
 )
 def test_bad_tables_are_one_line_errors(
     tmp_path: Path, rows: list[dict[str, object]], message: str

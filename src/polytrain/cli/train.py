@@ -34,6 +34,7 @@ _JOB_FLAGS: dict[str, str] = {
     "model": "model.name",
     "size": "model.size",
     "data": "data.source",
+    "tokenizer": "data.tokenizer",
     "init_from": "model.init_from",
     "steps": "train.steps",
     "batch_size": "train.global_batch_size",

@@ -88,14 +88,15 @@ class DataConfig:
     source: str = option(
         "pydoc",
         "'pydoc' (the Python docs corpus shipped with CPython), 'digits' (scikit-learn's 8x8 "
-        "images of digits), a text file, a .npy token array, or a .safetensors / .npz file "
-        "with 'inputs' and 'targets'",
+        "images of digits), a text file, a .npy token array, a .jsonl / .parquet / .arrow "
+        "table (a 'text' or 'input_ids' column: a corpus; with 'targets': supervised), or a "
+        ".safetensors / .npz file with 'inputs' and 'targets'",
     )
     val_fraction: float = option(0.1, "fraction of the data held out for validation")
     tokenizer: str = option(
         "char",
-        "text to token ids: char (distinct characters), byte (UTF-8 bytes, 256 ids), or the "
-        "path of a local tokenizer.json (Hugging Face tokenizers)",
+        "text to token ids: char (distinct characters), byte (UTF-8 bytes, 256 ids), a local "
+        "tokenizer.json (Hugging Face tokenizers) or a transformers tokenizer directory",
     )
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ import torch
 from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
 from polytrain.data.images import load_digits_pairs
-from polytrain.data.tables import TABLE_SUFFIXES
+from polytrain.data.tables import TABLE_SUFFIXES, table_tokens
 from polytrain.data.tensors import (
     MAX_VOCAB,
     Pairs,
@@ -104,7 +104,13 @@ def _split(n: int, val_fraction: float) -> int:
 def _text_datasets(
     text: str, cfg: DataConfig, block_size: int
 ) -> tuple[Dataset, Dataset, DataSpec]:
-    tokens, vocab_size, itos = tokenize(text, cfg.tokenizer)
+    return _stream_datasets(tokenize(text, cfg.tokenizer), cfg, block_size)
+
+
+def _stream_datasets(
+    tokenized: tuple[torch.Tensor, int, list[str]], cfg: DataConfig, block_size: int
+) -> tuple[Dataset, Dataset, DataSpec]:
+    tokens, vocab_size, itos = tokenized
     cut = _split(len(tokens), cfg.val_fraction)
     spec = DataSpec(
         kind="tokens",
@@ -169,6 +175,10 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
         vocab = int(tokens.max()) + 1
         spec = DataSpec(kind="tokens", vocab_size=vocab, input_shape=(block_size,))
         return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
+    if path.suffix in TABLE_SUFFIXES:
+        corpus = table_tokens(path, cfg.source, cfg.tokenizer, MAX_VOCAB)
+        if corpus is not None:  # [Note: text tables]
+            return _stream_datasets(corpus, cfg, block_size)
     if path.suffix == ".safetensors" or path.suffix in TABLE_SUFFIXES:
         return _pair_datasets(load_tensor_pairs(path, cfg.source), cfg)
     if path.suffix == ".npz":

@@ -1,11 +1,19 @@
 """JSON Lines, Parquet and Arrow data sets through Hugging Face ``datasets``, read from local files.
 
-A table is a data set like a ``.safetensors`` one (`data.tensors`): a ``targets`` column and
-either an ``inputs`` column or named input columns (``input_ids``, ``attention_mask``...). Each
-column becomes one tensor with a first dim of rows; a column of equal-length lists becomes a
-(rows, length) tensor. dtypes are kept: integer columns stay int64 (token ids), floating
-columns become float32. Text columns and ragged lists are one-line errors (tokenize and pad
-first). ``datasets`` is optional (``pip install datasets``); without it these files are a
+Two kinds of table:
+
+* **Language-model corpora** (no ``targets`` column): a ``text`` column is tokenized by the
+  job's tokenizer (``data.tokenizer``; through ``datasets``' ``map``, batched, cached by
+  ``datasets`` under its cache directory, in several processes for large tables), or a token
+  column (``input_ids`` or ``tokens``, lists of any lengths) is used as is; the rows are
+  concatenated into one token stream that next-token prediction reads in windows of the
+  model's context, as a text file is ([Note: text tables]).
+* **Supervised tables**, like a ``.safetensors`` data set (`data.tensors`): a ``targets``
+  column and either an ``inputs`` column or named input columns (``input_ids``,
+  ``attention_mask``...). Each column becomes one tensor with a first dim of rows; a column of
+  equal-length lists becomes a (rows, length) tensor. dtypes are kept: integer columns stay
+  int64 (token ids), floating columns become float32. Text columns and ragged lists are
+  one-line errors there (tokenize and pad first). ``datasets`` is optional (``pip install datasets``); without it these files are a
 one-line error naming the install.
 
 [Note: optional import] ``datasets`` takes seconds to import (pandas, pyarrow) and most jobs
@@ -16,16 +24,20 @@ top of the module.
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from polytrain.data.tokenize import load_tokenizer, tokenize
 from polytrain.errors import ConfigError
 
-__all__ = ["TABLE_SUFFIXES", "read_table"]
+__all__ = ["TABLE_SUFFIXES", "TOKEN_COLUMNS", "read_table", "table_tokens"]
 
 TABLE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+TOKEN_COLUMNS = ("input_ids", "tokens")  # a corpus already tokenized
+_PARALLEL_ROWS = 20_000  # rows from which tokenizing uses several processes
 
 
 def _datasets(source: str) -> Any:
@@ -41,14 +53,14 @@ def _datasets(source: str) -> Any:
     return module
 
 
-def _open(path: Path, source: str) -> Any:
+def _open(path: Path, source: str, *, in_memory: bool = True) -> Any:
     hf = _datasets(source)
     try:
         if path.suffix == ".parquet":
-            return hf.Dataset.from_parquet(str(path), keep_in_memory=True)
+            return hf.Dataset.from_parquet(str(path), keep_in_memory=in_memory)
         if path.suffix == ".arrow":  # datasets' own Arrow files (Dataset.save_to_disk)
-            return hf.Dataset.from_file(str(path), in_memory=True)
-        return hf.Dataset.from_json(str(path), keep_in_memory=True)
+            return hf.Dataset.from_file(str(path), in_memory=in_memory)
+        return hf.Dataset.from_json(str(path), keep_in_memory=in_memory)
     except Exception as exc:  # datasets raises many types for a malformed file
         detail = str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__
         raise ConfigError(
@@ -74,3 +86,93 @@ def read_table(path: Path, source: str) -> dict[str, torch.Tensor]:
             fix = f"{type(first).__name__} values: tokenize text into integer ids first"
         raise ConfigError(f"data.source = {source!r}: column {name!r} holds {fix}")
     return out
+
+
+# [Note: text tables]
+# A corpus table is one document per row. Rows are tokenized independently (a document's last
+# token never merges with the next one's first) and concatenated in row order into one stream,
+# a newline's tokens between documents for the char, byte and tokenizer.json tokenizers alike,
+# so a table and the text file of the same documents joined by newlines give the same windows
+# up to merges across those boundaries. The vocabulary is the tokenizer's (char: the distinct
+# characters of the table); a token column's ids must lie below it (without a tokenizer: below
+# MAX_VOCAB, the vocabulary then being the largest id plus one, as a .npy token array's).
+def table_tokens(
+    path: Path, source: str, tokenizer: str, max_vocab: int
+) -> tuple[torch.Tensor, int, list[str]] | None:
+    """The token stream of a corpus table (a ``text`` or token column, no ``targets``) with its
+    vocabulary size and, for the char tokenizer, its characters; None for a supervised table."""
+    table = _open(path, source, in_memory=False)  # on disk: datasets caches the tokenization
+    names = table.column_names
+    if "targets" in names:
+        return None
+    where = f"data.source = {source!r}"
+    if len(table) == 0:
+        raise ConfigError(f"{where} has no rows")
+    if "text" in names:
+        return _tokenize_text(table, where, tokenizer)
+    column = next((c for c in TOKEN_COLUMNS if c in names), None)
+    if column is None:
+        raise ConfigError(
+            f"{where} has columns {names}: a corpus needs a 'text' or {' / '.join(TOKEN_COLUMNS)} "
+            "column; a supervised table a 'targets' column"
+        )
+    return _token_column(table, column, where, tokenizer, max_vocab)
+
+
+def _tokenize_text(table: Any, where: str, tokenizer: str) -> tuple[torch.Tensor, int, list[str]]:
+    if not all(isinstance(t, str) for t in table.select(range(min(8, len(table))))["text"]):
+        raise ConfigError(f"{where}: column 'text' does not hold strings")
+    if tokenizer in ("char", "byte"):
+        text = "\n".join(table["text"])
+        if not text:
+            raise ConfigError(f"{where}: column 'text' is empty")
+        return tokenize(text, tokenizer)
+    tok = load_tokenizer(tokenizer)
+    newline = tok.encode("\n", add_special_tokens=False).ids
+
+    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        encoded = tok.encode_batch(batch["text"], add_special_tokens=False)
+        return {"ids": [e.ids + newline for e in encoded]}
+
+    procs = min(os.cpu_count() or 1, 8) if len(table) >= _PARALLEL_ROWS else None
+    ids = table.map(encode, batched=True, remove_columns=table.column_names, num_proc=procs)
+    stream = _flatten(ids, "ids", where)
+    if len(stream) == 0:
+        raise ConfigError(f"{where}: column 'text' gives no tokens")
+    return stream, int(tok.get_vocab_size()), []
+
+
+def _token_column(
+    table: Any, column: str, where: str, tokenizer: str, max_vocab: int
+) -> tuple[torch.Tensor, int, list[str]]:
+    stream = _flatten(table, column, where)
+    if len(stream) == 0:
+        raise ConfigError(f"{where}: column {column!r} is empty")
+    vocab = (
+        max_vocab
+        if tokenizer in ("char", "byte")
+        else int(load_tokenizer(tokenizer).get_vocab_size())
+    )
+    low, high = int(stream.min()), int(stream.max())
+    if low < 0 or high >= vocab:
+        named = f"the tokenizer's vocabulary of {vocab}" if vocab != max_vocab else f"{max_vocab}"
+        raise ConfigError(
+            f"{where}: column {column!r} holds token id {low if low < 0 else high}, outside "
+            f"[0, {named}): the ids and the tokenizer (data.tokenizer) must match"
+        )
+    if tokenizer in ("char", "byte"):
+        vocab = high + 1
+    return stream.to(torch.long), vocab, []
+
+
+def _flatten(table: Any, column: str, where: str) -> torch.Tensor:
+    """One column of integer lists (or integers), all rows' values in order."""
+    array = table.data.column(column).combine_chunks()
+    if str(array.type).startswith(("list", "large_list")):
+        array = array.flatten()
+    if len(array) == 0 or str(array.type) == "null":
+        return torch.empty(0, dtype=torch.long)
+    values = array.to_numpy(zero_copy_only=False)
+    if values.dtype.kind not in "iu":
+        raise ConfigError(f"{where}: column {column!r} holds {array.type}, not token ids")
+    return torch.from_numpy(values.astype("int64"))

@@ -155,3 +155,16 @@ def check_model(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Tens
     _check_channels(job, model, sample)
     if job.model.name not in ("gpt", "mlp", "cnn", "resnet") or job.model.loss != "auto":
         _check_output(job, model, sample)
+
+
+def check_vocabulary(job: JobConfig, model: BlockModel, vocab_size: int) -> None:
+    """Token data's ids index the model's first embedding table (in module order): a table
+    smaller than the data's vocabulary would fail on every worker with an index error."""
+    table = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if table is None or table.num_embeddings >= vocab_size:
+        return
+    raise ConfigError(
+        f"data.source = {job.data.source!r} has a vocabulary of {vocab_size} (data.tokenizer = "
+        f"{job.data.tokenizer!r}) and the model's embedding table holds {table.num_embeddings}: "
+        "build the model with spec.vocab_size, or use the tokenizer the model was made for"
+    )
