@@ -85,3 +85,29 @@ def test_deadline_and_devices_parsing() -> None:
     assert parse_devices("8") == (8, 8)
     assert parse_devices("2:16") == (2, 16)
     assert parse_devices(None) == (1, 0)
+
+
+@pytest.mark.parametrize("cluster", ["4x8xH100:ib400", "2x8xH100:ib400"])
+def test_plan_prints_the_command_that_runs_its_choice(
+    cluster: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shlex
+    import tomllib
+
+    argv = ["plan", "--model", "gpt", "--size", "medium", "--cluster", cluster, "--json"]
+    if cluster.startswith("2x"):
+        argv += ["--devices", "16"]  # two hosts: a multi-node layout
+    code, out, _ = _run(argv, capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert "uncalibrated" in data["figures"] and data["validation"] == []
+    words = shlex.split(data["command"])
+    assert words[:2] == ["polytrain", "train"]
+    # The user fills in the rendezvous of a multi-node layout; the rest runs as printed.
+    filled = [{"HOST:PORT": "10.0.0.1:29500", "I": "0"}.get(w, w) for w in words[2:]]
+    code, out, err = _run(["train", *filled, "--device", "cpu", "--dry-run"], capsys)
+    assert code == 0, err
+    job = tomllib.loads(out)
+    for path, value in data["best"]["overrides"].items():
+        section, key = path.split(".")
+        assert job[section][key] == value, path

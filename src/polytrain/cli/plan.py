@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from polytrain.cli.plan_validate import validate_plans
-from polytrain.cli.train import resolve_job
+from polytrain.cli.train import FLAG_FIELDS, resolve_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
 from polytrain.measure.host import profile_for, speed_sample
@@ -28,6 +29,7 @@ from polytrain.planner.drift import DRIFT_LIMIT, describe, drifted, rescaled, sp
 from polytrain.planner.memory import process_bytes
 from polytrain.planner.search import Plan, PlanRequest, PlanResult, duration_text, search
 from polytrain.planner.types import HostProfile, ModelStats
+from polytrain.planner.validate import Trial, toml_value
 
 __all__ = ["at_present_speed", "parse_deadline", "parse_devices", "plan_command", "stats_for_job"]
 
@@ -109,6 +111,53 @@ def _gib(nbytes: float) -> str:
 
 def _money(cost: float | None) -> str:
     return "n/a" if cost is None else f"${cost:,.2f}"
+
+
+def train_command_for(
+    plan: Plan,
+    job: JobConfig,
+    config: Path | None,
+    flags: dict[str, Any],
+    sets: list[str],
+    per_host: int,
+) -> str:
+    """The `polytrain train` command that runs ``plan``: the job as ``plan`` was given it, then
+    the layout's fields that differ from the job's, as flags where a flag exists, else
+    ``--set``."""
+    words = ["polytrain", "train"]
+    if config is not None:
+        words += ["--config", str(config)]
+    for name, value in flags.items():
+        if value is not None:
+            words += [f"--{name.replace('_', '-')}", str(value)]
+    words += [w for s in sets for w in ("--set", s)]
+    by_path = {path: flag for flag, path in FLAG_FIELDS.items()}
+    for path, value in plan.prediction.layout.overrides(per_host).items():
+        section, key = path.split(".")
+        if getattr(getattr(job, section), key) == value:
+            continue
+        flag = by_path.get(path)
+        option = f"--{(flag or '').replace('_', '-')}"
+        if flag is not None and isinstance(value, bool):
+            words.append(option if value else f"--no-{option[2:]}")
+        elif flag is not None and not isinstance(value, list):
+            words += [option, toml_value(value).strip('"')]
+        else:
+            words += ["--set", f"{path}={toml_value(value)}"]
+    if plan.prediction.layout.overrides(per_host).get("launch.nnodes", 1) > 1:
+        words += ["--rdzv-endpoint", "HOST:PORT", "--node-rank", "I"]
+    return shlex.join(words)
+
+
+def trial_to_dict(trial: Trial) -> dict[str, Any]:
+    """One validation run, predicted against measured (seconds and bytes; NaN when failed)."""
+    return {
+        "layout": trial.spec.label,
+        "predicted_step_s": trial.spec.predicted_step_s,
+        "measured_step_s": None if trial.error else trial.measured_step_s,
+        "peak_bytes": None if trial.error else trial.peak_bytes,
+        "error": trial.error,
+    }
 
 
 def plan_to_dict(plan: Plan, global_batch: int, per_host: int = 0) -> dict[str, Any]:
@@ -259,7 +308,23 @@ def plan_command(
     )
     result = search(request)
     batch = job.train.global_batch_size
+    source = (
+        "this host's calibrated profile"
+        if profile is not None
+        else "catalog figures, uncalibrated (`polytrain calibrate` on the target measures it)"
+    )
+    command = (
+        train_command_for(result.best, job, config, flags, set_ or [], clu.per_host)
+        if result.best is not None
+        else ""
+    )
     if json_:
+        trials: list[Trial] = []
+        if validate and result.best is not None:  # the table goes to stderr, the rows here
+            process = process_bytes(stats, request.profile) if request.profile else 0.0
+            predictions = [p.prediction for p in result.plans]
+            quiet = Console(stderr=True)
+            trials = validate_plans(job, predictions, validate, process=process, console=quiet)
         out = {
             "model": stats.name,
             "params": stats.params,
@@ -271,6 +336,9 @@ def plan_command(
             "extremes": {
                 k: plan_to_dict(p, batch, clu.per_host) for k, p in result.extremes.items()
             },
+            "figures": source,
+            "command": command,
+            "validation": [trial_to_dict(t) for t in trials],
         }
         typer.echo(json.dumps(out, indent=2))
         return
@@ -282,6 +350,8 @@ def plan_command(
     if result.best is not None:
         console.print(_explain(result.best, result, clu.device.key))
         console.print(_table("best plan and runners-up", result.plans[:top], batch))
+        console.print(f"figures: {source}")
+        console.print(f"run it: {command}", soft_wrap=True, highlight=False, markup=False)
         if validate:
             if speed_note:
                 console.print(speed_note)
