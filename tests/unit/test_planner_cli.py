@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shlex
 from datetime import datetime, timezone
 
 import pytest
+import tomllib
 
 from polytrain.cli.plan import parse_deadline, parse_devices
 from polytrain.errors import PlanError
@@ -91,9 +93,6 @@ def test_deadline_and_devices_parsing() -> None:
 def test_plan_prints_the_command_that_runs_its_choice(
     cluster: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import shlex
-    import tomllib
-
     argv = ["plan", "--model", "gpt", "--size", "medium", "--cluster", cluster, "--json"]
     if cluster.startswith("2x"):
         argv += ["--devices", "16"]  # two hosts: a multi-node layout
