@@ -3,6 +3,7 @@ is its field's help, and each flag sets its field."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import typer
 from polytrain.cli.app import app
 from polytrain.cli.train import FLAG_FIELDS, resolve_job
 from polytrain.config.base import describe_field
+from polytrain.config.io import job_from_dict, save_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
 
@@ -56,3 +58,17 @@ def test_describe_field_names_the_valid_keys() -> None:
     assert describe_field(JobConfig, "train.steps").default == 1200
     with pytest.raises(ConfigError, match="valid keys here are .*global_batch_size"):
         describe_field(JobConfig, "train.stepz")
+
+
+def test_a_runs_own_job_file_runs_again_in_a_new_directory(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "first"
+    run.mkdir(parents=True)
+    job = job_from_dict({"observe": {"out_dir": str(run)}, "train": {"steps": 3}})
+    save_job(job, run / "job.toml")
+    again = resolve_job(run / "job.toml", {}, [])
+    assert again.observe.out_dir == "" and again.train.steps == 3
+    elsewhere = resolve_job(run / "job.toml", {"out_dir": str(tmp_path / "b")}, [])
+    assert elsewhere.observe.out_dir == str(tmp_path / "b")
+    # a job file kept elsewhere that names an output directory keeps it
+    save_job(job, tmp_path / "job.toml")
+    assert resolve_job(tmp_path / "job.toml", {}, []).observe.out_dir == str(run)

@@ -99,6 +99,11 @@ def _count_value(text: str) -> Any:
 def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]) -> JobConfig:
     """Config file, then flags, then ``--set`` overrides, validated as one `JobConfig`."""
     data: dict[str, Any] = load_job(config) if config else {}
+    out_dir = data.get("observe", {}).get("out_dir", "")
+    if config and out_dir and Path(out_dir).resolve() == config.resolve().parent:
+        # A run's own resolved job.toml names the run's directory, which already holds that
+        # run: running the file again is a new run, in a new directory (or --out-dir).
+        del data["observe"]["out_dir"]
     for name, value in flags.items():
         if value is None:
             continue
@@ -208,6 +213,13 @@ def _train(
         f"polytrain: {_devices(job)} on this node, {job.world_size} rank(s) in all, "
         f"run dir {job.observe.out_dir}"
     )
+    if job.parallel.pp > 1 and job.pipeline.microbatches < job.parallel.pp:
+        p, m = job.parallel.pp, job.pipeline.microbatches
+        typer.echo(
+            f"polytrain: note: {m} micro-batch(es) through {p} stages leaves each stage idle "
+            f"{(p - 1) / (m + p - 1):.0%} of the step; --microbatches {4 * p} (a divisor of "
+            "the batch per replica) fills the pipeline"
+        )
     run(job)
 
 
