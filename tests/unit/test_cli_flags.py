@@ -72,3 +72,15 @@ def test_a_runs_own_job_file_runs_again_in_a_new_directory(tmp_path: Path) -> No
     # a job file kept elsewhere that names an output directory keeps it
     save_job(job, tmp_path / "job.toml")
     assert resolve_job(tmp_path / "job.toml", {}, []).observe.out_dir == str(run)
+
+
+def test_a_pipeline_with_one_micro_batch_says_what_it_idles(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from tests.helpers.cli import run_main
+
+    argv = ["train", "--model", "mlp", "--pp", "2", "--nproc", "2", "--device", "cpu"]
+    code, _, err = run_main([*argv, "--dry-run"], capsys)
+    assert code == 0 and "1 micro-batch(es) through 2 stages leaves each stage idle 50%" in err
+    code, _, err = run_main([*argv, "--microbatches", "4", "--dry-run"], capsys)
+    assert code == 0 and "idle" not in err

@@ -206,6 +206,14 @@ def _train(
     if job.strategy == "auto":
         job = _plan_first(job)
     job = prepare(job)
+    if job.parallel.pp > 1 and job.pipeline.microbatches < job.parallel.pp:
+        p, m = job.parallel.pp, job.pipeline.microbatches
+        typer.echo(
+            f"polytrain: note: {m} micro-batch(es) through {p} stages leaves each stage idle "
+            f"{(p - 1) / (m + p - 1):.0%} of the step; --microbatches {4 * p} (a divisor of "
+            "the batch per replica) fills the pipeline",
+            err=True,
+        )
     if dry_run:
         typer.echo(tomli_w.dumps(to_dict(job)))
         return
@@ -213,13 +221,6 @@ def _train(
         f"polytrain: {_devices(job)} on this node, {job.world_size} rank(s) in all, "
         f"run dir {job.observe.out_dir}"
     )
-    if job.parallel.pp > 1 and job.pipeline.microbatches < job.parallel.pp:
-        p, m = job.parallel.pp, job.pipeline.microbatches
-        typer.echo(
-            f"polytrain: note: {m} micro-batch(es) through {p} stages leaves each stage idle "
-            f"{(p - 1) / (m + p - 1):.0%} of the step; --microbatches {4 * p} (a divisor of "
-            "the batch per replica) fills the pipeline"
-        )
     run(job)
 
 
