@@ -39,9 +39,12 @@ DataArg = Mapping[str, torch.Tensor] | tuple[torch.Tensor, torch.Tensor]
 
 
 def load(path: str | Path | None = None, **overrides: Any) -> JobConfig:
-    """A job from a TOML file (or the defaults) with ``section__key=value`` overrides."""
+    """A job from a TOML file (or the defaults) with ``section__key=value`` overrides;
+    ``model__name`` may be the factory function itself ([Note: objects to workers])."""
     data: dict[str, Any] = load_job(path) if path else {}
     for key, value in overrides.items():
+        if key == "model__name" and callable(value):  # a factory travels as its import path
+            value = factory_name(value)
         merge(data, key.split("__"), value)
     return job_from_dict(data)
 
