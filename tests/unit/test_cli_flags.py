@@ -84,3 +84,18 @@ def test_a_pipeline_with_one_micro_batch_says_what_it_idles(
     assert code == 0 and "1 micro-batch(es) through 2 stages leaves each stage idle 50%" in err
     code, _, err = run_main([*argv, "--microbatches", "4", "--dry-run"], capsys)
     assert code == 0 and "idle" not in err
+
+
+def test_dry_run_starts_with_a_summary_and_stays_toml(capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib
+
+    from tests.helpers.cli import run_main
+
+    code, out, err = run_main(["train", "--device", "cpu", "--nproc", "2", "--dry-run"], capsys)
+    assert code == 0, err
+    first, second = out.splitlines()[:2]
+    assert (
+        first.startswith("# gpt: ") and "M parameters; 2 rank(s)" in first and "layout dp2" in first
+    )
+    assert second.startswith("# predicted: ") and "ms/step" in second and "MiB per rank" in second
+    assert tomllib.loads(out)["launch"]["nproc"] == 2

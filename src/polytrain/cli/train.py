@@ -22,7 +22,7 @@ from polytrain.config.base import FieldInfo, describe_field, to_dict
 from polytrain.config.io import job_from_dict, load_job, merge, parse_override
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
-from polytrain.trainer.auto import resolve_auto
+from polytrain.trainer.auto import predict_job, resolve_auto
 from polytrain.trainer.build import FAMILIES
 
 __all__ = ["resolve_job", "train_command"]
@@ -182,6 +182,28 @@ def _plan_first(job: JobConfig) -> JobConfig:
     return choice.job
 
 
+def _summary(job: JobConfig) -> str:
+    """`--dry-run`'s first lines: the model's size, the world, the layout, and the planner's
+    step time and memory per rank for it on this host (as TOML comments)."""
+    estimate = predict_job(job)
+    p = job.parallel
+    layout = estimate.layout.describe() if estimate.layout else f"sync {p.sync}, pp {p.pp}"
+    lines = [
+        f"# {job.model.name}: {estimate.params / 1e6:,.2f} M parameters; {job.world_size} "
+        f"rank(s) ({_devices(job)}); layout {layout}"
+    ]
+    pred = estimate.prediction
+    if pred is None:
+        lines.append("# predicted: not priced by the planner (see docs/planner.md)")
+    else:
+        source = "this host's calibrated profile" if estimate.profiled else "catalog figures"
+        lines.append(
+            f"# predicted: {pred.step_s * 1e3:.1f} ms/step, {pred.memory_per_rank / 2**20:,.0f} "
+            f"MiB per rank ({source}{'' if pred.fits else '; ' + pred.why})"
+        )
+    return "\n".join(lines)
+
+
 def _devices(job: JobConfig) -> str:
     """What this node's workers run on, as resolved ([Note: device resolution]):
     ``2 x cuda (NVIDIA H200), nccl`` or ``2 CPU processes, gloo``."""
@@ -215,6 +237,7 @@ def _train(
             err=True,
         )
     if dry_run:
+        typer.echo(_summary(job))
         typer.echo(tomli_w.dumps(to_dict(job)))
         return
     typer.echo(

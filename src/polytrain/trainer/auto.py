@@ -23,10 +23,19 @@ from polytrain.measure.host import profile_for
 from polytrain.measure.stats import model_stats
 from polytrain.planner.catalog import device_key_of
 from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.cost import Env, predict
 from polytrain.planner.search import PlanRequest, search
 from polytrain.planner.types import HostProfile, Layout, Prediction
 
-__all__ = ["AutoChoice", "apply_layout", "host_cluster_spec", "resolve_auto"]
+__all__ = [
+    "AutoChoice",
+    "JobEstimate",
+    "apply_layout",
+    "host_cluster_spec",
+    "layout_of",
+    "predict_job",
+    "resolve_auto",
+]
 
 
 @dataclass(frozen=True)
@@ -88,3 +97,57 @@ def apply_layout(job: JobConfig, layout: Layout) -> JobConfig:
     for key, value in layout.overrides().items():
         merge(data, key.split("."), value)
     return job_from_dict(data)
+
+
+def layout_of(job: JobConfig) -> Layout | None:
+    """The planner's `Layout` of ``job`` (the inverse of `apply_layout`); None for what the
+    planner does not price (hybrid and spatial parallelism, selective recomputation,
+    hierarchical parameter servers)."""
+    p, pipe, ps = job.parallel, job.pipeline, job.ps
+    policy = p.recompute_policy
+    if p.hybrid or p.spatial > 1 or ps.hierarchical or (policy.mode != "none" and
+                                                         (policy.mode != "full" or policy.every != 1)):  # fmt: skip
+        return None
+    pp = p.pp
+    workers = job.world_size - (ps.servers if p.sync == "ps" else 0)
+    dp = p.dp or max(1, workers // (p.tp * pp))
+    return Layout(
+        dp=dp,
+        tp=p.tp,
+        pp=pp,
+        zero=p.zero,
+        sync=p.sync,
+        schedule=pipe.schedule,
+        microbatches=pipe.microbatches if pp > 1 else 1,
+        recompute=policy.mode == "full",
+        grad_accum=job.train.grad_accum,
+        ps_servers=ps.servers if p.sync == "ps" else 0,
+        ps_mode=ps.mode,
+        sufficient_factor=p.sufficient_factor == "on",
+        partition=tuple(pipe.partition) if isinstance(pipe.partition, list) else (),
+        topology=job.gossip.topology,
+        period=job.localsgd.period,
+    )
+
+
+@dataclass(frozen=True)
+class JobEstimate:
+    """What `--dry-run` summarises: the model's size and the planner's figures for the job."""
+
+    params: int
+    layout: Layout | None  # None: a layout the planner does not price
+    prediction: Prediction | None
+    profiled: bool  # this host's calibrated profile (else catalog figures)
+
+
+def predict_job(job: JobConfig) -> JobEstimate:
+    """The planner's step time and memory per rank for ``job`` as written, on this host."""
+    stats = model_stats(job)  # meta device: FLOPs and bytes, no weights
+    layout = layout_of(job)
+    if layout is None or job.launch.nnodes > 1:
+        return JobEstimate(stats.params, layout, None, False)
+    cluster = parse_cluster(host_cluster_spec(job))
+    profile = profile_for(cluster.device.key)
+    env = Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
+    prediction = predict(layout, stats, env, job.train.global_batch_size)
+    return JobEstimate(stats.params, layout, prediction, profile is not None)
