@@ -65,6 +65,24 @@ def make_bert(spec: Any, **args: Any) -> nn.Module:
     return BertForSequenceClassification(BertConfig(**cfg))
 
 
+def make_bert_mlm(spec: Any, **args: Any) -> nn.Module:
+    """A masked language model over the data's own vocabulary and context (spec)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.input_shape[0],
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    cfg.update(args)
+    return BertForMaskedLM(BertConfig(**cfg))
+
+
 def make_resnet(spec: Any, **args: Any) -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 

@@ -98,8 +98,20 @@ class DataConfig:
         "text to token ids: char (distinct characters), byte (UTF-8 bytes, 256 ids), a local "
         "tokenizer.json (Hugging Face tokenizers) or a transformers tokenizer directory",
     )
+    objective: Literal["causal", "mlm"] = option(
+        "causal",
+        "token data's training objective: causal (predict the next token) or mlm (masked "
+        "language modelling as BERT: a fraction of each window's tokens masked and predicted)",
+    )
+    mask_fraction: float = option(
+        0.15, "objective = 'mlm': fraction of each window's tokens chosen for prediction"
+    )
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.mask_fraction < 1.0:
+            raise ConfigError(
+                f"data.mask_fraction = {self.mask_fraction!r}: expected a value in (0, 1)"
+            )
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(
                 f"data.val_fraction = {self.val_fraction!r}: expected a value in (0, 1)"

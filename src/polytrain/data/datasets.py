@@ -15,6 +15,7 @@ import torch
 from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
 from polytrain.data.images import load_digits_pairs
+from polytrain.data.masking import MaskedTokenDataset, mask_token
 from polytrain.data.tables import TABLE_SUFFIXES, table_tokens
 from polytrain.data.tensors import (
     MAX_VOCAB,
@@ -94,7 +95,7 @@ class PairDataset:
         return {k: v[indices] for k, v in self.inputs.items()}, self.targets[indices]
 
 
-Dataset = TokenDataset | PairDataset
+Dataset = TokenDataset | PairDataset | MaskedTokenDataset
 
 
 def _split(n: int, val_fraction: float) -> int:
@@ -110,6 +111,8 @@ def _text_datasets(
 def _stream_datasets(
     tokenized: tuple[torch.Tensor, int, list[str]], cfg: DataConfig, block_size: int
 ) -> tuple[Dataset, Dataset, DataSpec]:
+    if cfg.objective == "mlm":
+        return _masked_datasets(tokenized, cfg, block_size)
     tokens, vocab_size, itos = tokenized
     cut = _split(len(tokens), cfg.val_fraction)
     spec = DataSpec(
@@ -120,6 +123,30 @@ def _stream_datasets(
         tokenizer=cfg.tokenizer,
     )
     return TokenDataset(tokens[:cut], block_size), TokenDataset(tokens[cut:], block_size), spec
+
+
+def _masked_datasets(
+    tokenized: tuple[torch.Tensor, int, list[str]], cfg: DataConfig, block_size: int
+) -> tuple[Dataset, Dataset, DataSpec]:
+    """Masked language modelling over the stream (`data.masking`)."""
+    tokens, vocab_size, itos = tokenized
+    mask_id, vocab = mask_token(cfg.tokenizer, vocab_size)
+    cut = _split(len(tokens), cfg.val_fraction)
+
+    def masked(part: torch.Tensor, offset: int) -> MaskedTokenDataset:
+        return MaskedTokenDataset(
+            part, block_size, mask_id=mask_id, vocab_size=vocab_size,
+            fraction=cfg.mask_fraction, seed=0, offset=offset,
+        )  # fmt: skip
+
+    spec = DataSpec(
+        kind="tokens",
+        vocab_size=vocab,
+        input_shape=(block_size,),
+        itos=[*itos, "[MASK]"] if itos and mask_id == len(itos) else itos,
+        tokenizer=cfg.tokenizer,
+    )
+    return masked(tokens[:cut], 0), masked(tokens[cut:], cut), spec
 
 
 def _load_tokens(path: Path, source: str) -> torch.Tensor:

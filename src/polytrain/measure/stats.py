@@ -36,6 +36,7 @@ from polytrain.config.io import save_job
 from polytrain.config.job import JobConfig
 from polytrain.core.step import autocast
 from polytrain.data.datasets import Dataset, DataSpec, TokenDataset, build_datasets
+from polytrain.data.masking import MaskedTokenDataset
 from polytrain.measure.kernels import AttentionCounter, OpCounter
 from polytrain.measure.layer_stats import fsdp_units, layer_view
 from polytrain.measure.tp_stats import TPModules, plan_styles, tp_shards
@@ -352,7 +353,7 @@ def held_data_bytes(*datasets: Dataset) -> int:
     ([Note: a worker's own memory] in planner/memory.py)."""
     tensors: list[torch.Tensor] = []
     for ds in datasets:
-        if isinstance(ds, TokenDataset):
+        if isinstance(ds, TokenDataset | MaskedTokenDataset):
             tensors.append(ds.tokens)
         else:
             inputs = ds.inputs

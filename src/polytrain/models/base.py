@@ -57,8 +57,11 @@ def inputs_to(x: Inputs, device: torch.device) -> Inputs:
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position: logits (..., V), targets (...)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    """Mean cross-entropy over every predicted position: logits (..., V), targets (...);
+    targets of -100 are left out (masked language modelling: `data.masking`)."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100
+    )
 
 
 class BlockModel(nn.Module):

@@ -168,3 +168,20 @@ def check_vocabulary(job: JobConfig, model: BlockModel, vocab_size: int) -> None
         f"{job.data.tokenizer!r}) and the model's embedding table holds {table.num_embeddings}: "
         "build the model with spec.vocab_size, or use the tokenizer the model was made for"
     )
+
+
+def check_objective(job: JobConfig, model: BlockModel) -> None:
+    """A transformers model made for one objective trained on another trains, but not as its
+    user meant (a BERT on next-token targets): a warning naming the fix."""
+    name = type(model.blocks[0]).__name__ if model.user_prefix else ""
+    objective = job.data.objective
+    if objective == "causal" and name.endswith("ForMaskedLM"):
+        _warn(
+            f"{name} is a masked language model and data.objective = 'causal' trains it on "
+            "next-token targets: set data.objective = 'mlm' (--set data.objective=mlm)"
+        )
+    if objective == "mlm" and name.endswith(("ForCausalLM", "LMHeadModel")):
+        _warn(
+            f"{name} is a causal language model and data.objective = 'mlm' trains it on masked "
+            "tokens: set data.objective = 'causal'"
+        )

@@ -37,9 +37,15 @@ __all__ = [
 LOSSES = ("auto", "cross_entropy", "mse")
 
 
+IGNORE = -100  # a target position that is not predicted (masked LM: the unmasked tokens)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every position: logits (..., V), targets (...)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    """Mean cross-entropy over every predicted position: logits (..., V), targets (...);
+    positions whose target is `IGNORE` are left out (masked language modelling)."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE
+    )
 
 
 def mse_loss(predictions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from polytrain.data.datasets import build_datasets
 from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel
 from polytrain.models.blocks import disable_inplace
-from polytrain.models.checks import check_model, check_vocabulary
+from polytrain.models.checks import check_model, check_objective, check_vocabulary
 from polytrain.models.pretrained import check_pretrained
 from polytrain.models.registry import block_size_of, build_model
 from polytrain.trainer.build import strategy_family
@@ -54,6 +54,7 @@ def preflight(job: JobConfig) -> BlockModel:
     check_model(job, model, train_data.get(torch.arange(min(2, len(train_data)))))
     if spec.kind == "tokens":
         check_vocabulary(job, model, spec.vocab_size)
+        check_objective(job, model)
     if job.model.init_from:  # names and shapes from the files' headers, nothing loaded
         check_pretrained(model, job.model.init_from)
     if job.launch.nnodes > 1 and job.launch.num_procs % job.parallel.tp:
