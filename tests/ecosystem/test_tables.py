@@ -53,14 +53,15 @@ def test_tables_keep_integer_inputs_integer(tmp_path: Path, suffix: str) -> None
 @pytest.mark.parametrize(
     ("rows", "message"),
     [
-        ([{"text": "hi", "targets": 1}, {"text": "ho", "targets": 0}], "column 'text' holds str"),
+        ([{"name": "hi", "targets": 1}, {"name": "ho", "targets": 0}], "column 'name' holds str"),
+        ([{"text": "hi", "label": 0.5}, {"text": "ho", "label": 1.5}], "one integer class per row"),
         (
             [{"input_ids": [1, 2], "targets": 1}, {"input_ids": [1], "targets": 0}],
             "column 'input_ids' holds rows of different shapes",
         ),
         ([{"pixels": [1, 2]}, {"pixels": [3, 4]}], "a corpus needs a 'text' or input_ids"),
     ],
-    ids=["text", "ragged", "neither corpus nor targets"],
+    ids=["text", "float labels", "ragged", "neither corpus nor targets"],
 )
 def test_bad_tables_are_one_line_errors(
     tmp_path: Path, rows: list[dict[str, object]], message: str

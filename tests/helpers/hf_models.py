@@ -83,6 +83,25 @@ def make_bert_mlm(spec: Any, **args: Any) -> nn.Module:
     return BertForMaskedLM(BertConfig(**cfg))
 
 
+def make_bert_classifier(spec: Any, **args: Any) -> nn.Module:
+    """A sequence classifier over the data's vocabulary, context and classes (spec)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.input_shape[0],
+        num_labels=spec.num_outputs,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    cfg.update(args)
+    return BertForSequenceClassification(BertConfig(**cfg))
+
+
 def make_resnet(spec: Any, **args: Any) -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 

@@ -16,7 +16,7 @@ from polytrain.config.job import DataConfig
 from polytrain.data.corpus import default_corpus
 from polytrain.data.images import load_digits_pairs
 from polytrain.data.masking import MaskedTokenDataset, mask_token
-from polytrain.data.tables import TABLE_SUFFIXES, table_tokens
+from polytrain.data.tables import TABLE_SUFFIXES, table_tokens, text_classification
 from polytrain.data.tensors import (
     MAX_VOCAB,
     Pairs,
@@ -206,6 +206,10 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
         corpus = table_tokens(path, cfg.source, cfg.tokenizer, MAX_VOCAB)
         if corpus is not None:  # [Note: text tables]
             return _stream_datasets(corpus, cfg, block_size)
+        labelled = text_classification(path, cfg.source, cfg.tokenizer, block_size)
+        if labelled is not None:  # [Note: text classification tables]
+            inputs, targets, rows, vocab = labelled
+            return _pair_datasets((inputs, targets, rows), cfg, vocab_size=vocab)
     if path.suffix == ".safetensors" or path.suffix in TABLE_SUFFIXES:
         return _pair_datasets(load_tensor_pairs(path, cfg.source), cfg)
     if path.suffix == ".npz":
@@ -219,7 +223,9 @@ def build_datasets(cfg: DataConfig, block_size: int) -> tuple[Dataset, Dataset, 
     return _text_datasets(text, cfg, block_size)
 
 
-def _pair_datasets(pairs: Pairs, cfg: DataConfig) -> tuple[Dataset, Dataset, DataSpec]:
+def _pair_datasets(
+    pairs: Pairs, cfg: DataConfig, vocab_size: int = 0
+) -> tuple[Dataset, Dataset, DataSpec]:
     """Train and validation rows of checked ``(inputs, targets, rows)``: the last
     ``val_fraction`` of the rows is validation."""
     inputs, targets, rows = pairs
@@ -233,6 +239,7 @@ def _pair_datasets(pairs: Pairs, cfg: DataConfig) -> tuple[Dataset, Dataset, Dat
     first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs.values()))
     spec = DataSpec(
         kind="pairs",
+        vocab_size=vocab_size,
         input_shape=tuple(first.shape[1:]),
         num_outputs=num_outputs,
         classification=classification,

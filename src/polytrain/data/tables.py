@@ -33,10 +33,18 @@ import torch
 from polytrain.data.tokenize import load_tokenizer, tokenize
 from polytrain.errors import ConfigError
 
-__all__ = ["TABLE_SUFFIXES", "TOKEN_COLUMNS", "read_table", "table_tokens"]
+__all__ = [
+    "LABEL_COLUMNS",
+    "TABLE_SUFFIXES",
+    "TOKEN_COLUMNS",
+    "read_table",
+    "table_tokens",
+    "text_classification",
+]
 
 TABLE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 TOKEN_COLUMNS = ("input_ids", "tokens")  # a corpus already tokenized
+LABEL_COLUMNS = ("targets", "label", "labels")  # a supervised table's targets, first found
 _PARALLEL_ROWS = 20_000  # rows from which tokenizing uses several processes
 
 
@@ -85,6 +93,10 @@ def read_table(path: Path, source: str) -> dict[str, torch.Tensor]:
         else:
             fix = f"{type(first).__name__} values: tokenize text into integer ids first"
         raise ConfigError(f"data.source = {source!r}: column {name!r} holds {fix}")
+    if "targets" not in out:  # datasets' usual name for the classes
+        label = next((c for c in LABEL_COLUMNS if c in out), None)
+        if label is not None:
+            out["targets"] = out.pop(label)
     return out
 
 
@@ -103,7 +115,7 @@ def table_tokens(
     vocabulary size and, for the char tokenizer, its characters; None for a supervised table."""
     table = _open(path, source, in_memory=False)  # on disk: datasets caches the tokenization
     names = table.column_names
-    if "targets" in names:
+    if any(c in names for c in LABEL_COLUMNS):
         return None
     where = f"data.source = {source!r}"
     if len(table) == 0:
@@ -176,3 +188,47 @@ def _flatten(table: Any, column: str, where: str) -> torch.Tensor:
     if values.dtype.kind not in "iu":
         raise ConfigError(f"{where}: column {column!r} holds {array.type}, not token ids")
     return torch.from_numpy(values.astype("int64"))
+
+
+# [Note: text classification tables]
+# A table with a `text` column and a label column (`targets`, `label` or `labels`, integer
+# classes) is a sequence-classification data set: each row's text is tokenized on its own (a
+# tokenizer.json adds its special tokens, e.g. BERT's [CLS] and [SEP]), cut to the model's
+# context and padded with the tokenizer's [PAD] / <pad> (else id 0) into `input_ids` and
+# `attention_mask` named inputs, the model's keyword arguments.
+def text_classification(
+    path: Path, source: str, tokenizer: str, block_size: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, int, int] | None:
+    """(named inputs, targets, rows, vocabulary size) of a text classification table; None for
+    any other table."""
+    table = _open(path, source)
+    names = table.column_names
+    label = next((c for c in LABEL_COLUMNS if c in names), None)
+    if label is None or "text" not in names:
+        return None
+    where = f"data.source = {source!r}"
+    texts = table["text"]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ConfigError(f"{where}: column 'text' must hold a string in every row")
+    targets = torch.tensor(table[label])
+    if targets.is_floating_point() or targets.dim() != 1:
+        raise ConfigError(f"{where}: column {label!r} must hold one integer class per row")
+    if tokenizer in ("char", "byte"):
+        _, vocab, itos = tokenize("\n".join(texts), tokenizer)
+        stoi = {ch: i for i, ch in enumerate(itos)}
+        rows = [[stoi[c] for c in t] if itos else list(t.encode("utf-8")) for t in texts]
+        pad = 0
+    else:
+        tok = load_tokenizer(tokenizer)
+        rows = [e.ids for e in tok.encode_batch(texts)]
+        vocab = int(tok.get_vocab_size())
+        pad = next(
+            (tok.token_to_id(n) for n in ("[PAD]", "<pad>") if tok.token_to_id(n) is not None), 0
+        )
+    ids = torch.full((len(rows), block_size), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), block_size), dtype=torch.long)
+    for i, row in enumerate(rows):
+        row = row[:block_size]
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return {"input_ids": ids, "attention_mask": mask}, targets.to(torch.long), len(rows), vocab
