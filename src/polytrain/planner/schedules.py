@@ -78,12 +78,12 @@ def layout_program(layout: Layout) -> tuple[Schedule, StageMap]:
 
 
 def pipeline_problem(layout: Layout, num_blocks: int) -> str | None:
-    """Why the runtime could not run pipeline ``layout`` over ``num_blocks`` blocks (one line
-    with the fix), or None when it can. The search skips such layouts; `check_pipeline` refuses
-    them. The rules beyond the schedule's own (an unknown name, ``virtual_stages`` on a schedule
-    that fixes it): interleaved 1F1B needs ``m`` a multiple of ``p`` ([Note: interleaved
-    micro-batch count] in pipeline/schedule/interleaved.py), and a schedule with several
-    stages per rank needs the blocks to split into ``p x v`` stages of equal block count."""
+    """Why pipeline ``layout``'s schedule cannot run over ``num_blocks`` blocks (one line with
+    the fix), or None when it can. The search skips such layouts; `check_pipeline` refuses
+    them. Beyond an unknown name and ``virtual_stages`` on a schedule that fixes its own:
+    interleaved 1F1B needs ``m`` a multiple of ``p`` ([Note: interleaved micro-batch count] in
+    pipeline/schedule/interleaved.py), and a schedule with several stages per rank needs the
+    blocks to split into ``p x v`` stages of equal block count."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
     if layout.schedule not in PRICED_SCHEDULES:
         return (
