@@ -335,3 +335,30 @@ def test_old_schedules_keep_their_prices(
     assert pred.step_s == pytest.approx(step, rel=1e-12)
     assert pred.memory_per_rank == pytest.approx(memory, rel=1e-12)
     assert pred.breakdown["bubble"] == pytest.approx(bubble, rel=1e-12, abs=1e-15)
+
+
+def test_the_wrap_around_message_takes_its_own_link_when_the_pipeline_leaves_a_host() -> None:
+    """[Note: a message's link]: interleaved 1F1B's last rank sends back to rank 0, p - 1
+    pipeline ranks away; inside one host that is the neighbours' link, across hosts its own.
+    Stages on one rank exchange nothing (ZBV's tip)."""
+    from polytrain.planner.cost.stages import _message_s
+
+    nbytes = 1e8
+    _, loop = lowered_program("interleaved-1f1b", 4, 4, 2)
+    one_host = Env(parse_cluster("1x4xA100-40GB"))
+    two_hosts = Env(parse_cluster("2x2xA100-40GB:ib200"))
+    for env in (one_host, two_hosts):
+        assert _message_s(env, INTERLEAVED, loop, 0, 1, nbytes) == env.posted_p2p_s(nbytes, 1)
+    assert _message_s(one_host, INTERLEAVED, loop, 3, 4, nbytes) == one_host.posted_p2p_s(nbytes, 1)
+    wrap = _message_s(two_hosts, INTERLEAVED, loop, 3, 4, nbytes)
+    assert wrap == two_hosts.posted_p2p_s(nbytes, 3) > two_hosts.posted_p2p_s(nbytes, 1)
+    _, v_map = lowered_program("zbv", 4, 4)
+    assert _message_s(one_host, ZBV, v_map, 3, 4, nbytes) == 0.0  # both on rank 3
+
+
+def test_zb_h1_holds_p_micro_batches_on_the_last_stage_too() -> None:
+    """Every ZB-H1 rank holds p micro-batches until their W, the last one too, where 1F1B's last
+    stage holds one: a model whose last stage saves the most (a gpt's logits) needs more."""
+    one = predict(Layout(pp=4, microbatches=8), GPT, ENV, 32)
+    zb = predict(Layout(pp=4, schedule="zb-h1", microbatches=8), GPT, ENV, 32)
+    assert zb.memory_per_rank > one.memory_per_rank
