@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from functools import cache
 
 from polytrain.gossip.graphs import graph_for_round
-from polytrain.pipeline.schedule import build, peak_activations
+from polytrain.pipeline.schedule import peak_activation_memory, peak_activations
+from polytrain.planner.schedules import by_rank, layout_program, lowered_program
 from polytrain.planner.types import BlockStats, HostProfile, Layout, ModelStats
 
 __all__ = [
@@ -69,10 +70,44 @@ def memory_per_rank(
     ``microbatch_samples``: samples in one micro-batch (one grad-accumulation micro-step when
     pp == 1) on one replica.
     """
+    if layout.pp > 1 and layout_program(layout)[1].stages_per_rank > 1:
+        return _several_stages(stats, layout, stage_blocks, microbatch_samples)
     in_flight = _in_flight(layout)
     best: MemoryEstimate | None = None
     for s, blocks in enumerate(stage_blocks):
-        est = _stage(stats, layout, blocks, microbatch_samples, in_flight[s], s)
+        act, rebuilt = _activation_sizes(layout, blocks, microbatch_samples)
+        est = _stage(
+            stats, layout, blocks, microbatch_samples, act * in_flight[s] + rebuilt, in_flight[s], s
+        )
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def _several_stages(
+    stats: ModelStats,
+    layout: Layout,
+    stage_blocks: Sequence[Sequence[BlockStats]],
+    mb_samples: float,
+) -> MemoryEstimate:
+    """`memory_per_rank` where a rank holds several virtual stages (interleaved 1F1B, ZBV).
+
+    [Note: activations of several stages per rank] A rank's activations are the peak, over its
+    program, of the bytes its stages hold at once: each stage's one-micro-batch activations
+    from its F to its B (or W), summed by `pipeline.schedule.peak_activation_memory` with the
+    stages' own sizes (they differ: the head's logits, the embedding). Interleaved 1F1B's rank 0
+    peaks at ``v p + p - 1`` chunks, ``p + (p - 1) / v`` stages' worth against 1F1B's ``p``;
+    ZBV's every rank at ``2 p`` chunks, ``p`` stages' worth (`pipeline.schedule.formulas`).
+    Model states are all the rank's stages'; a recomputing rank rebuilds one block at a time."""
+    program, stage_map = layout_program(layout)
+    sizes = [_activation_sizes(layout, blocks, mb_samples) for blocks in stage_blocks]
+    peaks = peak_activation_memory(program, lambda stage: sizes[stage][0])
+    chunks = peak_activations(program)  # one micro-batch of one stage each
+    best: MemoryEstimate | None = None
+    for rank, blocks in enumerate(by_rank(stage_blocks, stage_map)):
+        rebuilt = max(sizes[s][1] for s in stage_map.stages_of(rank))
+        est = _stage(stats, layout, blocks, mb_samples, peaks[rank] + rebuilt, chunks[rank], rank)
         if best is None or est.total > best.total:
             best = est
     assert best is not None
@@ -127,13 +162,40 @@ def _in_flight(layout: Layout) -> list[int]:
     if layout.pp <= 1:
         return [1]
     # accumulation reruns the same m-micro-batch program, so it adds nothing in flight
-    return list(_peaks(layout.schedule, layout.pp, layout.microbatches))
+    return list(_peaks(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages))
 
 
 @cache
-def _peaks(schedule: str, num_stages: int, num_microbatches: int) -> tuple[int, ...]:
-    peaks = peak_activations(build(schedule, num_stages, num_microbatches))
-    return tuple(peaks[s] for s in range(num_stages))
+def _peaks(
+    schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> tuple[int, ...]:
+    peaks = peak_activations(
+        lowered_program(schedule, num_ranks, num_microbatches, virtual_stages)[0]
+    )
+    return tuple(peaks[r] for r in range(num_ranks))
+
+
+def _activation_sizes(
+    layout: Layout, blocks: Sequence[BlockStats], mb_samples: float
+) -> tuple[float, float]:
+    """(bytes one micro-batch in flight keeps on ``blocks``, bytes added once while a
+    recomputing backward rebuilds one block's saved tensors)."""
+    tp = layout.tp
+    # Activations: tensor parallel splits the saved tensors between a column-parallel output and
+    # a row-parallel input; the rest every rank holds whole ([Note: tensor-parallel activations]
+    # in measure/stats.py). Those scale with the samples; on top, what a pass saves whatever its
+    # batch (autocast's weight copies, this rank's shard of them; [Note: counted under autocast])
+    saved = sum(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
+    fixed = [b.saved_fixed_bytes * b.bytes_per_tp_rank(tp) / max(b.param_bytes, 1) for b in blocks]
+    if layout.recompute:
+        # only each block's input survives the forward; one block's saved tensors are rebuilt
+        # at a time during backward
+        kept = sum(b.output_bytes for b in blocks) * mb_samples
+        rebuilt = max(
+            b.saved_per_tp_rank(tp) * mb_samples + f for b, f in zip(blocks, fixed, strict=True)
+        )
+        return kept, rebuilt
+    return saved + sum(fixed), 0.0
 
 
 def _stage(
@@ -141,9 +203,12 @@ def _stage(
     layout: Layout,
     blocks: Sequence[BlockStats],
     mb_samples: float,
+    activations: float,
     in_flight: int,
     stage_index: int,
 ) -> MemoryEstimate:
+    """One rank holding ``blocks`` with ``activations`` bytes at its peak, ``in_flight``
+    micro-batches (of one stage each) in flight."""
     tp, dp = layout.tp, layout.dp
     # tensor parallel splits the sharded tensors and leaves the rest whole on every rank
     # ([Note: tensor-parallel shards] in planner/types.py)
@@ -162,22 +227,6 @@ def _stage(
         # merge (pipeline/partition.stashed_copies -> pipeline/schedule/pipedream.stash_bound).
         copies = -(-(layout.pp - 1 - stage_index) // layout.microbatches) + 1
         weights += p_bytes * (copies - 1)
-    # Activations: tensor parallel splits the saved tensors between a column-parallel output and
-    # a row-parallel input; the rest every rank holds whole ([Note: tensor-parallel activations]
-    # in measure/stats.py). Those scale with the samples; on top, what a pass saves whatever its
-    # batch (autocast's weight copies, this rank's shard of them; [Note: counted under autocast])
-    saved = sum(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
-    fixed = [b.saved_fixed_bytes * b.bytes_per_tp_rank(tp) / max(b.param_bytes, 1) for b in blocks]
-    if layout.recompute:
-        # only each block's input survives the forward; one block's saved tensors are rebuilt
-        # at a time during backward
-        kept = sum(b.output_bytes for b in blocks) * mb_samples
-        rebuilt = max(
-            b.saved_per_tp_rank(tp) * mb_samples + f for b, f in zip(blocks, fixed, strict=True)
-        )
-        activations = kept * in_flight + rebuilt
-    else:
-        activations = (saved + sum(fixed)) * in_flight
     # DDP runs with gradient_as_bucket_view=True (parallel/data_parallel.py): the gradients
     # are views into its buckets, so its buckets cost nothing beyond `grads`.
     buffers = 0.0

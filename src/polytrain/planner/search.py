@@ -17,6 +17,7 @@ from polytrain.planner.catalog import device, device_names
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.cost.decentralized import TOPOLOGIES, topology_fits
+from polytrain.planner.schedules import pipeline_problem
 from polytrain.planner.types import HostProfile, Layout, ModelStats, Prediction, launch_shape
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
 
 Objective = Literal["time", "cost"]
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
+# (schedule, virtual_stages) offered with PlanRequest.next_schedules
+NEXT_SCHEDULES = (("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 1))
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,10 @@ class PlanRequest:
     bucket_bytes: float = 25.0 * 2**20
     allow_async: bool = False  # PipeDream, async/SSP PS, gossip and local SGD change semantics
     localsgd_period: int = 8  # localsgd.period of the local-SGD layouts (a convergence choice)
+    # [Note: schedules the runtime cannot run yet] in pipeline/schedule/__init__.py: price
+    # interleaved 1F1B (v = 2), ZB-H1 and ZBV among the candidates; off until the runtime runs
+    # them, so that no plan names a schedule the trainer refuses
+    next_schedules: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,9 +117,17 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(
-    n: int, stats: ModelStats, cluster: Cluster, global_batch: int, localsgd_period: int = 8
+    n: int,
+    stats: ModelStats,
+    cluster: Cluster,
+    global_batch: int,
+    localsgd_period: int = 8,
+    next_schedules: bool = False,
 ) -> Iterator[Layout]:
-    """Every layout on ``n`` devices the runtime can run (its pre-flight rules) for the batch."""
+    """Every layout on ``n`` devices the runtime can run (its pre-flight rules) for the batch;
+    with ``next_schedules``, also interleaved 1F1B (v = 2; v = 1 is 1F1B), ZB-H1 and ZBV where
+    `planner.schedules.pipeline_problem` finds nothing against them (not over a user's layers,
+    whose stages the runtime cuts one per rank)."""
     blocks = len(stats.pipeline_blocks)
     layered = bool(stats.layer_blocks)  # [Note: layer view] in measure/layer_stats.py
     for tp in _divisors(n):
@@ -146,6 +161,20 @@ def enumerate_layouts(
                             microbatches=m,
                             recompute=recompute,
                         )
+                    if not next_schedules or layered:
+                        continue
+                    for schedule, v in NEXT_SCHEDULES:
+                        layout = Layout(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            schedule=schedule,
+                            virtual_stages=v,
+                            microbatches=m,
+                            recompute=recompute,
+                        )
+                        if pipeline_problem(layout, blocks) is None:
+                            yield layout
     if n >= 2 and global_batch % n == 0:  # whole-model replicas only (JobConfig's rule)
         for topology in TOPOLOGIES:
             if topology_fits(topology, n):
@@ -200,7 +229,9 @@ def search(req: PlanRequest) -> PlanResult:
         cluster = req.cluster.with_size(n)
         env = Env(cluster, req.dtype, req.profile, req.bucket_bytes)
         fit_plain: set[tuple[int, int, int]] = set()
-        layouts = enumerate_layouts(n, req.stats, cluster, req.global_batch, req.localsgd_period)
+        layouts = enumerate_layouts(
+            n, req.stats, cluster, req.global_batch, req.localsgd_period, req.next_schedules
+        )
         for layout in layouts:
             if not req.allow_async and (
                 (layout.schedule == "pipedream" and layout.pp > 1)

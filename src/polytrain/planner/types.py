@@ -368,18 +368,23 @@ class Layout:
     sync: str = "allreduce"  # allreduce | ps | gossip | localsgd
     schedule: str = "1f1b"  # pipeline schedule when pp > 1
     microbatches: int = 1
+    # interleaved 1F1B's model chunks per rank (pipeline.virtual_stages); 1 for every other
+    # schedule (ZBV's two per rank are its own): planner/schedules.py
+    virtual_stages: int = 1
     recompute: bool = False
     grad_accum: int = 1
     ps_servers: int = 0
     ps_mode: str = "sync"
     sufficient_factor: bool = False  # late multiply for Linear layers (plain data parallel)
-    # blocks per pipeline stage the cost model priced (set by `cost.predict`); () = uniform
+    # blocks per pipeline stage the cost model priced (set by `cost.predict`), one count per
+    # virtual stage in model order where a rank holds several (p x v); () = uniform
     partition: tuple[int, ...] = ()
     topology: str = "ring"  # sync = "gossip": the peer graph (gossip.topology)
     period: int = 8  # sync = "localsgd": local steps between averages (localsgd.period)
 
     def describe(self) -> str:
-        """Short name, e.g. ``dp4``, ``dp2-tp2-zero3``, ``pp4-1f1b-m8-dp2``, ``ps-async-w3-s1``."""
+        """Short name, e.g. ``dp4``, ``dp2-tp2-zero3``, ``pp4-1f1b-m8-dp2``,
+        ``pp4-interleaved-1f1b-v2-m8``, ``ps-async-w3-s1``."""
         if self.sync == "ps":
             return f"ps-{self.ps_mode}-w{self.dp}-s{self.ps_servers}"
         if self.sync == "gossip":
@@ -390,7 +395,8 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
         if self.pp > 1:
-            parts.append(f"pp{self.pp}-{self.schedule}-m{self.microbatches}")
+            chunks = f"-v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"pp{self.pp}-{self.schedule}{chunks}-m{self.microbatches}")
         if self.zero:
             parts.append(f"zero{self.zero}")
         if self.sufficient_factor:
@@ -434,6 +440,8 @@ class Layout:
         if self.pp > 1:
             out["pipeline.schedule"] = self.schedule
             out["pipeline.microbatches"] = self.microbatches
+            if self.virtual_stages > 1:
+                out["pipeline.virtual_stages"] = self.virtual_stages
             if self.partition:  # what the cost model priced is what runs
                 out["pipeline.partition"] = list(self.partition)
         if self.sufficient_factor:

@@ -19,6 +19,7 @@ from polytrain.planner.cost.spmd import spmd_step
 from polytrain.planner.cost.stages import stages_layout_step
 from polytrain.planner.memory import memory_per_rank, ps_server_memory
 from polytrain.planner.partition import balanced_stages
+from polytrain.planner.schedules import check_pipeline, layout_program
 from polytrain.planner.types import Layout, ModelStats, Prediction
 
 __all__ = ["StepModel", "predict", "step_model"]
@@ -43,7 +44,11 @@ def predict(layout: Layout, stats: ModelStats, env: Env, global_batch: int) -> P
     """Step time, memory and breakdown of ``layout`` for a step of ``global_batch`` samples."""
     if layout.pp > 1 and stats.layer_blocks:  # a user's model cut at its layers: their stages
         stats = replace(stats, blocks=stats.layer_blocks)  # [Note: layer view]
-    stages = balanced_stages(stats.blocks, layout.pp)
+    num_stages = 1
+    if layout.pp > 1:  # virtual stages: p x v for interleaved 1F1B, 2p for ZBV
+        check_pipeline(layout, len(stats.blocks))
+        num_stages = layout_program(layout)[1].num_stages
+    stages = balanced_stages(stats.blocks, num_stages)
     replica_samples = global_batch / layout.dp
     micro = layout.microbatches if layout.pp > 1 else layout.grad_accum
     if layout.pp > 1:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.tp import tp_comm_s, tp_dispatch_s
-from polytrain.planner.types import BlockStats, Layout, ModelStats
+from polytrain.planner.types import BACKWARD_FLOPS_PER_FORWARD, BlockStats, Layout, ModelStats
 
 __all__ = [
     "block_times",
@@ -24,6 +24,7 @@ __all__ = [
     "input_bytes",
     "loop_s",
     "step_reduce_s",
+    "weight_grad_share",
 ]
 
 
@@ -54,6 +55,33 @@ def block_times(
         fwd.append(f)
         bwd.append(bw)
     return fwd, bwd, tp_s
+
+
+def weight_grad_share(block: BlockStats) -> float:
+    """Of ``block``'s backward compute, the part that is its weight gradient (zero bubble's W).
+
+    [Note: splitting a backward] A Linear's backward is two matmuls as costly as its forward:
+    ``dX = dY W^T``, which the previous layer waits for, and ``dW = X^T dY``, which only the
+    optimizer step needs (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section
+    2: their B and W, our I and W). Attention has no weights, so its backward is all I. Of the
+    backward's `BACKWARD_FLOPS_PER_FORWARD` x the forward's FLOPs (attention counted in full),
+    W is therefore the Linears' forward FLOPs:
+
+        share = linear_fwd_flops / (2 fwd_flops)     (<= 1/2; 1/2 for a stack of Linears)
+
+    A W is priced at that share of the block's backward pass (`Env.bwd_s`: its non-matmul time
+    split alike, a simplification), an I at the rest of the backward: recomputation's forward,
+    the tensor-parallel collectives and dispatch go with I, which needs them. A gpt layer
+    (``24 T C^2`` Linear FLOPs of ``24 T C^2 + 4 T^2 C``) has ``1 / (2 (1 + T / 6C))``: 0.43
+    at T = C, 0.25 at T = 6C; its head (one Linear) 1/2. Without the Linears' shapes or FLOPs:
+    1/2, the paper's ``T_B = T_W``."""
+    linear = sum(2.0 * fan_in * fan_out for fan_in, fan_out in block.linears)
+    linear *= block.rows_per_sample
+    # every attention call in full, whichever device counted it ([Note: attention kernels])
+    fwd = block.fwd_flops - block.attention_counted + sum(a[3] for a in block.attention)
+    if linear <= 0 or fwd <= 0:
+        return 0.5
+    return min(linear / (BACKWARD_FLOPS_PER_FORWARD * fwd), 1.0)
 
 
 def end_of_step_s(

@@ -1,10 +1,13 @@
 """A pipeline layout priced: its stages through the schedule's simulation, then the step's end.
 
-`stages_step` prices one rank per stage (its blocks' passes from `cost.parts`, the runtime's
-own per-action and per-flush seconds as calibrated), runs the schedule's action lists through
-`cost.pipeline` (on a host whose ranks share cores, `simulate_shared`), and adds what follows
-the flush: the stages' data-parallel all-reduce, the end of step and the loop's per-step
-Python. Derivation: docs/planner.md "Pipeline", "A pipeline's shared cores".
+`stages_step` prices each virtual stage's actions (its blocks' passes from `cost.parts`, a
+split backward's I and W by [Note: splitting a backward] there, the runtime's own per-action
+and per-flush seconds as calibrated), runs the schedule's action lists with its stage map
+through `cost.pipeline` (on a host whose ranks share cores, `simulate_shared`), and adds what
+follows the flush: each rank's data-parallel all-reduce, the end of step and the loop's
+per-step Python. One stage per rank for GPipe, 1F1B, PipeDream and ZB-H1; ``v`` for
+interleaved 1F1B, two for ZBV (`planner.schedules`). Derivation: docs/planner.md "Pipeline",
+"A pipeline's shared cores".
 """
 
 from __future__ import annotations
@@ -12,9 +15,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from polytrain.pipeline.schedule import SCHEDULE_NAMES, ActionKind, StageMap
 from polytrain.planner.cost.common import Env, Shape
-from polytrain.planner.cost.parts import block_times, end_of_step_s, input_bytes, loop_s
+from polytrain.planner.cost.parts import (
+    block_times,
+    end_of_step_s,
+    input_bytes,
+    loop_s,
+    weight_grad_share,
+)
 from polytrain.planner.cost.pipeline import PipelineTiming, pipeline_step
+from polytrain.planner.schedules import by_rank, layout_program
 from polytrain.planner.types import BlockStats, Layout, ModelStats
 
 __all__ = ["stages_layout_step", "stages_step"]
@@ -51,24 +62,26 @@ def stages_step(
     mb_samples: float,
 ) -> tuple[float, dict[str, float]]:
     """Step seconds and breakdown of pipeline ``layout`` over ``stages`` (each a list of the
-    model's blocks), ``mb_samples`` samples per micro-batch."""
+    model's blocks; one per virtual stage, in model order), ``mb_samples`` samples per
+    micro-batch."""
     # PipelineStrategy.train_step runs the m-micro-batch program once per accumulation
     # micro-step, each with its flush (PipeDream streams instead and ignores accumulation).
     runs = 1 if layout.schedule == "pipedream" else layout.grad_accum
-    run = _pipeline_stages(layout, stats, env, stages, mb_samples, _shared_speed(env, len(stages)))
+    run = _pipeline_stages(layout, stats, env, stages, mb_samples, _shared_speed(env, layout.pp))
     timing = run.timing
-    # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, stage by stage in
-    # parallel: the slowest stage's is on the critical path. PipeDream's is deferred into
+    ranks = by_rank(stages, layout_program(layout)[1])  # each rank's blocks, all its stages'
+    # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, rank by rank in
+    # parallel: the slowest rank's is on the critical path. PipeDream's is deferred into
     # the next step (StepOutput.complete) and hides behind it.
     dp_s = max(
         env.collective_s(
             "all_reduce", sum(b.bytes_per_tp_rank(layout.tp) for b in blocks), layout.dp, layout.tp
         )
-        for blocks in stages
+        for blocks in ranks
     )
     if layout.schedule == "pipedream":
         dp_s = max(0.0, dp_s - timing.per_step)
-    opt = max(end_of_step_s(layout, stats, env, blocks) for blocks in stages)
+    opt = max(end_of_step_s(layout, stats, env, blocks) for blocks in ranks)
     per_step = loop_s(env)[0]
     step = (timing.per_step + run.flush) * runs + dp_s + opt + per_step
     tp_s, loop_micro, runtime = (x * runs for x in (run.tp_comm, run.loop_micro, run.runtime))
@@ -86,8 +99,8 @@ def stages_step(
 @dataclass(frozen=True)
 class _StagesRun:
     """One run of a pipeline's program (`_pipeline_stages`): its simulated timing, the flush's
-    seconds, and the busiest stage's tensor-parallel comm, the loop's micro-batch share and the
-    runtime's own seconds over its F and B."""
+    seconds, and the busiest rank's tensor-parallel comm, the loop's micro-batch share and the
+    runtime's own seconds over its compute actions."""
 
     timing: PipelineTiming
     flush: float
@@ -111,14 +124,17 @@ def _shared_speed(env: Env, stages: int) -> list[float] | None:
 
 
 def _pipeline_runtime(env: Env, schedule: str) -> tuple[float, float]:
-    """(seconds per F and per B, seconds per flush) the pipeline runtime adds beyond the loop's
-    share, as calibrated for ``schedule`` on two stages ([Note: pipeline runtime overhead] in
-    measure/calibrate_worker.py: mostly waiting, so not slowed by the shared cores); (0, 0)
-    without a profile that measured it."""
+    """(seconds per compute action, seconds per flush) the pipeline runtime adds beyond the
+    loop's share, as calibrated for ``schedule`` on two stages ([Note: pipeline runtime
+    overhead] in measure/calibrate_worker.py: mostly waiting, so not slowed by the shared
+    cores); (0, 0) without a profile that measured it. The schedules the runtime does not run
+    yet cannot be calibrated: they take 1F1B's figures per action (an I and a W are an action
+    each) and per flush, an assumption until the runtime runs them."""
     prof = env.profile
     if prof is None:
         return 0.0, 0.0
-    return prof.pipe_action_s.get(schedule, 0.0), prof.pipe_flush_s.get(schedule, 0.0)
+    key = schedule if schedule in SCHEDULE_NAMES else "1f1b"
+    return prof.pipe_action_s.get(key, 0.0), prof.pipe_flush_s.get(key, 0.0)
 
 
 def _pipeline_stages(
@@ -129,36 +145,78 @@ def _pipeline_stages(
     mb_samples: float,
     speed: Sequence[float] | None = None,
 ) -> _StagesRun:
-    """One run of the m-micro-batch program of ``stages``, compute priced by ``env`` (every
-    rank of the host computing), the stages sharing its cores at ``speed``
-    (`cost.pipeline.simulate_shared`)."""
+    """One run of the m-micro-batch program of ``stages`` (one per virtual stage), compute
+    priced by ``env`` (every rank of the host computing), the ranks sharing its cores at
+    ``speed`` (`cost.pipeline.simulate_shared`)."""
+    program, stage_map = layout_program(layout)
+    split = any(a is not None and a.kind is ActionKind.I for a in program[0])
     n = len(stats.blocks)
-    fwd_s, bwd_s, send_f, send_b, tp_total = [], [], [], [], 0.0
+    fwd_s, bwd_s, input_s, weight_s, send_f, send_b = [], [], [], [], [], []
+    tp_ranks = [0.0] * layout.pp
     start = 0
     # [Note: loop overhead] in measure/calibrate_worker.py: every stage calls its module and
     # runs a backward per micro-batch (the first fetches its inputs, the last its targets), so
-    # a micro-batch's share of the loop's Python goes half into each F and B of every stage,
-    # through the simulation
+    # a micro-batch's share of the loop's Python goes half into the forwards and half into the
+    # backwards of every rank, through the simulation: spread over a rank's stages, and a split
+    # backward's half over its I and W alike
     per_micro = loop_s(env)[1]
+    share = per_micro / (2 * stage_map.stages_per_rank)
     action_s, flush_s = _pipeline_runtime(env, layout.schedule)
-    pp_stride = layout.dp * layout.tp  # pp is the outermost mesh axis
-    for blocks in stages:
+    for s, blocks in enumerate(stages):
         f, b, tp_s = block_times(
             env, blocks, mb_samples, layout.tp, layout.recompute, first=-start, last=n - 1 - start
         )
         start += len(blocks)
-        fwd_s.append(sum(f) + per_micro / 2 + action_s)
-        bwd_s.append(sum(b) + per_micro / 2 + action_s)
-        tp_total = max(tp_total, tp_s)
+        fwd_s.append(sum(f) + share + action_s)
+        bwd_s.append(sum(b) + share + action_s)
+        if split:  # [Note: splitting a backward] in cost/parts.py
+            w = sum(env.bwd_s(k, mb_samples, layout.tp) * weight_grad_share(k) for k in blocks)
+            input_s.append(sum(b) - w + share / 2 + action_s)
+            weight_s.append(w + share / 2 + action_s)
+        tp_ranks[stage_map.rank_of(s)] += tp_s
         out = blocks[-1].output_bytes * mb_samples / layout.tp
         # the runtime posts its receives ahead: [Note: posted receives] in comm/probe.py
-        send_f.append(env.posted_p2p_s(out, pp_stride))
+        send_f.append(_message_s(env, layout, stage_map, s, s + 1, out))
         inp = input_bytes(blocks[0]) * mb_samples / layout.tp
-        send_b.append(env.posted_p2p_s(inp, pp_stride))
+        send_b.append(_message_s(env, layout, stage_map, s, s - 1, inp))
     # the runtime's own per-action figure is mostly waiting: it does not share the cores
     fixed = [action_s] * len(stages)
     timing = pipeline_step(
-        layout.schedule, layout.microbatches, fwd_s, bwd_s, send_f, send_b, speed, fixed
+        layout.schedule,
+        layout.microbatches,
+        fwd_s,
+        bwd_s,
+        send_f,
+        send_b,
+        speed,
+        fixed,
+        virtual_stages=layout.virtual_stages,
+        input_s=input_s if split else None,
+        weight_s=weight_s if split else None,
     )
     m = layout.microbatches
-    return _StagesRun(timing, flush_s, tp_total * m, per_micro * m, 2 * action_s * m)
+    # compute actions of the busiest rank: 2m for one stage per rank, 2vm interleaved, 3m ZB-H1
+    actions = max(sum(1 for a in row if a is not None and a.is_compute) for row in program.values())
+    return _StagesRun(timing, flush_s, max(tp_ranks) * m, per_micro * m, action_s * actions)
+
+
+def _message_s(
+    env: Env, layout: Layout, stage_map: StageMap, stage: int, peer: int, nbytes: float
+) -> float:
+    """Seconds of one message from ``stage`` to ``peer`` (0 when they share a rank: [Note:
+    local hand-off] in pipeline/schedule/lowering.py).
+
+    [Note: a message's link] pp is the outermost mesh axis, so neighbouring pipeline ranks are
+    dp x tp ranks apart, and a message ``hop`` pipeline ranks away (interleaved 1F1B's last
+    rank back to rank 0) ``hop`` times that. Ranks fill hosts in order, so that message stays
+    in a host iff the whole pipeline group does; it is priced on the group's link then, and on
+    the link of its own stride otherwise."""
+    pp_stride = layout.dp * layout.tp  # pp is the outermost mesh axis
+    if not 0 <= peer < stage_map.num_stages:
+        return 0.0  # never sent: the pipeline's ends
+    hop = abs(stage_map.rank_of(peer) - stage_map.rank_of(stage))
+    if hop == 0:
+        return 0.0
+    if hop > 1 and env.link(pp_stride, layout.pp) is not env.cluster.intra:
+        return env.posted_p2p_s(nbytes, hop * pp_stride)
+    return env.posted_p2p_s(nbytes, pp_stride)
