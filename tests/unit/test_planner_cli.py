@@ -110,3 +110,16 @@ def test_plan_prints_the_command_that_runs_its_choice(
     for path, value in data["best"]["overrides"].items():
         section, key = path.split(".")
         assert job[section][key] == value, path
+
+
+def test_plan_prices_a_layout_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--model", "gpt", "--size", "medium", "--as-written", "--json"]
+    sets = ["--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "launch.nproc=8"]
+    sets += ["--set", "pipeline.microbatches=4"]
+    code, out, _ = _run([*base, "--cluster", "1x8xH100", *sets], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["layout"] == "dp2-tp2-pp2-1f1b-m4" and data["devices"] == 8
+    assert data["step_s"] > 0 and data["memory_per_rank"] > 0 and data["fits"]
+    code, _, err = _run([*base, "--cluster", "1x4xH100", *sets], capsys)
+    assert code == 2 and "needs 8 devices" in err and len(err.strip().splitlines()) == 1
