@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from polytrain._torch_private import TorchDispatchMode
 from polytrain.config import JobConfig
 from polytrain.config.job import ModelConfig
 from polytrain.config.parallel import recompute_policy

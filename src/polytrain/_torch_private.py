@@ -35,6 +35,10 @@ here has none in torch 2.13:
   (``_step_supports_amp_scaling``, set by torch on fused optimizers).
 - ``update_loss_scale``: torch's in-place update of a dynamic loss scale and its growth counter
   from a found-inf flag (``torch._amp_update_scale_``, GradScaler's kernel), on the device.
+- ``attention_ops``: the ATen operators of fused scaled-dot-product attention (flash,
+  memory-efficient, CPU flash, cuDNN), whose outputs selective recomputation keeps
+  ([Note: selective recomputation] in core/recompute.py); ATen names them with a leading
+  underscore and torch has no public list of them.
 - ``strided_shard``: DTensor's ``_StridedShard`` placement, the only one that describes a fused
   projection split so that each rank holds its share of every chunk ([q_r | k_r | v_r] of
   GPT-2's ``c_attn``) while ``full_tensor()`` and state dicts keep the user's layout.
@@ -64,6 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "MonitoredAgent",
     "TorchDispatchMode",
+    "attention_ops",
     "ddp_ignore",
     "default_store",
     "forget_shared_store",
@@ -217,3 +222,14 @@ def update_loss_scale(
     """In place: ``scale *= backoff`` and ``good_steps = 0`` where ``found_inf`` is non-zero;
     else ``good_steps += 1``, and ``scale *= growth`` once it reaches ``interval``."""
     torch._amp_update_scale_(scale, good_steps, found_inf, growth, backoff, interval)
+
+
+def attention_ops() -> set[Any]:
+    """The fused attention operators of this torch build (the ones it has)."""
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}

@@ -140,6 +140,7 @@ def test_the_planner_reads_only_pure_family_modules() -> None:
     assert not offenders, "\n".join(offenders)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_the_planner_loads_no_torch() -> None:
     modules = sorted(
         ".".join(_module_name(path)) for path in _sources("planner") if path.suffix == ".py"

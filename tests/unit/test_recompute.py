@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from polytrain._torch_private import TorchDispatchMode
 from polytrain.config.parallel import RecomputePolicy, recompute_policy
 from polytrain.core.recompute import apply_recompute, is_recomputed
 from polytrain.errors import ConfigError

@@ -135,6 +135,12 @@ def test_gloo_options_carry_a_timeout() -> None:
     assert len(options._devices) == 1  # ProcessGroupGloo refuses options without a device
 
 
+def test_attention_ops_include_the_cpu_kernel() -> None:
+    ops = private.attention_ops()
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in ops
+    assert len(ops) >= 3
+
+
 def test_no_other_module_reaches_past_the_door() -> None:
     sources = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "_torch_private.py"]
     own = _own_private_names(sources) | {"_exit"}  # os._exit: public, documented stdlib

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from polytrain._torch_private import attention_ops
 from polytrain.config.parallel import RecomputePolicy
 from polytrain.models.base import BlockModel
 
@@ -49,12 +50,8 @@ _KEEP = {
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten.baddbmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    *attention_ops(),
 }
-if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
-    _KEEP.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 
 
 def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
