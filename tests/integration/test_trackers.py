@@ -15,6 +15,7 @@ import torch
 
 from polytrain.comm.init import shutdown
 from polytrain.core.strategy import NonFiniteLossError
+from polytrain.errors import ConfigError
 from polytrain.measure import mfu
 from polytrain.observe.trackers import scalars
 from polytrain.trainer.loop import train
@@ -242,3 +243,10 @@ def test_the_trackers_flag_is_a_comma_list_of_the_field(
     )
     assert code == 0, err
     assert "trackers = []" in out
+
+
+def test_trackers_without_a_run_directory_are_refused(job_factory: Any) -> None:
+    """`train` called directly with no observe.out_dir: nowhere to write, so no silent drop."""
+    job = job_factory(observe={"trackers": ["tensorboard"]})
+    with pytest.raises(ConfigError, match="observe.out_dir is empty"):
+        train(job)

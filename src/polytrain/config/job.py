@@ -199,8 +199,9 @@ class ObserveConfig:
     trace: str = option("", "write a Chrome trace of the run to this path")
     trackers: list[TrackerName] = option(
         [],
-        "experiment trackers that receive metrics.jsonl's records from rank 0: tensorboard, "
-        "mlflow, wandb (each an extra: pip install 'polytrain[mlflow]'); a comma list as a flag",
+        "experiment trackers that also receive metrics.jsonl's records, from rank 0: "
+        "tensorboard, mlflow, wandb (each needs the polytrain extra of its name); a comma list "
+        "as a flag",
     )
 
     def __post_init__(self) -> None:

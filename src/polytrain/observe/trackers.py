@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, get_args
@@ -41,12 +41,11 @@ __all__ = [
 ]
 
 # tracker -> the module its class uses (torch's SummaryWriter needs the tensorboard package)
-_MODULES: dict[str, str] = {
+_MODULES: dict[TrackerName, str] = {
     "tensorboard": "torch.utils.tensorboard",
     "mlflow": "mlflow",
     "wandb": "wandb",
 }
-assert set(_MODULES) == set(get_args(TrackerName)), "a tracker name without its module"
 
 # MLflow refuses longer parameter values; 500 is the strictest limit its servers have applied
 # (newer ones take 6000). A job's values are short; a long one is cut, not refused.
@@ -63,7 +62,7 @@ class Tracker(Protocol):
         """Write what is buffered and end the run (``failed``: the training raised)."""
 
 
-def import_tracker(name: str) -> ModuleType:
+def import_tracker(name: TrackerName) -> ModuleType:
     """The module tracker ``name`` writes through ([Note: optional tracker packages]); a
     `ConfigError` naming the extra to install when it cannot be imported."""
     try:
@@ -76,7 +75,7 @@ def import_tracker(name: str) -> ModuleType:
         ) from None
 
 
-def check_trackers(names: Sequence[str]) -> None:
+def check_trackers(names: Sequence[TrackerName]) -> None:
     """Pre-flight: every selected tracker's package imports."""
     for name in names:
         import_tracker(name)
@@ -185,14 +184,17 @@ class WandbTracker:
         self._run.finish(exit_code=1 if failed else 0)
 
 
-_CLASSES: dict[str, type[TensorBoardTracker | MLflowTracker | WandbTracker]] = {
+_CLASSES: dict[TrackerName, Callable[[Path, Mapping[str, Any]], Tracker]] = {
     "tensorboard": TensorBoardTracker,
     "mlflow": MLflowTracker,
     "wandb": WandbTracker,
 }
+assert set(_MODULES) == set(_CLASSES) == set(get_args(TrackerName)), "a tracker half declared"
 
 
-def open_trackers(names: Sequence[str], run_dir: Path, job: Mapping[str, Any]) -> list[Tracker]:
+def open_trackers(
+    names: Sequence[TrackerName], run_dir: Path, job: Mapping[str, Any]
+) -> list[Tracker]:
     """The trackers ``names`` (`observe.trackers`) of the run in ``run_dir``; ``job`` is the job
     as a nested table (`config.base.to_dict`), logged as the run's parameters. Where one fails
     to open, those already open are closed as failed."""
