@@ -98,13 +98,15 @@ _WANDB_HEADER = b":W&B\xe1\xbe\x00"
 _BLOCK = 32768
 
 
-def _wandb_history(run_file: Path) -> tuple[dict[str, list[tuple[int, float]]], str]:
-    """metric -> [(step, value)] and the run's display name, read from W&B's run file."""
+def _wandb_run(run_dir: Path) -> tuple[dict[str, list[tuple[int, float]]], str, int | None]:
+    """metric -> [(step, value)], the run's display name and its exit code (None before its
+    end), read from the run file of the one W&B run in ``run_dir``."""
     from wandb.proto import wandb_internal_pb2
 
+    (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     data = run_file.read_bytes()
     assert data[:7] == _WANDB_HEADER, f"not a W&B run file this test reads: {data[:7]!r}"
-    pos, pending, series, name = 7, b"", {}, ""
+    pos, pending, series, name, exit_code = 7, b"", {}, "", None
     while pos + 7 <= len(data):
         if _BLOCK - pos % _BLOCK < 7:  # a block's tail too short for a chunk header is padding
             pos += _BLOCK - pos % _BLOCK
@@ -119,6 +121,8 @@ def _wandb_history(run_file: Path) -> tuple[dict[str, list[tuple[int, float]]], 
         pending = b""
         if record.WhichOneof("record_type") == "run":
             name = record.run.display_name
+        if record.WhichOneof("record_type") == "exit":
+            exit_code = record.exit.exit_code
         if record.WhichOneof("record_type") != "history":
             continue
         for item in record.history.item:
@@ -127,7 +131,7 @@ def _wandb_history(run_file: Path) -> tuple[dict[str, list[tuple[int, float]]], 
                 series.setdefault(key, []).append(
                     (record.history.step.num, json.loads(item.value_json))
                 )
-    return series, name
+    return series, name, exit_code
 
 
 @pytest.mark.slow
@@ -159,19 +163,17 @@ def test_trackers_hold_the_metrics_records_of_a_data_parallel_run(
     assert set(run.data.metrics) == expected.keys()
     assert _mlflow(client, run, list(expected)) == expected
 
-    (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    history, name = _wandb_history(run_file)
-    assert name == "run"
-    assert history == expected
+    assert _wandb_run(run_dir) == (expected, "run", 0)
 
 
+@pytest.mark.slow  # one rank, in-process, but three trackers' start-up: about 7 s
 def test_trackers_close_their_runs_as_failed_when_training_stops(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job_factory: Any, tracker_env: None
 ) -> None:
     """One rank in this process: the loss turns NaN at step 3 and ``stop`` raises. The steps
     logged before hold MFU (the device read as an H200, as in tests/unit/test_mfu.py), and
-    both runs are closed: MLflow's as FAILED, TensorBoard's events written."""
-    for package in ("tensorboard", "mlflow"):
+    every run is closed: MLflow's as FAILED, W&B's with exit code 1, TensorBoard's written."""
+    for package in ("tensorboard", "mlflow", "wandb"):
         pytest.importorskip(package)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _=None: "NVIDIA H200")
     on_cpu = mfu.peak_flops
@@ -181,7 +183,11 @@ def test_trackers_close_their_runs_as_failed_when_training_stops(
     job = job_factory(
         model={"name": "gpt", "size": "tiny", "loss": f"{__name__}:nan_from_third_call"},
         train={"steps": 5, "on_nonfinite": "stop"},
-        observe={"out_dir": str(run_dir), "log_every": 1, "trackers": ["tensorboard", "mlflow"]},
+        observe={
+            "out_dir": str(run_dir),
+            "log_every": 1,
+            "trackers": ["tensorboard", "mlflow", "wandb"],
+        },
     )
     try:
         with pytest.raises(NonFiniteLossError, match="at step 3"):
@@ -197,6 +203,7 @@ def test_trackers_close_their_runs_as_failed_when_training_stops(
     client, run = _mlflow_run(run_dir / "mlruns")
     assert run.info.status == "FAILED"
     assert _mlflow(client, run, list(expected)) == expected
+    assert _wandb_run(run_dir) == (expected, "run", 1)
 
 
 @pytest.mark.parametrize(
