@@ -7,8 +7,8 @@ in ``metrics.jsonl`` (``loss``, ``lr``, ``step_time_s``, ``mfu``, ``val_loss``..
 record's ``step``; text (``strategy``) and flags (``skipped``) stay in the JSON lines.
 
 [Note: optional tracker packages] The trackers' packages are optional extras (``pip install
-'polytrain[tensorboard]'``, ``[mlflow]``, ``[wandb]``); each takes a second or more to import
-and most jobs select none. So `import_tracker` imports them by name (``importlib``), when a
+'polytrain[tensorboard]'``, ``[mlflow]``, ``[wandb]``); mlflow takes about a second to import,
+wandb half of one, and most jobs select none. So `import_tracker` imports them by name (``importlib``), when a
 tracker is opened, like ``datasets`` in `polytrain.data.tables` ([Note: optional import]): the
 places where polytrain imports an optional package at use. Pre-flight (`check_trackers`)
 imports the selected ones in the launching process, so a missing package is one line naming
@@ -47,8 +47,8 @@ _MODULES: dict[TrackerName, str] = {
     "wandb": "wandb",
 }
 
-# MLflow refuses longer parameter values; 500 is the strictest limit its servers have applied
-# (newer ones take 6000). A job's values are short; a long one is cut, not refused.
+# MLflow refuses longer parameter values: 500 characters in mlflow 2.0, the oldest the extra
+# allows (6000 in current releases). A job's values are short; a long one is cut, not refused.
 _MLFLOW_PARAM_CHARS = 500
 
 
