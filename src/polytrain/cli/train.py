@@ -72,6 +72,7 @@ _JOB_FLAGS: dict[str, str] = {
     "out_dir": "observe.out_dir",
     "trace": "observe.trace",
     "progress": "observe.progress",
+    "trackers": "observe.trackers",
 }
 _FAMILY_FLAGS = {flag: path for family in FAMILIES for flag, path in family.flags.items()}
 FLAG_FIELDS: dict[str, str] = {**_JOB_FLAGS, **_FAMILY_FLAGS}
@@ -88,6 +89,12 @@ def _partition_value(text: str) -> Any:
         raise ConfigError(
             f"--partition {text!r}: expected auto, uniform or block counts such as 3,5"
         ) from None
+
+
+def _names_value(text: str) -> list[str]:
+    """``tensorboard,mlflow`` -> ``["tensorboard", "mlflow"]``; ``''`` is the empty list (the
+    config checks the names)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _count_value(text: str) -> Any:
@@ -111,6 +118,8 @@ def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]
             value = _partition_value(value)
         elif name == "nproc":
             value = _count_value(value)
+        elif name == "trackers":
+            value = _names_value(value)
         merge(data, FLAG_FIELDS[name].split("."), value)
     for text in overrides:
         path, value = parse_override(text)

@@ -30,8 +30,11 @@ __all__ = [
     "PSConfig",
     "ParallelConfig",
     "PipelineConfig",
+    "TrackerName",
     "TrainConfig",
 ]
+
+TrackerName = Literal["tensorboard", "mlflow", "wandb"]
 
 
 @dataclass
@@ -213,9 +216,21 @@ class ObserveConfig:
     log_every: int = option(10, "metrics line every N steps")
     progress: bool = option(True, "show a progress bar on rank 0")
     trace: str = option("", "write a Chrome trace of the run to this path")
+    trackers: list[TrackerName] = option(
+        [],
+        "experiment trackers that also receive metrics.jsonl's records, from rank 0: "
+        "tensorboard, mlflow, wandb (each needs the polytrain extra of its name); a comma list "
+        "as a flag",
+    )
 
     def __post_init__(self) -> None:
         positive("observe", "log_every", self.log_every)
+        repeated = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
+        if repeated:
+            raise ConfigError(
+                f"observe.trackers = {self.trackers!r} names {', '.join(repeated)} more than "
+                "once: list each tracker once"
+            )
 
 
 @dataclass

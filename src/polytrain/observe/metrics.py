@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from polytrain.observe.trackers import Tracker, scalars
 
 __all__ = [
     "MetricsWriter",
@@ -130,11 +133,15 @@ def compile_seconds(step_times: list[float]) -> float | None:
 
 
 class MetricsWriter:
-    """Append JSON lines to ``path``; a no-op when ``path`` is None (non-zero ranks)."""
+    """Append JSON lines to ``path`` and hand each record's scalars to ``trackers``
+    (`observe.trackers`); a no-op when ``path`` is None and there are no trackers (non-zero
+    ranks). As a context manager it closes on leaving, the trackers' runs marked failed when an
+    exception leaves."""
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, trackers: Sequence[Tracker] = ()) -> None:
         self.path = Path(path) if path else None
         self._file: IO[str] | None = None
+        self._trackers = list(trackers)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
@@ -143,8 +150,32 @@ class MetricsWriter:
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
+        if self._trackers:
+            values = scalars(record)
+            for tracker in self._trackers:
+                tracker.log(values, step=record["step"])
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Close the file and every tracker (each tried, the first error raised after)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        trackers, self._trackers = self._trackers, []
+        error: BaseException | None = None
+        for tracker in trackers:
+            try:
+                tracker.close(failed=failed)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the exception leaving is the one to report
+            self.close(failed=True)

@@ -20,11 +20,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from polytrain.comm.collectives import barrier
 from polytrain.comm.init import DistContext, init_distributed
 from polytrain.comm.watchdog import Watchdog, collective_timeout_s
+from polytrain.config.base import to_dict
 from polytrain.config.job import JobConfig
 from polytrain.core.optim import lr_at
 from polytrain.core.strategy import StepOutput, Strategy
 from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
+from polytrain.errors import ConfigError
 from polytrain.measure.mfu import mfu_inputs
 from polytrain.models.gpt import generate
 from polytrain.models.pretrained import load_pretrained
@@ -37,6 +39,7 @@ from polytrain.observe.metrics import (
     peak_memory_mb,
 )
 from polytrain.observe.trace import merge_traces
+from polytrain.observe.trackers import open_trackers
 from polytrain.trainer.build import build_strategy
 from polytrain.trainer.checkpoint import Checkpointer, check_same_job, restart_count
 from polytrain.trainer.export import save_weights
@@ -104,6 +107,11 @@ def _write_rank_summary(
 
 
 def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
+    if job.observe.trackers and not job.observe.out_dir:
+        raise ConfigError(
+            f"observe.trackers = {job.observe.trackers!r} write into the run directory, and "
+            "observe.out_dir is empty: set it (polytrain.run sets one)"
+        )
     ctx = ctx or init_distributed(
         device=job.train.device,
         backend=job.launch.backend,
@@ -129,7 +137,6 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
                 start = checkpointer.restore()
 
     out_dir = Path(job.observe.out_dir) if job.observe.out_dir else None
-    metrics = MetricsWriter(out_dir / "metrics.jsonl" if out_dir and ctx.is_main else None)
     console = Console(stderr=False)
     samples_per_step = job.train.global_batch_size
     tokens_per_sample = block_size if spec.kind == "tokens" else 1
@@ -148,7 +155,14 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
         return checkpointer is not None and checkpointer.due(step + 1)
 
     at_update = StateBytesAtUpdate(strategy.modules, strategy.optimizer)
-    with _progress(console, show) as progress, Checkpointer.guard(checkpointer):
+    rank0_dir = out_dir if ctx.is_main else None
+    metrics = MetricsWriter(
+        rank0_dir / "metrics.jsonl" if rank0_dir else None,
+        open_trackers(job.observe.trackers, rank0_dir, to_dict(job)) if rank0_dir else (),
+    )
+    # The writer closes first on leaving, so its trackers' runs end (failed, when the steps
+    # raised) whatever the progress bar and the checkpointer's guard do after.
+    with _progress(console, show) as progress, Checkpointer.guard(checkpointer), metrics:
         task = progress.add_task(strategy.name, total=steps, loss="-", speed="", completed=start)
 
         def record_step(step: int, out: StepOutput, step_time: float) -> None:
@@ -253,7 +267,6 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
                 sample_model, prompt, job.train.sample_tokens, block_size, job.train.seed
             )
             result.sample = spec.decode(ids[0, 1:].tolist())
-    metrics.close()
     # A strategy that survives dead ranks (parameter servers in async/ssp) declares it meets
     # the world in no collective ([Note: no world collectives] in polytrain.ps.strategy).
     if strategy.world_collectives:

@@ -23,6 +23,7 @@ from polytrain.models.blocks import disable_inplace
 from polytrain.models.checks import check_model, check_objective, check_vocabulary
 from polytrain.models.pretrained import check_pretrained
 from polytrain.models.registry import block_size_of, build_model
+from polytrain.observe.trackers import check_trackers
 from polytrain.trainer.build import strategy_family
 from polytrain.trainer.outputs import check_output_paths
 from polytrain.trainer.ownership import check_checkpoint_dir
@@ -39,6 +40,7 @@ def preflight(job: JobConfig) -> BlockModel:
     check_output_paths(job)  # [Note: output paths]
     check_devices(job)
     check_compile(job)
+    check_trackers(job.observe.trackers)  # [Note: optional tracker packages]
     family = strategy_family(job)
     train_data, _, spec = build_datasets(job.data, block_size_of(job.model))
     try:
