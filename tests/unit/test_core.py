@@ -44,13 +44,13 @@ def test_finish_step_clips_and_steps_as_torch_does() -> None:
         assert p.grad is not None
         r.grad = p.grad.clone()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     ref_opt.step()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = finish_step(
         0, loss, model.parameters(), StepRules("stop", 1.0), reduce=mean_over(), optimizer=opt
     )
-    assert out == StepOutput(loss=float(loss))
+    assert out == StepOutput(loss=float(loss), metrics={"grad_norm": float(norm)})
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -163,10 +163,12 @@ def test_a_fused_step_is_read_later_and_equals_the_host_step(name: str) -> None:
         0, loss, model.parameters(), rules, reduce=mean_over(), optimizer=_fused(model, name)
     )
     assert out.complete is not None and out.flag is not None and math.isnan(out.loss)
-    assert step_result(out) == StepOutput(loss=float(loss))
+    result = step_result(out)
     ref_opt = _fused(ref, name)
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
     ref_opt.step()
+    # [Note: grad_norm]: the norm before clipping, read with the loss
+    assert result == StepOutput(loss=float(loss), metrics={"grad_norm": pytest.approx(float(norm))})
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 

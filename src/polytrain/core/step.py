@@ -216,14 +216,15 @@ def apply_update(
     optimizer: torch.optim.Optimizer | None = None,
     grad_norm: GradNorm | None = None,
     update: Callable[[], None] | None = None,
-) -> None:
-    """Clip (when ``optim.grad_clip > 0``), then the update: ``update`` or the optimizer step."""
-    if rules.grad_clip > 0:
-        clip_gradients_(params, rules.grad_clip, grad_norm)
+) -> torch.Tensor | None:
+    """Clip (when ``optim.grad_clip > 0``), then the update: ``update`` or the optimizer step.
+    Returns the clip's global norm (on the device), None without clipping."""
+    norm = clip_gradients_(params, rules.grad_clip, grad_norm) if rules.grad_clip > 0 else None
     if update is not None:
         update()
     elif optimizer is not None:
         optimizer.step()
+    return norm
 
 
 def finish_step(
@@ -278,6 +279,8 @@ def finish_step(
             loss_scale.update(bad)
         # An fp16 overflow skips the step; only a non-finite loss is watched for a stop.
         watched = loss_bad.float() if scaled else bad
+        if norm is not None:  # read with the loss, in the same copy ([Note: grad_norm])
+            stats = torch.cat([stats, norm.detach().float().reshape(1).to(stats.device)])
         return StepOutput(
             loss=math.nan,
             complete=partial(_read_result, step, stats, rules, hint, scaled),
@@ -294,20 +297,32 @@ def finish_step(
             loss_scale.update(torch.ones(()))
         return _outcome(step, value, flag > 0, rules, hint, scaled)
     with span:
-        apply_update(params, rules, optimizer=optimizer, grad_norm=grad_norm, update=update)
+        norm = apply_update(params, rules, optimizer=optimizer, grad_norm=grad_norm, update=update)
     if loss_scale is not None:
         loss_scale.update(torch.zeros(()))
-    return StepOutput(loss=value)
+    return StepOutput(loss=value, metrics=_norm_metric(norm))
 
 
 def _read_result(
     step: int, stats: torch.Tensor, rules: StepRules, hint: str, scaled: bool
 ) -> StepOutput:
-    """The deferred result of a step ended on the device: reads [loss, flag] on the host."""
-    value, flag = stats.tolist()
+    """The deferred result of a step ended on the device: reads [loss, flag(, norm)] on the
+    host in one copy."""
+    value, flag, *norm = stats.tolist()
     if not math.isfinite(value) or flag > 0:  # the update was a no-op on the device
         return _outcome(step, value, flag > 0, rules, hint, scaled)
-    return StepOutput(loss=value)
+    return StepOutput(loss=value, metrics={"grad_norm": norm[0]} if norm else {})
+
+
+# [Note: grad_norm]
+# The global gradient norm before clipping, as torch's clip_grad_norm_ returns it, is logged as
+# ``grad_norm`` in every record of a step that clips (``optim.grad_clip > 0``, the default): the
+# clip computes it anyway. On the device path it travels with the step's [loss, flag] and is
+# read when the record is written; without clipping it is not computed, so not logged. A sync
+# parameter server clips on its servers (its workers push unclipped gradients and log none);
+# an asynchronous worker clips its own gradient and logs that norm.
+def _norm_metric(norm: torch.Tensor | None) -> dict[str, float]:
+    return {"grad_norm": float(norm)} if norm is not None else {}
 
 
 def _outcome(
