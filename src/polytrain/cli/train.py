@@ -199,11 +199,11 @@ def _summary(job: JobConfig) -> str:
     layout = estimate.layout.describe() if estimate.layout else f"sync {p.sync}, pp {p.pp}"
     lines = [
         f"# {job.model.name}: {estimate.params / 1e6:,.2f} M parameters; {job.world_size} "
-        f"rank(s) ({_devices(job)}); layout {layout}"
+        f"rank(s) on {job.train.device} ({job.launch.num_procs} per node); layout {layout}"
     ]
     pred = estimate.prediction
     if pred is None:
-        lines.append("# predicted: not priced by the planner (see docs/planner.md)")
+        lines.append("# predicted: not priced (a layout or device the planner has no model for)")
     else:
         source = "this host's calibrated profile" if estimate.profiled else "catalog figures"
         lines.append(

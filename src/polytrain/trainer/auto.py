@@ -146,7 +146,10 @@ def predict_job(job: JobConfig) -> JobEstimate:
     layout = layout_of(job)
     if layout is None or job.launch.nnodes > 1:
         return JobEstimate(stats.params, layout, None, False)
-    cluster = parse_cluster(host_cluster_spec(job))
+    try:
+        cluster = parse_cluster(host_cluster_spec(job))
+    except (PlanError, RuntimeError, AssertionError):  # a GPU the catalog (or torch) cannot name
+        return JobEstimate(stats.params, layout, None, False)
     profile = profile_for(cluster.device.key)
     env = Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
     prediction = predict(layout, stats, env, job.train.global_batch_size)
