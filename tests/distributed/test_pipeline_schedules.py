@@ -13,6 +13,7 @@ of each replica.
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,8 @@ import pytest
 from polytrain.config import JobConfig
 from polytrain.testing import assert_state_close, run_job
 from tests.conftest import small_job
+from tests.helpers import hf_models
+from tests.helpers.cli import assert_usage_error, run_main
 
 pytestmark = pytest.mark.slow
 
@@ -84,3 +87,14 @@ def test_matches_single_process(case: str) -> None:
     assert_state_close(out["state"], ref["state"], atol=1e-5)
     assert out["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert out["val_loss"] == pytest.approx(ref["val_loss"], abs=1e-5)  # forward-only pipeline
+
+
+def test_layer_pipelines_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A transformers model is pipelined over its own layers (`LayerStage`, one slice per
+    rank): the new schedules refuse it in pre-flight, in one line."""
+    data = hf_models.write_data("gpt2", tmp_path / "data.safetensors")
+    args = ["train", "--dry-run", "--model", "tests.helpers.hf_models:make_gpt2"]
+    args += ["--set", f"data.source={data}", "--nproc", "2", "--pp", "2"]
+    args += ["--schedule", "zb-h1", "--microbatches", "2"]
+    code, _, err = run_main(args, capsys)
+    assert_usage_error(code, err, "users' layer pipelines run with gpipe, 1f1b and pipedream")
