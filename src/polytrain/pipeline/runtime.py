@@ -32,6 +32,7 @@ from polytrain.comm.p2p import P2P, PendingSends, Work
 from polytrain.core.loss_scale import LossScale
 from polytrain.models.base import LossFn, to_device
 from polytrain.observe.trace import Tracer
+from polytrain.pipeline.backward_split import PendingWeights, backward_input, backward_weight
 from polytrain.pipeline.layer_stage import LayerStage
 from polytrain.pipeline.saved_tensors import count_saved_bytes, storage_keys
 from polytrain.pipeline.schedule import Action, ActionKind, P2PMessage, StageMap, p2p_message
@@ -263,6 +264,7 @@ class _InFlight:
     output: torch.Tensor | None = None
     loss: torch.Tensor | None = None
     output_grad: torch.Tensor | None = None
+    weights: PendingWeights | None = None  # after I, what its W needs
     activation_bytes: int = 0
 
 
@@ -285,14 +287,10 @@ class StageRuntime:
     input gradient straight to the neighbour, with no message; the boundary is cut exactly as
     by a send (`detach`, then ``requires_grad``), so each stage's backward stops at its input.
 
-    [Note: input and weight gradients] A ``B`` is one ``backward``. Zero-bubble schedules split
-    it: ``I`` is ``torch.autograd.grad`` of the stage's output (or loss) with respect to its
-    input only, keeping the graph; ``W`` is ``backward`` from the same output and output
-    gradient with ``inputs`` = the stage's parameters, which accumulates into ``.grad`` and
-    frees the graph. Gradients are exactly those of ``B``. The price: ``W`` walks the graph
-    from the output again, so ``I + W`` costs about ``B`` plus the activation-gradient half
-    once more; torch's ``stage_backward_weight`` reuses the gradients ``I`` computed at the
-    parameters' consumers instead (not done here).
+    A ``B`` is one ``backward``. Zero-bubble schedules split it: ``I`` computes the gradient
+    of the stage's input only and records the gradients reaching the parameters' consumers,
+    ``W`` later turns those into weight gradients (`pipeline.backward_split`, [Note: weight
+    gradients from the consumers]); the gradients are ``B``'s, each computed once.
     """
 
     def __init__(
@@ -431,8 +429,7 @@ class StageRuntime:
         return state.output, state.output_grad
 
     def _backward(self, s: int, i: int, *, weights: bool) -> None:
-        """``B`` (``weights``: input and weight gradients) or ``I`` (the input's only); see
-        [Note: input and weight gradients]."""
+        """``B`` (``weights``: input and weight gradients) or ``I`` (the input's only)."""
         state = self._flight[(s, i)]
         root, grad = self._root(s, state)
         x = state.input
@@ -440,11 +437,9 @@ class StageRuntime:
         input_grad: torch.Tensor | None = None
         version, stashed = self.stash.backward_weights(i) if self.stash else (0, None)
         if not weights:
-            if wants_input_grad and root.requires_grad:
-                assert x is not None
-                (input_grad,) = torch.autograd.grad(
-                    root, [x], grad_outputs=grad, retain_graph=True, materialize_grads=True
-                )
+            input_grad, state.weights = backward_input(
+                root, grad, x if wants_input_grad else None, self._params[s]
+            )
         elif stashed is not None:
             names = [n for n, t in stashed.items() if t.requires_grad]
             targets = [stashed[n] for n in names] + (
@@ -482,12 +477,10 @@ class StageRuntime:
                 self.after_backward(i)
 
     def _backward_weights(self, s: int, i: int) -> None:
-        """``W``: the weight gradients of ``sI i``'s graph, accumulated into ``.grad``."""
-        state = self._flight[(s, i)]
-        root, grad = self._root(s, state)
-        params = self._params[s]
-        if root.requires_grad and params:
-            torch.autograd.backward(root, grad_tensors=grad, inputs=params)
+        """``W``: the weight gradients of ``sI i``, accumulated into ``.grad``."""
+        pending = self._flight[(s, i)].weights
+        assert pending is not None, f"{s}W{i} before {s}I{i}"
+        backward_weight(pending)
         self._done(s, i)
 
     def _done(self, s: int, i: int) -> None:
