@@ -67,11 +67,16 @@ MODULES: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-def _full(module: nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, list]:
+def _full(
+    module: nn.Module, x: torch.Tensor, g: torch.Tensor
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """A plain backward: the input's gradient and every parameter's."""
     module.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
     module(x).backward(g)
-    return x.grad, [p.grad.clone() for p in module.parameters()]
+    grads = [p.grad for p in module.parameters()]
+    assert all(g is not None for g in grads)
+    return x.grad, [g.clone() for g in grads if g is not None]
 
 
 @pytest.mark.parametrize("name", list(MODULES))
