@@ -111,14 +111,26 @@ def test_exact_resume_same_layout(root: str) -> None:
         assert torch.equal(resumed["state"][name], expected), f"{name} differs after resume"
 
 
+ZBV = {"schedule": "zbv", "microbatches": 2}  # two stages per rank, rank 0's not contiguous
+
+
 @pytest.mark.parametrize(
-    ("nproc", "parallel"),
-    [(1, {}), (2, {"zero": 3}), (2, {"tp": 2}), (2, {"pp": 2})],
-    ids=["dp1", "zero3-dp2", "tp2", "pp2"],
+    ("nproc", "parallel", "pipeline"),
+    [
+        (1, {}, {}),
+        (2, {"zero": 3}, {}),
+        (2, {"tp": 2}, {}),
+        (2, {"pp": 2}, {}),
+        (2, {"pp": 2}, ZBV),
+    ],
+    ids=["dp1", "zero3-dp2", "tp2", "pp2", "zbv-pp2"],
 )
-def test_resume_under_another_layout(root: str, nproc: int, parallel: dict[str, Any]) -> None:
-    ckpt = stopped_at_step_3(root, "layout-" + "-".join(f"{k}{v}" for k, v in parallel.items()))
-    resumed = run(job(ckpt, nproc=nproc, parallel=parallel, resume=True))
+def test_resume_under_another_layout(
+    root: str, nproc: int, parallel: dict[str, Any], pipeline: dict[str, Any]
+) -> None:
+    name = "-".join([f"{k}{v}" for k, v in parallel.items()] + list(pipeline.values())[:1])
+    ckpt = stopped_at_step_3(root, "layout-" + name)
+    resumed = run(job(ckpt, nproc=nproc, parallel=parallel, pipeline=pipeline, resume=True))
     assert resumed["start"] == SAVED
     ref = single_process()
     assert_state_close(resumed["state"], ref["state"], atol=1e-5)

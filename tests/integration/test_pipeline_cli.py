@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from polytrain.pipeline.schedule import zbv
 from tests.integration.test_cli import polytrain
 
 pytestmark = pytest.mark.slow
@@ -40,3 +41,40 @@ def test_trace_then_timeline(tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
     again = polytrain("timeline", str(trace), "--png", str(png), cwd=tmp_path)
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_zbv_runs_its_schedule(tmp_path: Path) -> None:
+    """``--schedule zbv``: every rank runs its two stages' F, I and W in the schedule's order
+    (read back from the trace), W after its I, no full B; the timeline draws it."""
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    args = ["train", "--model", "mlp", "--nproc", "2", "--pp", "2", "--schedule", "zbv"]
+    args += ["--microbatches", "4", "--steps", "2", "--eval-every", "0", "--no-progress"]
+    run = polytrain(*args, "--trace", str(trace), "--out-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    compute = sorted(
+        (e for e in events if e["name"] in ("F", "B", "I", "W")), key=lambda e: e["ts"]
+    )
+    program = zbv(2, 4)
+    for rank in (0, 1):
+        for step in (0, 1):
+            ran = [
+                f"{e['args']['stage']}{e['name']}{e['args']['microbatch']}"
+                for e in compute
+                if e["pid"] == rank and e["args"]["step"] == step
+            ]
+            assert ran == [str(a) for a in program[rank]], (rank, step)
+    ends = {
+        (e["pid"], e["args"]["step"], e["args"]["stage"], e["args"]["microbatch"]): e
+        for e in compute
+        if e["name"] == "I"
+    }
+    for w in (e for e in compute if e["name"] == "W"):
+        i = ends[(w["pid"], w["args"]["step"], w["args"]["stage"], w["args"]["microbatch"])]
+        assert w["ts"] >= i["ts"] + i["dur"]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert metrics[-1]["strategy"] == "zbv-pp2-m4"
+
+    drawn = polytrain("timeline", str(trace), "--png", str(png), cwd=tmp_path)
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"

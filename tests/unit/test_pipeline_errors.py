@@ -37,6 +37,43 @@ CASES = {
         [*PIPE, "--schedule", "pipedream", "--set", "train.on_nonfinite=skip"],
         "train.on_nonfinite = 'skip' with pipeline.schedule = 'pipedream'",
     ),
+    # Several stages per rank and the I/W split (docs/pipeline.md, new schedules).
+    "virtual stages with a schedule that has one per rank": (
+        [*PIPE, "--schedule", "1f1b", "--virtual-stages", "2"],
+        "pipeline.virtual_stages = 2 with pipeline.schedule = '1f1b'",
+    ),
+    "virtual stages with zbv": (
+        [*PIPE, "--schedule", "zbv", "--virtual-stages", "3"],
+        "(zbv always holds 2)",
+    ),
+    "interleaved without virtual stages": (
+        [*PIPE, "--schedule", "interleaved-1f1b"],
+        "interleaving needs 2 or more stages per rank; set --virtual-stages 2",
+    ),
+    "virtual stages x pp above the blocks": (
+        [*PIPE, "--schedule", "interleaved-1f1b", "--virtual-stages", "3", "--microbatches", "2"],
+        "parallel.pp = 2 x 3 = 6 stages but the model has only 4 blocks",
+    ),
+    "interleaved micro-batches not a multiple of pp": (
+        [*PIPE, "--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--microbatches", "1"],
+        "interleaved 1F1B needs a multiple of num_ranks = 2",
+    ),
+    "partition counts per virtual stage": (
+        [*PIPE, "--schedule", "zbv", "--partition", "2,2"],
+        "has 2 stage(s) but parallel.pp = 2 x 2 stages per rank = 4",
+    ),
+    "auto partition with virtual stages": (
+        [*PIPE, "--schedule", "zb-h1", "--partition", "auto"],
+        "pipeline.partition = 'auto' with pipeline.schedule = 'zb-h1'",
+    ),
+    "tensor parallel with zbv": (
+        ["--model", "mlp", "--nproc", "4", "--pp", "2", "--tp", "2", "--schedule", "zbv"],
+        "parallel.tp = 2 with pipeline.schedule = 'zbv'",
+    ),
+    "pipedream's stashing with a zero-bubble schedule": (
+        [*PIPE, "--schedule", "zb-h1", "--set", "pipeline.pipedream_update=microbatch"],
+        "pipeline.pipedream_update = 'microbatch' with pipeline.schedule = 'zb-h1'",
+    ),
 }
 
 
@@ -69,3 +106,16 @@ def test_good_pipeline_job_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert 'schedule = "1f1b"' in out
     assert "partition = [\n    1,\n    3,\n]" in out
     assert "recompute = true" in out
+
+
+@pytest.mark.parametrize(
+    "schedule", [["interleaved-1f1b", "--virtual-stages", "2"], ["zb-h1"], ["zbv"]]
+)
+def test_new_schedules_pass_preflight(
+    schedule: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Four stages of mlp tiny's four blocks on two ranks get through preflight."""
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--dry-run", *PIPE, "--microbatches", "4", "--schedule", *schedule])
+    assert exc.value.code == 0, capsys.readouterr().err
+    assert f'schedule = "{schedule[0]}"' in capsys.readouterr().out

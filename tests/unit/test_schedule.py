@@ -235,7 +235,7 @@ def test_pipedream_helpers_reject_bad_stage() -> None:
 
 
 def test_build_names() -> None:
-    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "pipedream")
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "pipedream", "interleaved-1f1b", "zb-h1", "zbv")
     with pytest.raises(ScheduleError) as info:
         build("interleaved", 2, 2)
     message = str(info.value)
@@ -244,7 +244,7 @@ def test_build_names() -> None:
 
 
 @pytest.mark.parametrize(("p", "m"), [(0, 1), (1, 0), (-1, 4), (True, 2), (2, 1.5)])
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("name", list(GENERATORS))
 def test_build_rejects_bad_sizes(name: str, p: int, m: int) -> None:
     with pytest.raises(ScheduleError, match="expected an integer >= 1"):
         build(name, p, m)

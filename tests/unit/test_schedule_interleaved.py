@@ -20,6 +20,7 @@ from polytrain.pipeline.schedule import (
     StageMap,
     build,
     build_next,
+    build_staged,
     interleaved_1f1b,
     interleaved_bubble_ratio,
     interleaved_peak_activations,
@@ -33,6 +34,7 @@ from polytrain.pipeline.schedule import (
     simulate,
     simulated_bubble_fraction,
     simulated_bubble_ratio,
+    stages_per_rank,
     validate,
 )
 
@@ -256,11 +258,13 @@ def test_interleaved_bad_sizes_one_line(args: tuple, needles: tuple[str, ...]) -
         assert needle in message
 
 
-def test_next_schedules_stay_out_of_the_config() -> None:
-    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "pipedream")
+def test_staged_schedules_are_config_values() -> None:
+    """The runtime runs them ([Note: schedules with a stage map]): they are values of
+    ``pipeline.schedule``, built with their map by `build_next` / `build_staged`, not `build`."""
     assert NEXT_SCHEDULE_NAMES == ("interleaved-1f1b", "zb-h1", "zbv")
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "pipedream", *NEXT_SCHEDULE_NAMES)
     for name in NEXT_SCHEDULE_NAMES:
-        with pytest.raises(ScheduleError, match="unknown pipeline schedule"):
+        with pytest.raises(ScheduleError, match="build it with build_next"):
             build(name, 4, 8)
     with pytest.raises(ScheduleError, match="needs virtual_stages"):
         build_next("interleaved-1f1b", 4, 8)
@@ -268,6 +272,21 @@ def test_next_schedules_stay_out_of_the_config() -> None:
         build_next("zbv", 4, 8, virtual_stages=3)
     with pytest.raises(ScheduleError, match=r"'1f1b' is built by build\(\)"):
         build_next("1f1b", 4, 8)
+    assert build_staged("1f1b", 4, 8) == (build("1f1b", 4, 8), StageMap(4))
+    assert build_staged("zbv", 4, 8) == build_next("zbv", 4, 8)
+    assert build_staged("zb-h1", 4, 8, virtual_stages=3) == build_next("zb-h1", 4, 8)
+    assert build_staged("interleaved-1f1b", 2, 4, virtual_stages=2) == build_next(
+        "interleaved-1f1b", 2, 4, virtual_stages=2
+    )
+    per_rank = {name: stages_per_rank(name, 3) for name in SCHEDULE_NAMES}
+    assert per_rank == {
+        "gpipe": 1,
+        "1f1b": 1,
+        "pipedream": 1,
+        "interleaved-1f1b": 3,
+        "zb-h1": 1,
+        "zbv": 2,
+    }
 
 
 def test_validate_catches_cross_stage_reorder_on_a_shared_channel() -> None:

@@ -185,8 +185,15 @@ class ParallelConfig:
 
 @dataclass
 class PipelineConfig:
-    schedule: Literal["gpipe", "1f1b", "pipedream"] = option("1f1b", "pipeline schedule")
+    schedule: Literal["gpipe", "1f1b", "pipedream", "interleaved-1f1b", "zb-h1", "zbv"] = option(
+        "1f1b", "pipeline schedule"
+    )
     microbatches: int = option(1, "micro-batches per replica per step")
+    virtual_stages: int = option(
+        1,
+        "interleaved-1f1b: model chunks (stages) per rank, 2 or more; the model is cut into "
+        "pp * virtual_stages stages",
+    )
     partition: str | list[int] = option(
         "uniform", "'auto' (profiled), 'uniform', or blocks per stage, e.g. [3, 5]"
     )
@@ -210,6 +217,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         positive("pipeline", "microbatches", self.microbatches)
+        positive("pipeline", "virtual_stages", self.virtual_stages)
         positive("pipeline", "memory_limit_mb", self.memory_limit_mb, allow_zero=True)
         positive("pipeline", "partition_trials", self.partition_trials, allow_zero=True)
         if isinstance(self.partition, str) and self.partition not in ("auto", "uniform"):

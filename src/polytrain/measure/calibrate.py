@@ -58,7 +58,6 @@ from polytrain.measure.probes import (
     step_costs,
 )
 from polytrain.measure.timing import timed, timed_rounds
-from polytrain.pipeline.schedule import SCHEDULE_NAMES
 from polytrain.planner.cost.rates import host_slowdown
 from polytrain.planner.drift import SPEED_SPREAD, speed_ratios
 from polytrain.planner.profile_io import (
@@ -69,6 +68,7 @@ from polytrain.planner.profile_io import (
     profile_path,
     save_profile,
 )
+from polytrain.planner.search import SCHEDULES
 from polytrain.planner.types import Curve, HostProfile
 from polytrain.planner.worker_memory import fresh_worker_memory
 from polytrain.testing.harness import run_distributed
@@ -118,7 +118,7 @@ class CalibrationPlan:
     tp_in_step_ranks: tuple[int, ...] = (2, 4)
     # the pipeline runtime's own cost per action and per flush, by schedule, on two stages
     # ([Note: pipeline runtime overhead] in measure/calibrate_worker.py)
-    pipeline_schedules: tuple[str, ...] = SCHEDULE_NAMES
+    pipeline_schedules: tuple[str, ...] = SCHEDULES  # those the planner prices
     pipeline_steps: int = 40  # per round (6 rounds): ~25 s for the three schedules
     # whole calibrations in a row; each figure is their median ([Note: repeated calibrations]
     # in planner/profile_io.py): ~2 min each on the 2-core VM

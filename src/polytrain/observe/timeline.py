@@ -1,12 +1,14 @@
-"""Pipeline diagrams from Chrome traces: one row per rank, one box per forward and backward.
+"""Pipeline diagrams from Chrome traces: one row per rank, one box per forward and backward
+(or backward half: I, the input gradient, and W, the weight gradient, of zero-bubble schedules).
 
 Draws a step of a ``--trace`` file the way GPipe (Huang et al. 2019, figure 2) and PipeDream
 (Narayanan et al. SOSP 2019, figure 4) draw schedules: time runs left to right, each rank is a
-row, and each forward (F) or backward (B) is a box labelled with its micro-batch index. Sends
+row, and each forward (F) or backward (B, I, W) is a box labelled with its micro-batch index
+(prefixed with its stage, ``2F0``, when a rank holds several stages). Sends
 and receives are thin bars above the boxes; the optimizer and all-reduces are grey.
 
 `measured_bubble` is the same picture as a number: the fraction of ``ranks x window`` in which
-no forward or backward runs, to compare with the ideal ``(p - 1) / (m + p - 1)``.
+no forward or backward runs, to compare with the ideal ``(p - 1) / (m + p - 1)`` (1F1B).
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from polytrain.errors import ConfigError
 
 __all__ = ["load_trace", "measured_bubble", "render_timeline", "step_events"]
 
-COLORS = {"F": "#4c72b0", "B": "#55a868", "optimizer": "#8c8c8c", "allreduce_grads": "#c44e52"}
+COMPUTE = ("F", "B", "I", "W")
+COLORS = {
+    "F": "#4c72b0",
+    "B": "#55a868",
+    "I": "#55a868",
+    "W": "#937860",
+    "optimizer": "#8c8c8c",
+    "allreduce_grads": "#c44e52",
+}
 COMM_COLORS = {"SEND_F": "#dd8452", "RECV_F": "#f2c6a0", "SEND_B": "#8172b3", "RECV_B": "#c5bde0"}
 
 
@@ -59,8 +69,9 @@ def step_events(events: Sequence[dict[str, Any]], step: int | None = None) -> li
 
 
 def measured_bubble(events: Sequence[dict[str, Any]]) -> float:
-    """Idle fraction of ``ranks x window``: time with no F or B running, over the events' span."""
-    compute = [e for e in events if e["name"] in ("F", "B")]
+    """Idle fraction of ``ranks x window``: time with no F, B, I or W running, over the events'
+    span."""
+    compute = [e for e in events if e["name"] in COMPUTE]
     if not compute:
         return 0.0
     start = min(e["ts"] for e in compute)
@@ -83,7 +94,9 @@ def render_timeline(trace: str | Path, png: str | Path, step: int | None = None)
 
     ranks = sorted({int(e["pid"]) for e in events})
     t0 = min(e["ts"] for e in events)
-    stage_of = {int(e["pid"]): int(e["args"]["stage"]) for e in events}
+    stages_of: dict[int, set[int]] = {}
+    for e in events:
+        stages_of.setdefault(int(e["pid"]), set()).add(int(e["args"]["stage"]))
     width = max(e["ts"] + e["dur"] for e in events) - t0
     fig, ax = plt.subplots(figsize=(12, 0.8 + 0.7 * len(ranks)))
     for e in events:
@@ -96,17 +109,25 @@ def render_timeline(trace: str | Path, png: str | Path, step: int | None = None)
         ax.broken_barh(
             [(x, w)], (row - 0.3, 0.6), facecolors=COLORS.get(name, "#cccccc"), edgecolor="black"
         )
-        if name in ("F", "B") and w > width / 1e3 / 150:
+        if name in COMPUTE and w > width / 1e3 / 150:
             label = f"{name}{e['args'].get('microbatch', '')}"
+            if len(stages_of[int(e["pid"])]) > 1:
+                label = f"{e['args']['stage']}{label}"
             ax.text(x + w / 2, row, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(ranks)))
-    ax.set_yticklabels([f"rank {r} (stage {stage_of[r]})" for r in ranks])
+    ax.set_yticklabels(
+        [
+            f"rank {r} (stage{'s' if len(stages_of[r]) > 1 else ''} "
+            f"{', '.join(map(str, sorted(stages_of[r])))})"
+            for r in ranks
+        ]
+    )
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     chosen = int(events[0]["args"]["step"])
     ax.set_title(
         f"step {chosen}: measured bubble {measured_bubble(events):.1%} "
-        "(F blue, B green, sends/receives thin bars, optimizer grey)"
+        "(F blue, B and I green, W brown, sends/receives thin bars, optimizer grey)"
     )
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

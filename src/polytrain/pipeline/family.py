@@ -11,13 +11,14 @@ from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
 from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
-from polytrain.errors import PartitionError
+from polytrain.errors import ConfigError, PartitionError
 from polytrain.models.base import BlockModel
 from polytrain.models.blocks import disable_inplace
 from polytrain.parallel.tensor_parallel import check_tp_plan
-from polytrain.pipeline.checks import check_pipeline_job
+from polytrain.pipeline.checks import check_pipeline_job, num_pipeline_stages
 from polytrain.pipeline.pipedream import PipeDreamStrategy
 from polytrain.pipeline.profile import check_partition
+from polytrain.pipeline.schedule import NEXT_SCHEDULE_NAMES
 from polytrain.pipeline.strategy import PipelineStrategy
 from polytrain.topology import ParallelDims
 
@@ -26,10 +27,18 @@ __all__ = ["PIPELINE", "build_pipeline", "check_pipeline", "pipeline_strategy"]
 
 def check_pipeline(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
     """Stages, partition, schedule options and the stages' tensor-parallel plan."""
-    if job.parallel.pp > model.num_blocks and not model.layers:
+    pp, name = job.parallel.pp, job.pipeline.schedule
+    if model.layers and name in NEXT_SCHEDULE_NAMES:
+        raise ConfigError(
+            f"pipeline.schedule = {name!r} with a pipeline over the layers of model.name = "
+            f"{job.model.name!r}: users' layer pipelines run with gpipe, 1f1b and pipedream only"
+        )
+    num_stages = num_pipeline_stages(job)
+    if num_stages > model.num_blocks and not model.layers:
+        stages = f"{pp} x {num_stages // pp} = {num_stages}" if num_stages > pp else f"{pp}"
         raise PartitionError(
-            f"parallel.pp = {job.parallel.pp} stages but the model has only {model.num_blocks} "
-            f"blocks: use at most {model.num_blocks} stages or a deeper model"
+            f"parallel.pp = {stages} stages but the model has only {model.num_blocks} blocks: "
+            f"use at most {model.num_blocks} stages or a deeper model"
         )
     check_pipeline_job(job)
     if not model.layers:  # a user model's layers are partitioned in models.checks
@@ -67,6 +76,7 @@ PIPELINE = StrategyFamily(
     flags={
         "schedule": "pipeline.schedule",
         "microbatches": "pipeline.microbatches",
+        "virtual_stages": "pipeline.virtual_stages",
         "partition": "pipeline.partition",
         "memory_limit_mb": "pipeline.memory_limit_mb",
     },

@@ -55,14 +55,19 @@ def uniform_counts(num_blocks: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
-def check_counts(counts: Sequence[int], num_blocks: int, num_stages: int) -> list[int]:
-    """Validate an explicit ``pipeline.partition`` list and return it as a list."""
+def check_counts(
+    counts: Sequence[int], num_blocks: int, num_stages: int, *, stages_per_rank: int = 1
+) -> list[int]:
+    """Validate an explicit ``pipeline.partition`` list and return it as a list
+    (``num_stages = parallel.pp * stages_per_rank``)."""
     check_stage_count(num_blocks, num_stages)
     counts = list(counts)
     if len(counts) != num_stages:
+        pp = num_stages // stages_per_rank
+        stages = f"{pp} x {stages_per_rank} stages per rank = {num_stages}"
         raise PartitionError(
             f"pipeline.partition = {counts} has {len(counts)} stage(s) but parallel.pp = "
-            f"{num_stages}: give one block count per stage"
+            f"{stages if stages_per_rank > 1 else num_stages}: give one block count per stage"
         )
     if any(not isinstance(c, int) or c < 1 for c in counts):
         raise PartitionError(

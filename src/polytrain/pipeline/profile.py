@@ -28,6 +28,7 @@ from polytrain.core.optim import build_optimizer
 from polytrain.data.datasets import Dataset
 from polytrain.errors import PartitionError
 from polytrain.models.base import BlockModel, one_input
+from polytrain.pipeline.checks import num_pipeline_stages
 from polytrain.pipeline.partition import (
     BlockProfile,
     PartitionResult,
@@ -336,7 +337,8 @@ def choose_counts(
     """
     setting = job.pipeline.partition
     if isinstance(setting, list):
-        return check_counts(setting, num_blocks, num_stages)
+        per_rank = num_stages // job.parallel.pp
+        return check_counts(setting, num_blocks, num_stages, stages_per_rank=per_rank)
     if setting == "uniform":
         return uniform_counts(num_blocks, num_stages)
     uniform_counts(num_blocks, num_stages)  # more stages than blocks: fail the same way everywhere
@@ -387,9 +389,10 @@ def check_partition(job: JobConfig, model: BlockModel, dataset: Dataset) -> None
     typically the meta device (shapes only, no arithmetic), on one micro-batch from
     ``dataset``. A model that cannot run on meta skips it; the workers check again.
     """
-    setting, num_stages = job.pipeline.partition, job.parallel.pp
+    setting, num_stages = job.pipeline.partition, num_pipeline_stages(job)
     if isinstance(setting, list):
-        check_counts(setting, model.num_blocks, num_stages)
+        per_rank = num_stages // job.parallel.pp
+        check_counts(setting, model.num_blocks, num_stages, stages_per_rank=per_rank)
         return
     if setting != "auto" or job.pipeline.memory_limit_mb <= 0 or num_stages < 2:
         return

@@ -61,6 +61,7 @@ from polytrain.comm.p2p import (
     send_all,
 )
 from polytrain.config.job import JobConfig
+from polytrain.config.parallel import RecomputePolicy
 from polytrain.core.batchnorm import convert_batchnorm
 from polytrain.core.compile import apply_compile
 from polytrain.core.loss_scale import loss_scale_of
@@ -101,12 +102,12 @@ from polytrain.pipeline.layer_stage import LayerStage
 from polytrain.pipeline.partition import block_ranges
 from polytrain.pipeline.profile import choose_counts, choose_partition, leaves_no_trace
 from polytrain.pipeline.runtime import (
-    GRAD,
     Feed,
     StageRuntime,
     WeightStash,
+    training_p2p,
 )
-from polytrain.pipeline.schedule import Action, build, lower, validate
+from polytrain.pipeline.schedule import Action, build_staged, lower, validate
 from polytrain.pipeline.stage import StageModule, build_stage
 
 __all__ = ["SYNC_ONLY", "PipelineStrategy"]
@@ -136,16 +137,25 @@ class PipelineStrategy(Strategy):
         check_pipeline_job(job)
         self.job, self.mesh, self.batches, self.device = job, mesh, batches, device
         self.schedule_name = job.pipeline.schedule
-        self.num_stages = mesh.dims.pp
-        self.stage_index = mesh.coord("pp")
-        self.dp, self.dp_rank = mesh.dims.dp, mesh.coord("dp")
+        self.pp, self.pp_rank = mesh.dims.pp, mesh.coord("pp")
         self.microbatches = job.pipeline.microbatches
+        # Which rank holds which stage ([Note: stages and ranks] in pipeline.schedule.stage_map).
+        _, self.stage_map = build_staged(
+            self.schedule_name,
+            self.pp,
+            self.microbatches,
+            virtual_stages=job.pipeline.virtual_stages,
+        )
+        self.num_stages = self.stage_map.num_stages
+        self.stage_indices = self.stage_map.stages_of(self.pp_rank)
+        self.stage_index = self.stage_indices[0]  # the rank's only stage, under one per rank
+        self.dp, self.dp_rank = mesh.dims.dp, mesh.coord("dp")
         self.accum = job.train.grad_accum
         self.per_step = self.microbatches * self.accum  # micro-batches per optimizer step
-        pp_ranks = mesh.dims.group_ranks("pp", mesh.rank)
-        s = self.stage_index
-        self.prev_rank = pp_ranks[s - 1] if s > 0 else None
-        self.next_rank = pp_ranks[s + 1] if s < self.num_stages - 1 else None
+        self.pp_ranks = pp_ranks = mesh.dims.group_ranks("pp", mesh.rank)
+        r = self.pp_rank
+        self.prev_rank = pp_ranks[r - 1] if r > 0 else None
+        self.next_rank = pp_ranks[r + 1] if r < self.pp - 1 else None
         # Private groups for training and for evaluation; see [Note: process groups].
         pp_groups = mesh.dims.all_groups("pp")
         self.eval_p2p = P2P(new_group_of(pp_groups, mesh.rank), device)
@@ -153,7 +163,8 @@ class PipelineStrategy(Strategy):
         self._grad_group = new_group_of(pp_groups, mesh.rank)
         self.tp = mesh.dims.tp
         self._dtype = AUTOCAST_DTYPES.get(job.train.dtype)
-        self.stage: StageModule | LayerStage
+        self.stage: StageModule | LayerStage  # every block this rank holds, keyed like the model
+        self.stages: dict[int, StageModule | LayerStage]  # stage index -> module, for the runtime
         self.layer_split: LayerSplit | None = None
         self._tie_group: Any = None
         self._tied: list[
@@ -167,7 +178,10 @@ class PipelineStrategy(Strategy):
         if job.train.compile:  # after tensor parallel and the partition trials, which run eager
             apply_compile(model)
         if self.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
-            convert_batchnorm(self.stage, mesh.group("dp"), owned_only=True)
+            for stage in self.stages.values():
+                convert_batchnorm(stage, mesh.group("dp"), owned_only=True)
+            if len(self.stages) > 1:  # a converted block is a new module: gather them again
+                self.stage = _rank_module(self.stages, job.parallel.recompute_policy)
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
         self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
         self._accuracy: float | None = None  # of the last evaluation, on classification data
@@ -176,7 +190,8 @@ class PipelineStrategy(Strategy):
         self._data_step = -1
         self._data: dict[int, tuple[Inputs, torch.Tensor]] = {}
         suffix = (f"-dp{self.dp}" if self.dp > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
-        self.name = f"{self.schedule_name}-pp{self.num_stages}-m{self.microbatches}{suffix}"
+        v = f"-v{len(self.stage_indices)}" if self.schedule_name == "interleaved-1f1b" else ""
+        self.name = f"{self.schedule_name}-pp{self.pp}{v}-m{self.microbatches}{suffix}"
         self._init_runtime(job, model)
 
     def _build_block_stage(self, job: JobConfig, model: BlockModel) -> None:
@@ -194,13 +209,17 @@ class PipelineStrategy(Strategy):
             measure=partial(self._time_partitions, model, sample) if self.tp == 1 else None,
         )
         self.ranges = block_ranges(counts)
-        start, stop = self.ranges[self.stage_index]
-        stage = build_stage(model, start, stop, recompute=job.parallel.recompute_policy).to(device)
+        policy = job.parallel.recompute_policy
+        self.stages = {
+            s: build_stage(model, *self.ranges[s], recompute=policy).to(device)
+            for s in self.stage_indices
+        }
         if self.tp > 1:  # tensor parallel inside the stage, before dp (docs/tensor_parallel.md)
+            (stage,) = self.stages.values()  # one stage per rank (pipeline.checks)
             apply_tensor_parallel_to_stage(
                 stage, model, mesh.sub("tp"), job.model.name, job.parallel.tp_plan
             )
-        self.stage = stage
+        self.stage = _rank_module(self.stages, policy)
         self._stage_keys = self._keys_per_stage(model)
 
     def _build_layer_stage(self, job: JobConfig, model: BlockModel) -> None:
@@ -240,6 +259,7 @@ class PipelineStrategy(Strategy):
         rows = job.parallel.tp_plan
         tp_assignment = resolve_tp_plan(job.model.name, model, self.tp, rows) if self.tp > 1 else {}
         self.stage = LayerStage(model, split, self.ranges, self.stage_index).to(self.device)
+        self.stages = {self.stage_index: self.stage}  # one stage per rank (pipeline.family)
         mine = {id(p) for p, stages in holders if self.stage_index in stages}
         tied_names = [n for n, p in self.stage.named_parameters() if id(p) in mine]
         if tp_assignment:  # tensor parallel inside the stage (docs/models.md)
@@ -277,12 +297,10 @@ class PipelineStrategy(Strategy):
         after_backward: Callable[[int], None] | None = None,
     ) -> StageRuntime:
         return StageRuntime(
-            self.stage,
-            self.stage_index,
-            self.num_stages,
+            self.stages,
+            self.stage_map,
+            self.pp_ranks,
             self._p2p(),
-            prev_rank=self.prev_rank,
-            next_rank=self.next_rank,
             loss_fn=model.loss_fn,
             tracer=self.tracer,
             device=self.device,
@@ -294,15 +312,18 @@ class PipelineStrategy(Strategy):
     def _stage_program(
         self, schedule: str, num_microbatches: int, *, check: bool = False
     ) -> list[Action]:
-        """This stage's lowered actions of ``schedule``; ``check`` validates the whole schedule."""
-        lowered = lower(build(schedule, self.num_stages, num_microbatches))
+        """This rank's lowered actions of ``schedule``; ``check`` validates the whole schedule."""
+        v = self.job.pipeline.virtual_stages
+        compute, stage_map = build_staged(schedule, self.pp, num_microbatches, virtual_stages=v)
+        assert stage_map == self.stage_map, (stage_map, self.stage_map)
+        lowered = lower(compute, stage_map=stage_map)
         if check:
-            validate(lowered, self.num_stages, num_microbatches)
-        return [a for a in lowered[self.stage_index] if a is not None]
+            validate(lowered, self.pp, num_microbatches, stage_map=stage_map)
+        return [a for a in lowered[self.pp_rank] if a is not None]
 
     def _p2p(self) -> P2P:
         """Channels for training traffic: activations and gradients on their own groups."""
-        return P2P(self._act_group, self.device, channel_groups={GRAD: self._grad_group})
+        return training_p2p(self._act_group, self._grad_group, self.num_stages, self.device)
 
     def _time_partitions(
         self,
@@ -326,17 +347,15 @@ class PipelineStrategy(Strategy):
         x, y = sample
         feed = Feed(inputs=lambda i: x, targets=lambda i: y, scale=1.0 / m)
         runtimes = []
-        for counts in candidates:
+        for counts in candidates:  # one stage per rank: `auto` is refused otherwise (checks.py)
             start, stop = block_ranges(counts)[self.stage_index]
             stage = build_stage(model, start, stop, recompute=self.job.parallel.recompute_policy)
             runtimes.append(
                 StageRuntime(
-                    stage,
-                    self.stage_index,
-                    self.num_stages,
+                    {self.stage_index: stage},
+                    self.stage_map,
+                    self.pp_ranks,
                     self._p2p(),  # fresh channels: boundary shapes differ between candidates
-                    prev_rank=self.prev_rank,
-                    next_rank=self.next_rank,
                     loss_fn=model.loss_fn,
                     tracer=Tracer(self.mesh.rank, enabled=False),
                     device=self.device,
@@ -353,8 +372,9 @@ class PipelineStrategy(Strategy):
                     runtime.run(program, feed)
                     runtime.finish()
                     times[r, n] = time.perf_counter() - t0
-                    for param in runtime.stage.parameters():
-                        param.grad = None
+                    for module in runtime.stages.values():
+                        for param in module.parameters():
+                            param.grad = None
         step = all_reduce_max_(times, None)  # a step lasts until its slowest rank is done
         return [float(v) for v in step[1:].median(dim=0).values]
 
@@ -443,29 +463,36 @@ class PipelineStrategy(Strategy):
         total = torch.zeros((), device=self.device)
         counts = torch.zeros(2, device=self.device)  # [correct, rows] on the last stage
         pending = PendingSends()
+        last = self.num_stages - 1
         for i in range(num_batches):
             if isinstance(self.stage, LayerStage):
                 self.stage.set_context(
                     inputs_to(self.batches.val(i, self.dp_rank, self.dp)[0], self.device)
                 )
-            if self.prev_rank is None:
-                x = (
-                    _PLACEHOLDER
-                    if self.layer_split is not None
-                    else one_input(self.batches.val(i, self.dp_rank, self.dp)[0])
-                )
-            else:
-                x = self.eval_p2p.recv(self.prev_rank, EVAL)
-            with self.tracer.span("eval_F", cat="eval", microbatch=i, stage=self.stage_index):
-                out = self.runtime.forward_only(x)
-            if self.next_rank is None:
-                y = self.batches.val(i, self.dp_rank, self.dp)[1].to(self.device)
-                total += self.runtime.loss_fn(out, y).float()
-                correct = top1_correct(out, y)
-                if correct is not None:
-                    counts += torch.stack([correct, torch.tensor(float(len(y)))]).to(self.device)
-            else:
-                self.eval_p2p.isend(out, self.next_rank, EVAL, pending)
+            out: Any = None
+            for s in self.stage_indices:  # in model order: a local neighbour's output is `out`
+                if s == 0:
+                    x = (
+                        _PLACEHOLDER
+                        if self.layer_split is not None
+                        else one_input(self.batches.val(i, self.dp_rank, self.dp)[0])
+                    )
+                elif self.stage_map.is_local(s, s - 1):
+                    x = out
+                else:
+                    x = self.eval_p2p.recv(self._rank_of(s - 1), f"{EVAL}{s - 1}")
+                with self.tracer.span("eval_F", cat="eval", microbatch=i, stage=s):
+                    out = self.runtime.forward_only(s, x)
+                if s == last:
+                    y = self.batches.val(i, self.dp_rank, self.dp)[1].to(self.device)
+                    total += self.runtime.loss_fn(out, y).float()
+                    correct = top1_correct(out, y)
+                    if correct is not None:
+                        counts += torch.stack([correct, torch.tensor(float(len(y)))]).to(
+                            self.device
+                        )
+                elif not self.stage_map.is_local(s, s + 1):
+                    self.eval_p2p.isend(out, self._rank_of(s + 1), f"{EVAL}{s}", pending)
         pending.wait()
         train_mode(self.stage)
         # Summed over the world: only last stages hold values; tp peers hold equal ones, so
@@ -486,21 +513,49 @@ class PipelineStrategy(Strategy):
             out[stage].append((key, value.shape, value.dtype))
         return out
 
+    def _rank_of(self, stage: int) -> int:
+        """Global rank holding ``stage`` in this rank's pipeline replica."""
+        return self.pp_ranks[self.stage_map.rank_of(stage)]
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: stages of replica 0 send their weights to global rank 0 (tensors only)."""
+        """Collective: ranks of replica 0 send their stages' weights to global rank 0 (tensors
+        only), each rank its stages' in stage order."""
         state = self.stage.state_dict()
         if self.tp > 1 and self.dp_rank == 0:  # gather the tp shards (collective over tp)
             state = full_tensors(state)
-        if self.dp_rank == 0 and self.stage_index > 0 and self.mesh.coord("tp") == 0:
-            send_all([state[k] for k, _, _ in self._stage_keys[self.stage_index]], dst=0)
+        keys = self._stage_keys
+        if self.dp_rank == 0 and self.pp_rank > 0 and self.mesh.coord("tp") == 0:
+            send_all([state[k] for s in self.stage_indices for k, _, _ in keys[s]], dst=0)
         if self.mesh.rank != 0:
             return {}
-        out = {k: state[k].detach().cpu().clone() for k, _, _ in self._stage_keys[0]}
-        for s in range(1, self.num_stages):
-            keys = self._stage_keys[s]
+        parts = {
+            s: {k: state[k].detach().cpu().clone() for k, _, _ in keys[s]}
+            for s in self.stage_indices
+        }
+        for r in range(1, self.pp):
+            stages = self.stage_map.stages_of(r)
+            metas = [meta for s in stages for meta in keys[s]]
             buffers = [
-                torch.empty(shape, dtype=dtype, device=self.device) for _, shape, dtype in keys
+                torch.empty(shape, dtype=dtype, device=self.device) for _, shape, dtype in metas
             ]
-            recv_into(buffers, src=self.mesh.dims.rank_of(pp=s, dp=0))
-            out.update({k: b.cpu() for (k, _, _), b in zip(keys, buffers, strict=True)})
-        return out
+            recv_into(buffers, src=self.mesh.dims.rank_of(pp=r, dp=0))
+            received = iter(zip(metas, buffers, strict=True))
+            for s in stages:
+                parts[s] = {k: b.cpu() for (k, _, _), b in (next(received) for _ in keys[s])}
+        return {k: v for s in range(self.num_stages) for k, v in parts[s].items()}
+
+
+def _rank_module(
+    stages: dict[int, StageModule | LayerStage], recompute: RecomputePolicy
+) -> StageModule | LayerStage:
+    """The one module of everything a rank holds, keyed like the model: its stage, or with
+    several stages a `StageModule` over all their blocks (shared, not copied) for parameters,
+    ``state_dict``, the optimizer and train/eval mode. Its forward is never called: the blocks
+    of a rank's stages are not contiguous; the runtime runs each stage's own module."""
+    if len(stages) == 1:
+        return next(iter(stages.values()))
+    blocks: dict[int, nn.Module] = {}
+    for stage in stages.values():
+        assert isinstance(stage, StageModule)  # layer pipelines hold one stage (pipeline.family)
+        blocks.update({int(i): block for i, block in stage.blocks.items()})
+    return StageModule(blocks, recompute=recompute)

@@ -16,11 +16,12 @@ Typical use::
     validate(schedule, 4, 8, stage_map=stage_map)
     program = lower(schedule, stage_map=stage_map)[rank]
 
-[Note: schedules the runtime cannot run yet] `SCHEDULE_NAMES` are the values of
-``pipeline.schedule``, and every one of them runs in `pipeline.runtime`. Interleaved 1F1B,
-ZB-H1 and ZBV need a runtime that holds several stage modules per rank and splits a backward
-into I and W; until it does, they are built only through `build_next` (`NEXT_SCHEDULE_NAMES`),
-which returns the schedule with its `StageMap`, so a config cannot name them.
+[Note: schedules with a stage map] `SCHEDULE_NAMES` are the values of ``pipeline.schedule``,
+and every one of them runs in `pipeline.runtime`. GPipe, 1F1B and PipeDream place one stage
+per rank and `build` returns them alone; interleaved 1F1B, ZB-H1 and ZBV
+(`NEXT_SCHEDULE_NAMES`) come from `build_next` with their `StageMap`. `build_staged` builds
+any of them with its map, and `stages_per_rank` says how many stages a rank holds, which is
+what the runtime partitions the model by.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ __all__ = [
     "bubble_fraction",
     "build",
     "build_next",
+    "build_staged",
     "gpipe",
     "interleaved_1f1b",
     "interleaved_bubble_ratio",
@@ -98,6 +100,7 @@ __all__ = [
     "simulate",
     "simulated_bubble_fraction",
     "simulated_bubble_ratio",
+    "stages_per_rank",
     "stash_bound",
     "validate",
     "weight_version",
@@ -116,7 +119,10 @@ _GENERATORS: dict[str, Callable[[int, int], Schedule]] = {
     "pipedream": pipedream,
 }
 
-SCHEDULE_NAMES: tuple[str, ...] = tuple(_GENERATORS)
+NEXT_SCHEDULE_NAMES: tuple[str, ...] = ("interleaved-1f1b", "zb-h1", "zbv")
+"""Schedules `build_next` makes, with their `StageMap`: [Note: schedules with a stage map]."""
+
+SCHEDULE_NAMES: tuple[str, ...] = (*_GENERATORS, *NEXT_SCHEDULE_NAMES)
 """Valid values of ``pipeline.schedule``."""
 
 
@@ -124,6 +130,11 @@ def build(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     """The compute-only schedule called ``name`` (one of `SCHEDULE_NAMES`)."""
     generator = _GENERATORS.get(name)
     if generator is None:
+        if name in NEXT_SCHEDULE_NAMES:
+            raise ScheduleError(
+                f"pipeline schedule {name!r} places stages with a StageMap: build it with "
+                "build_next() or build_staged()"
+            )
         raise ScheduleError(
             f"unknown pipeline schedule {name!r}: expected one of {', '.join(SCHEDULE_NAMES)}; "
             "set pipeline.schedule to one of them"
@@ -131,10 +142,6 @@ def build(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     check_sizes(num_stages, num_microbatches)
     return generator(num_stages, num_microbatches)
 
-
-NEXT_SCHEDULE_NAMES: tuple[str, ...] = ("interleaved-1f1b", "zb-h1", "zbv")
-"""Schedules `build_next` makes and the runtime cannot run yet: [Note: schedules the runtime
-cannot run yet]. Not values of ``pipeline.schedule``."""
 
 _VIRTUAL_STAGES = {"zb-h1": 1, "zbv": 2}  # fixed by the schedule; interleaved takes any v
 
@@ -175,3 +182,22 @@ def build_next(
     if name == "zb-h1":
         return zb_h1(num_ranks, num_microbatches), StageMap(num_ranks)
     return zbv(num_ranks, num_microbatches), zbv_stage_map(num_ranks)
+
+
+def stages_per_rank(name: str, virtual_stages: int = 1) -> int:
+    """Stages (model chunks) each rank holds under schedule ``name``: ``virtual_stages`` for
+    interleaved 1F1B, 2 for ZBV, 1 for the others (``virtual_stages`` is then not read)."""
+    if name == "interleaved-1f1b":
+        return virtual_stages
+    return _VIRTUAL_STAGES.get(name, 1)
+
+
+def build_staged(
+    name: str, num_ranks: int, num_microbatches: int, *, virtual_stages: int = 1
+) -> tuple[Schedule, StageMap]:
+    """Any schedule of `SCHEDULE_NAMES` with its `StageMap` (one stage per rank for `build`'s);
+    ``virtual_stages`` is read by interleaved 1F1B only."""
+    if name in NEXT_SCHEDULE_NAMES:
+        v = virtual_stages if name == "interleaved-1f1b" else None
+        return build_next(name, num_ranks, num_microbatches, virtual_stages=v)
+    return build(name, num_ranks, num_microbatches), StageMap(num_ranks)
