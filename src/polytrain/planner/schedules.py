@@ -39,9 +39,8 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-PRICED_SCHEDULES: tuple[str, ...] = SCHEDULE_NAMES + NEXT_SCHEDULE_NAMES
-"""Schedules `Layout.schedule` may name: the runtime's and the ones it does not run yet
-([Note: schedules the runtime cannot run yet] in pipeline/schedule/__init__.py)."""
+PRICED_SCHEDULES: tuple[str, ...] = tuple(dict.fromkeys(SCHEDULE_NAMES + NEXT_SCHEDULE_NAMES))
+"""Schedules `Layout.schedule` may name: every one the runtime runs."""
 
 
 @cache
@@ -52,7 +51,7 @@ def lowered_program(
     included) and its stage map. Cached: the search asks for each often. ``virtual_stages`` is
     interleaved 1F1B's ``v``; the other schedules fix their own (ZBV two, the rest one)."""
     try:
-        if schedule in SCHEDULE_NAMES:
+        if schedule not in NEXT_SCHEDULE_NAMES:  # one stage per rank (build raises if unknown)
             if virtual_stages != 1:
                 raise ScheduleError(f"{schedule} has one stage per rank")
             return lower(build(schedule, num_ranks, num_microbatches)), StageMap(num_ranks)
@@ -103,7 +102,7 @@ def pipeline_problem(layout: Layout, num_blocks: int) -> str | None:
             f"interleaved-1f1b with pp = {p} needs micro-batches a multiple of {p}, not {m}: "
             f"use {up}" + (f" or {up - p}" if up > p else "")
         )
-    if p <= 1 or layout.schedule in SCHEDULE_NAMES:
+    if p <= 1 or layout.schedule not in NEXT_SCHEDULE_NAMES:
         return None
     stage_map = lowered_program(layout.schedule, p, m, v)[1]
     stages = stage_map.num_stages

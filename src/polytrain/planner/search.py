@@ -161,7 +161,7 @@ def enumerate_layouts(
                             microbatches=m,
                             recompute=recompute,
                         )
-                    if not next_schedules or layered:
+                    if not next_schedules or layered or tp > 1:  # the runtime refuses tp there
                         continue
                     for schedule, v in NEXT_SCHEDULES:
                         layout = Layout(

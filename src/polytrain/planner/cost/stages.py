@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from polytrain.pipeline.schedule import SCHEDULE_NAMES, ActionKind, StageMap
+from polytrain.pipeline.schedule import NEXT_SCHEDULE_NAMES, ActionKind, StageMap
 from polytrain.planner.cost.common import Env, Shape
 from polytrain.planner.cost.parts import (
     block_times,
@@ -127,13 +127,14 @@ def _pipeline_runtime(env: Env, schedule: str) -> tuple[float, float]:
     """(seconds per compute action, seconds per flush) the pipeline runtime adds beyond the
     loop's share, as calibrated for ``schedule`` on two stages ([Note: pipeline runtime
     overhead] in measure/calibrate_worker.py: mostly waiting, so not slowed by the shared
-    cores); (0, 0) without a profile that measured it. The schedules the runtime does not run
-    yet cannot be calibrated: they take 1F1B's figures per action (an I and a W are an action
-    each) and per flush, an assumption until the runtime runs them."""
+    cores); (0, 0) without a profile that measured it. A schedule calibration has not timed
+    (interleaved 1F1B, ZB-H1, ZBV: `polytrain calibrate` times the planner's `SCHEDULES`) takes
+    1F1B's figures per action (an I and a W are an action each) and per flush."""
     prof = env.profile
     if prof is None:
         return 0.0, 0.0
-    key = schedule if schedule in SCHEDULE_NAMES else "1f1b"
+    uncalibrated = schedule in NEXT_SCHEDULE_NAMES and schedule not in prof.pipe_action_s
+    key = "1f1b" if uncalibrated else schedule
     return prof.pipe_action_s.get(key, 0.0), prof.pipe_flush_s.get(key, 0.0)
 
 
