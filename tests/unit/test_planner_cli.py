@@ -123,3 +123,14 @@ def test_plan_prices_a_layout_as_written(capsys: pytest.CaptureFixture[str]) -> 
     assert data["step_s"] > 0 and data["memory_per_rank"] > 0 and data["fits"]
     code, _, err = _run([*base, "--cluster", "1x4xH100", *sets], capsys)
     assert code == 2 and "needs 8 devices" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_prices_the_new_pipeline_schedules_when_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "--model", "gpt", "--size", "medium", "--cluster", "1x8xA100-40GB"]
+    argv += ["--devices", "8", "--json", "--top", "60"]
+    _, out, _ = _run(argv, capsys)
+    assert not any("zb" in p["layout"] for p in json.loads(out)["plans"])
+    _, out, _ = _run([*argv, "--new-schedules"], capsys)
+    assert any("zb-h1" in p["layout"] for p in json.loads(out)["plans"])

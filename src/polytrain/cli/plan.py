@@ -303,6 +303,13 @@ def plan_command(
     validate: Annotated[
         int, typer.Option(help="run the first K plans here and print predicted vs measured")
     ] = 0,
+    new_schedules: Annotated[
+        bool,
+        typer.Option(
+            help="also price interleaved 1F1B, ZB-H1 and ZBV pipelines (not yet calibrated: "
+            "they take 1F1B's measured runtime cost per action)"
+        ),
+    ] = False,
     as_written: Annotated[
         bool,
         typer.Option(
@@ -351,6 +358,7 @@ def plan_command(
         allow_async=allow_async,
         localsgd_period=job.localsgd.period,
         profile=profile,
+        next_schedules=new_schedules,
     )
     if as_written:
         _price_as_written(job, stats, clu, request, json_)

@@ -52,9 +52,9 @@ class PlanRequest:
     bucket_bytes: float = 25.0 * 2**20
     allow_async: bool = False  # PipeDream, async/SSP PS, gossip and local SGD change semantics
     localsgd_period: int = 8  # localsgd.period of the local-SGD layouts (a convergence choice)
-    # [Note: schedules the runtime cannot run yet] in pipeline/schedule/__init__.py: price
-    # interleaved 1F1B (v = 2), ZB-H1 and ZBV among the candidates; off until the runtime runs
-    # them, so that no plan names a schedule the trainer refuses
+    # price interleaved 1F1B (v = 2), ZB-H1 and ZBV among the candidates (`plan
+    # --new-schedules`); off by default until calibration times them and `plan --validate`
+    # has held their prices against measurement
     next_schedules: bool = False
 
 
