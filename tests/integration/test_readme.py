@@ -4,7 +4,8 @@ The block is parsed from README.md at test time: an edited example is tested as 
 commands run for two real steps (the whole job is resolved and pre-flighted first: config, model
 built on the meta device, mesh, partition, plans); ``--dry-run`` examples, ``plan`` and
 ``polytrain doctor`` run as they are. The files an example names (``job.toml``, ``corpus.txt``, the
-``mypkg.models:build`` factory) are created first, as a user would have them.
+``mypkg.models:build`` factory, the checkout's ``examples/``) are there first, as a user would
+have them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +63,7 @@ def _id(argv: list[str]) -> str:
 def user_dir(tmp_path: Path) -> Path:
     """A directory holding what the examples name: job.toml, corpus.txt, mypkg/models.py."""
     (tmp_path / "job.toml").write_text('[model]\nname = "mlp"\n\n[train]\nsteps = 100\n')
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 400)
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")

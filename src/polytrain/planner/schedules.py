@@ -81,8 +81,8 @@ def pipeline_problem(layout: Layout, num_blocks: int) -> str | None:
     the fix), or None when it can. The search skips such layouts; `check_pipeline` refuses
     them. Beyond an unknown name and ``virtual_stages`` on a schedule that fixes its own:
     interleaved 1F1B needs ``m`` a multiple of ``p`` ([Note: interleaved micro-batch count] in
-    pipeline/schedule/interleaved.py), and a schedule with several stages per rank needs the
-    blocks to split into ``p x v`` stages of equal block count."""
+    pipeline/schedule/interleaved.py), and a schedule with several stages per rank needs at
+    least a block per stage (the partition balances uneven counts, as the runtime's does)."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
     if layout.schedule not in PRICED_SCHEDULES:
         return (
@@ -106,10 +106,10 @@ def pipeline_problem(layout: Layout, num_blocks: int) -> str | None:
         return None
     stage_map = lowered_program(layout.schedule, p, m, v)[1]
     stages = stage_map.num_stages
-    if stage_map.stages_per_rank > 1 and num_blocks % stages:
+    if stage_map.stages_per_rank > 1 and num_blocks < stages:
         return (
-            f"{layout.schedule} on pp = {p} runs {stages} stages, which {num_blocks} blocks do "
-            f"not split into evenly: use a pp x stages per rank that divides {num_blocks}"
+            f"{layout.schedule} on pp = {p} runs {stages} stages and the model has "
+            f"{num_blocks} blocks: use a pp x stages per rank of at most {num_blocks}"
         )
     return None
 

@@ -152,5 +152,8 @@ def predict_job(job: JobConfig) -> JobEstimate:
         return JobEstimate(stats.params, layout, None, False)
     profile = profile_for(cluster.device.key)
     env = Env(cluster, job.train.dtype, profile, job.parallel.bucket_mb * 2**20)
-    prediction = predict(layout, stats, env, job.train.global_batch_size)
+    try:
+        prediction = predict(layout, stats, env, job.train.global_batch_size)
+    except PlanError:  # a layout the cost model cannot price: the summary says so
+        return JobEstimate(stats.params, layout, None, False)
     return JobEstimate(stats.params, layout, prediction, profile is not None)
