@@ -129,14 +129,15 @@ def torch_stepper(
 
 
 def time_interleaved(
-    steppers: dict[str, Callable[[int], Any]], reps: int, steps: int
+    steppers: dict[str, Callable[[int], Any]], reps: int, steps: int, *, alternate: bool = False
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
     """Samples/s of each repetition, every timed step's seconds and the last step's loss, per
     runner (every runner trains its own model on the same batches, so the losses agree).
 
     Repetition 0 warms up; the runners take turns each repetition, so drift in the machine's
-    load hits all alike. Each runner's repetition runs ``steps`` consecutive steps between
-    barriers. Each of our steps is read as the training loop reads it: a step's deferred
+    load hits all alike (``alternate``: in reverse order every other repetition, so no runner
+    always follows the same one). Each runner's repetition runs ``steps`` consecutive steps
+    between barriers. Each of our steps is read as the training loop reads it: a step's deferred
     result once the next step has started ([Note: deferred step results], PipeDream only).
     """
     import torch.distributed as dist
@@ -147,7 +148,8 @@ def time_interleaved(
     step_times: dict[str, list[float]] = {name: [] for name in steppers}
     last_loss: dict[str, float] = {}
     for rep in range(reps + 1):
-        for name, fn in steppers.items():
+        order = list(steppers.items())
+        for name, fn in reversed(order) if alternate and rep % 2 else order:
             dist.barrier()
             t0 = time.perf_counter()
             previous = None

@@ -9,13 +9,13 @@ Interleaved 1F1B (Narayanan et al. SC'21) and the zero-bubble ZB-H1 and ZBV (Qi 
    with one stage per rank (torch's ZB1P; ZB-H1's order up to where each W goes) and
    ``ScheduleZBVZeroBubble`` (two stages per rank in a V).
 2. The measured bubble (idle fraction of ranks x step, from polytrain's trace spans) against
-   the schedule's formula with the papers' unit times, and against the same schedule simulated
-   with the F, B, I and W times measured in this run.
+   the schedule's formula with the papers' unit times; the F, B, I and W times measured per
+   stage, and ``(I + W) / B`` on the same stage, say how far this run is from those times.
 3. Rank 0's peak activation bytes (counted by the runtime) against 1F1B's on the same model,
    and against the schedule's peak weighed by each stage's bytes per micro-batch.
 
 Run: python benchmarks/pipeline/schedules.py [--world 2] [--virtual-stages 2] [--microbatches 8]
-     [--steps 8] [--reps 5] [--schedules interleaved-1f1b,zb-h1,zbv] [--model gpt|mlp]
+     [--steps 12] [--reps 6] [--schedules interleaved-1f1b,zb-h1,zbv] [--model gpt|mlp]
 
 Helpers shared with ``main.py`` (GPipe and 1F1B against torch): the job, torch's side of a
 schedule, the interleaved timing loop and the bubble.
@@ -44,7 +44,6 @@ TORCH_CLASSES = {
     "zb-h1": "ScheduleInterleavedZeroBubble",
     "zbv": "ScheduleZBVZeroBubble",
 }
-TICK_S = 0.5e-3  # the simulator's step, for the measured durations
 
 
 def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +99,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         except Exception as error:  # refused on construction (every rank alike): ours still runs
             refused[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             steppers.pop(f"torch_{name}", None)
-    samples, step_times, losses = time_interleaved(steppers, reps, steps)
+    samples, step_times, losses = time_interleaved(steppers, reps, steps, alternate=True)
 
     # Rank 0's live activation bytes under each schedule (two steps, counting on).
     memory = {}
@@ -179,45 +178,66 @@ def _durations_ms(
     }
 
 
-def _predicted(
-    name: str, p: int, m: int, v: int, durations: dict[str, dict[str, float]]
-) -> dict[str, Any]:
-    """The schedule's bubble (idle over ranks x time) by its formula with the papers' unit
-    times, and simulated with this run's measured kind times (mean over stages)."""
+def _formula(name: str, p: int, m: int, v: int) -> tuple[float, str]:
+    """The schedule's bubble as a fraction of ranks x step (idle over idle + busy), from its
+    formula with the papers' unit times (the ratios ``x`` are idle over busy: ``x / (1 + x)``)."""
     from polytrain.pipeline.schedule import (
-        ActionKind,
         bubble_fraction,
-        build_staged,
         interleaved_bubble_ratio,
-        simulated_bubble_fraction,
         zb_h1_idle_time,
         zbv_idle_steps,
     )
 
     if name == "1f1b":
-        formula, text = bubble_fraction(p, m), "(p - 1) / (m + p - 1)"
-    elif name == "interleaved-1f1b":
+        return bubble_fraction(p, m), "(p - 1) / (m + p - 1)"
+    if name == "interleaved-1f1b":
         x = interleaved_bubble_ratio(p, m, v)
-        formula, text = x / (1 + x), "x / (1 + x), x = (p - 1) / (v m)"
-    elif name == "zb-h1":
+        return x / (1 + x), "x / (1 + x), x = (p - 1) / (v m)"
+    if name == "zb-h1":
         x = zb_h1_idle_time(p, 1, 1, 1) / (3 * m)
-        formula, text = (
-            x / (1 + x),
-            "x / (1 + x), x = (p - 1)(T_F + T_I - T_W) / (m (T_F + T_I + T_W)), unit times",
+        return x / (
+            1 + x
+        ), "x / (1 + x), x = (p - 1)(T_F + T_I - T_W) / (m (T_F + T_I + T_W)), T = 1"
+    x = zbv_idle_steps(p) / (6 * m)
+    return x / (1 + x), "x / (1 + x), x = (p - 1) / (6 m), unit chunk times"
+
+
+def _rank_idle(events: list[list[dict[str, Any]]], skip_first: int) -> list[float]:
+    """Per rank, the median over steps of its idle share of the step's window (the window of
+    `main._bubbles`: first compute start to last compute end over all ranks)."""
+    compute = [
+        e for r in events for e in r if e["name"] in ("F", "B", "I", "W") and "stage" in e["args"]
+    ]
+    steps = sorted({e["args"]["step"] for e in compute})[skip_first:]
+    ranks = sorted({e["pid"] for e in compute})
+    idle: dict[int, list[float]] = {r: [] for r in ranks}
+    for step in steps:
+        spans = [e for e in compute if e["args"]["step"] == step]
+        start = min(e["ts"] for e in spans)
+        window = max(e["ts"] + e["dur"] for e in spans) - start
+        for r in ranks:
+            idle[r].append(1 - sum(e["dur"] for e in spans if e["pid"] == r) / window)
+    return [statistics.median(idle[r]) for r in ranks]
+
+
+def _split_cost(
+    durations: dict[str, dict[str, dict[str, float]]], partitions: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Per schedule with a split backward, ``(I + W) / B`` on each stage, B from a schedule
+    of this run with the same partition and a full backward (``b_from``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, kinds in durations.items():
+        if "I" not in kinds:
+            continue
+        peer = next(
+            (n for n, k in durations.items() if "B" in k and partitions[n] == partitions[name]),
+            None,
         )
-    else:
-        x = zbv_idle_steps(p) / (6 * m)
-        formula, text = x / (1 + x), "x / (1 + x), x = (p - 1) / (6 m), unit chunk times"
-    means = {k: statistics.fmean(by_stage.values()) for k, by_stage in durations.items()}
-    ticks = {ActionKind(k): max(1, round(ms * 1e-3 / TICK_S)) for k, ms in means.items()}
-    schedule, stage_map = build_staged(name, p, m, virtual_stages=v)
-    simulated = simulated_bubble_fraction(schedule, stage_map=stage_map, durations=ticks)
-    return {
-        "formula": formula,
-        "formula_text": text,
-        "simulated_with_measured_times": simulated,
-        "kind_ms_mean_over_stages": means,
-    }
+        if peer is not None:
+            b = durations[peer]["B"]
+            ratios = {s: (kinds["I"][s] + kinds["W"][s]) / b[s] for s in kinds["I"]}
+            out[name] = {"b_from": peer, "per_stage": ratios}
+    return out
 
 
 def _expected_peak(name: str, p: int, m: int, v: int, stage_bytes: list[int]) -> float:
@@ -233,8 +253,8 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2, help="pipeline ranks (= processes)")
     parser.add_argument("--virtual-stages", type=int, default=2, help="interleaved 1F1B's v")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8, help="steps per timed repetition")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=12, help="steps per timed repetition")
+    parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--schedules", default=",".join(NEW_SCHEDULES))
     parser.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
     parser.add_argument(
@@ -258,16 +278,22 @@ def main() -> None:
     best = {k: max(s) for k, s in r0["samples_per_s"].items()}
     events = {k: [r["events"][k] for r in results] for k in r0["events"]}
     mem = r0["peak_activation_bytes"]
+    names = ("1f1b", *schedules)
+    durations = {name: _durations_ms(events[name], args.steps) for name in names}
+    split_cost = _split_cost(durations, r0["ranges"])
     rows: dict[str, Any] = {}
-    for name in ("1f1b", *schedules):
-        durations = _durations_ms(events[name], args.steps)
+    for name in names:
+        formula, formula_text = _formula(name, p, m, v)
         row: dict[str, Any] = {
             "partition": r0["ranges"][name],
             "ours_median_step_s": step_s[f"ours_{name}"],
             "ours_vs_our_1f1b_time": step_s[f"ours_{name}"] / step_s["ours_1f1b"],
             "bubble_measured": _bubbles(events[name], args.steps),
-            "bubble": _predicted(name, p, m, v, durations),
-            "stage_kind_ms": durations,
+            "bubble_formula": formula,
+            "bubble_formula_text": formula_text,
+            "idle_per_rank": _rank_idle(events[name], args.steps),
+            "stage_kind_ms": durations[name],
+            "i_plus_w_over_b": split_cost.get(name),
             "rank0_peak_activation_bytes": mem[name],
             "rank0_peak_activation_vs_1f1b": mem[name] / mem["1f1b"],
             "rank0_peak_activation_expected_bytes": _expected_peak(
