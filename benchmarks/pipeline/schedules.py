@@ -240,6 +240,25 @@ def _split_cost(
     return out
 
 
+def _peak_formula_vs_1f1b(name: str, p: int, m: int, v: int) -> float:
+    """Rank 0's peak over 1F1B's by the formulas, all chunks of one size (1F1B's ``min(p, m)``
+    whole stages, a stage being ``v`` chunks of interleaved 1F1B or 2 of ZBV)."""
+    from polytrain.pipeline.schedule import (
+        interleaved_peak_activations,
+        zb_h1_peak_activations,
+        zbv_peak_activations,
+    )
+
+    one_f_one_b = min(p, m)
+    if name == "interleaved-1f1b":
+        return interleaved_peak_activations(0, p, m, v) / (v * one_f_one_b)
+    if name == "zb-h1":
+        return zb_h1_peak_activations(p, m) / one_f_one_b
+    if name == "zbv":
+        return zbv_peak_activations(p) / (2 * one_f_one_b)
+    return 1.0
+
+
 def _expected_peak(name: str, p: int, m: int, v: int, stage_bytes: list[int]) -> float:
     """Rank 0's peak bytes: the schedule's program order weighed by each stage's bytes."""
     from polytrain.pipeline.schedule import build_staged, peak_activation_memory
@@ -296,6 +315,7 @@ def main() -> None:
             "i_plus_w_over_b": split_cost.get(name),
             "rank0_peak_activation_bytes": mem[name],
             "rank0_peak_activation_vs_1f1b": mem[name] / mem["1f1b"],
+            "rank0_peak_formula_vs_1f1b_equal_chunks": _peak_formula_vs_1f1b(name, p, m, v),
             "rank0_peak_activation_expected_bytes": _expected_peak(
                 name, p, m, v, r0["stage_bytes"][name]
             ),
