@@ -267,6 +267,12 @@ def _expected_peak(name: str, p: int, m: int, v: int, stage_bytes: list[int]) ->
     return peak_activation_memory(schedule, lambda s: float(stage_bytes[s]))[0]
 
 
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2, help="pipeline ranks (= processes)")
@@ -291,6 +297,7 @@ def main() -> None:
 
     p, m, v = args.world, args.microbatches, args.virtual_stages
     options = vars(args) | {"schedules": schedules}
+    load_before = os.getloadavg()
     results = run_distributed(_rank, p, options, timeout_s=1800, collective_timeout_s=600)
     r0 = results[0]
     step_s = {k: statistics.median(t) for k, t in r0["step_s"].items()}
@@ -347,7 +354,9 @@ def main() -> None:
         "steps_per_rep": args.steps,
         "reps": args.reps,
         "cpu_count": os.cpu_count(),
+        "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
+        "torch": torch_version(),
         "schedules": rows,
     }
     text = json.dumps(out, indent=2)
