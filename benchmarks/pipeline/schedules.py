@@ -16,6 +16,7 @@ Interleaved 1F1B (Narayanan et al. SC'21) and the zero-bubble ZB-H1 and ZBV (Qi 
 
 Run: python benchmarks/pipeline/schedules.py [--world 2] [--virtual-stages 2] [--microbatches 8]
      [--steps 12] [--reps 6] [--schedules interleaved-1f1b,zb-h1,zbv] [--model gpt|mlp]
+     [--n-layer 8] [--partition 3,2,2,3]
 
 Helpers shared with ``main.py`` (GPipe and 1F1B against torch): the job, torch's side of a
 schedule, the interleaved timing loop and the bubble.
@@ -54,6 +55,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from polytrain.data import Batches, build_datasets
     from polytrain.models.registry import block_size_of, build_model
     from polytrain.pipeline.family import pipeline_strategy
+    from polytrain.pipeline.schedule import stages_per_rank
     from polytrain.pipeline.strategy import PipelineStrategy
     from polytrain.topology import ParallelDims
 
@@ -67,7 +69,10 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     dims = ParallelDims(pp=world)
 
     def ours(schedule: str, track: bool = False) -> PipelineStrategy:
-        pipeline = {"virtual_stages": v} if schedule == "interleaved-1f1b" else {}
+        pipeline: dict[str, Any] = {"virtual_stages": v} if schedule == "interleaved-1f1b" else {}
+        counts = args["partition"]
+        if counts and len(counts) == world * stages_per_rank(schedule, v):
+            pipeline["partition"] = counts
         job = _job(world, schedule, m, total_steps, args["model"], pipeline=pipeline, **extra)
         model = build_model(job.model, spec, job.train.seed)
         strategy = pipeline_strategy(job, model, build_mesh(dims), batches, ctx.device)
@@ -283,7 +288,17 @@ def main() -> None:
     parser.add_argument("--schedules", default=",".join(NEW_SCHEDULES))
     parser.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
     parser.add_argument(
-        "--n-layer", type=int, default=6, help="transformer layers of gpt tiny (0: its own 4)"
+        "--n-layer", type=int, default=8, help="transformer layers of gpt tiny (0: its own 4)"
+    )
+    # [Note: balanced stages] gpt tiny with 8 layers is 10 blocks (embedding, 8 layers, head).
+    # Uniform counts on 4 stages ([3, 3, 2, 2]) would leave ZBV's rank 0 (stages 0 and 3) 3
+    # layers against rank 1's 5; [3, 2, 2, 3] gives every stage 2 layers, so each rank holds 4
+    # under both placements, and the 2-stage schedules' uniform [5, 5] holds 4 per rank too.
+    parser.add_argument(
+        "--partition",
+        default="3,2,2,3",
+        help="blocks per stage for the schedules with that many stages (others: uniform); "
+        "'uniform' for all (default: gpt with 8 layers; mlp: uniform)",
     )
     args = parser.parse_args()
     schedules = tuple(s for s in args.schedules.split(",") if s)
@@ -291,12 +306,13 @@ def main() -> None:
     if unknown:
         parser.error(f"--schedules {','.join(unknown)}: expected some of {','.join(NEW_SCHEDULES)}")
     if args.model != "gpt":
-        args.n_layer = 0
+        args.n_layer, args.partition = 0, "uniform"
+    partition = [] if args.partition == "uniform" else [int(c) for c in args.partition.split(",")]
 
     from polytrain.testing import run_distributed
 
     p, m, v = args.world, args.microbatches, args.virtual_stages
-    options = vars(args) | {"schedules": schedules}
+    options = vars(args) | {"schedules": schedules, "partition": partition}
     load_before = os.getloadavg()
     results = run_distributed(_rank, p, options, timeout_s=1800, collective_timeout_s=600)
     r0 = results[0]
