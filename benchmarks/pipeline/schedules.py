@@ -6,8 +6,8 @@ Interleaved 1F1B (Narayanan et al. SC'21) and the zero-bubble ZB-H1 and ZBV (Qi 
 1. Step time of polytrain's runtime against torch's implementation of the same schedule
    driving the very same stage modules (target: ours / torch time <= 1, throughput >= 1):
    ``ScheduleInterleaved1F1B`` (stage ``s`` on rank ``s % p``), ``ScheduleInterleavedZeroBubble``
-   with one stage per rank (torch's ZB1P; ZB-H1's order up to where each W goes) and
-   ``ScheduleZBVZeroBubble`` (two stages per rank in a V).
+   with one stage per rank (torch's ZB1P) and ``ScheduleZBVZeroBubble`` (two stages per rank
+   in a V). The script checks that torch runs each schedule's F, B, I and W in our order.
 2. The measured bubble (idle fraction of ranks x step, from polytrain's trace spans) against
    the schedule's formula with the papers' unit times; the F, B, I and W times measured per
    stage, and ``(I + W) / B`` on the same stage, say how far this run is from those times.
@@ -200,9 +200,8 @@ def _formula(name: str, p: int, m: int, v: int) -> tuple[float, str]:
         return x / (1 + x), "x / (1 + x), x = (p - 1) / (v m)"
     if name == "zb-h1":
         x = zb_h1_idle_time(p, 1, 1, 1) / (3 * m)
-        return x / (
-            1 + x
-        ), "x / (1 + x), x = (p - 1)(T_F + T_I - T_W) / (m (T_F + T_I + T_W)), T = 1"
+        text = "x / (1 + x), x = (p - 1)(T_F + T_I - T_W) / (m (T_F + T_I + T_W)), T = 1"
+        return x / (1 + x), text
     x = zbv_idle_steps(p) / (6 * m)
     return x / (1 + x), "x / (1 + x), x = (p - 1) / (6 m), unit chunk times"
 
