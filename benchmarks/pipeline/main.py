@@ -32,7 +32,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,6 +54,17 @@ def _job(world: int, schedule: str, m: int, steps: int, model_name: str, **extra
     return job_from_dict(data)
 
 
+class TorchPipeline(NamedTuple):
+    """Torch's side of one schedule on this rank."""
+
+    step: Callable[[int], float]
+    """One training step (``step(t)`` trains on batch ``t``), returning the loss."""
+    schedule: Any
+    """The ``torch.distributed.pipelining`` schedule object."""
+    stages: list[Any]
+    """This rank's ``PipelineStage``s."""
+
+
 def torch_stepper(
     cls: Any,
     model: Any,
@@ -63,13 +74,13 @@ def torch_stepper(
     m: int,
     optim: Any,
     device: Any,
-) -> tuple[Callable[[int], float], Any]:
+) -> TorchPipeline:
     """One training step of ``model``'s stages ``stage_indices`` (blocks ``ranges[s]``, the very
     `StageModule`s polytrain runs) driven by ``torch.distributed.pipelining``'s schedule ``cls``.
 
     Single-stage schedules (GPipe, 1F1B) get one ``PipelineStage``, the others the list of this
     rank's stages; torch places them itself (stage ``s`` on ``s % p``, or in a V for ZBV), which
-    must agree with ``stage_indices``. Returns the step and torch's schedule object.
+    must agree with ``stage_indices``.
     """
     import torch
     import torch.distributed as dist
@@ -125,7 +136,7 @@ def torch_stepper(
         dist.all_reduce(loss)  # as polytrain reports the loss to every rank
         return float(loss.detach())
 
-    return step, schedule
+    return TorchPipeline(step, schedule, pipes)
 
 
 def time_interleaved(
@@ -202,8 +213,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
     def torch_schedule(cls: Any) -> Any:
         model = build_model(base.model, spec, base.train.seed)
-        step, _ = torch_stepper(cls, model, ranges, (rank,), batches, m, base.optim, ctx.device)
-        return step
+        return torch_stepper(cls, model, ranges, (rank,), batches, m, base.optim, ctx.device).step
 
     steppers: dict[str, Any] = {
         "ours_gpipe": strategies["gpipe"].train_step,

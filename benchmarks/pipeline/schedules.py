@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +85,13 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     steppers: dict[str, Any] = {"ours_1f1b": strategies["1f1b"].train_step}
     refused: dict[str, str] = {}
     same_order: dict[str, bool] = {}
+    torch_times: dict[str, dict[str, dict[str, list[float]]]] = {}
     for name in args["schedules"]:
         strategy = strategies[name]
         steppers[f"ours_{name}"] = strategy.train_step
         try:
             model = build_model(base.model, spec, base.train.seed)
-            step, schedule = torch_stepper(
+            theirs = torch_stepper(
                 getattr(pipelining, TORCH_CLASSES[name]),
                 model,
                 strategy.ranges,
@@ -99,8 +101,11 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 base.optim,
                 ctx.device,
             )
-            steppers[f"torch_{name}"] = step
-            same_order[name] = _same_compute_order(name, world, m, v, schedule.pipeline_order)
+            steppers[f"torch_{name}"] = theirs.step
+            same_order[name] = _same_compute_order(
+                name, world, m, v, theirs.schedule.pipeline_order
+            )
+            torch_times[name] = _time_torch_actions(theirs.stages)
         except Exception as error:  # refused on construction (every rank alike): ours still runs
             refused[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             steppers.pop(f"torch_{name}", None)
@@ -122,11 +127,43 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         "last_loss": losses,
         "refused": refused,
         "same_compute_order_as_torch": same_order,
+        "torch_action_ms": {
+            name: {k: {st: statistics.median(d) for st, d in by.items()} for k, by in t.items()}
+            for name, t in torch_times.items()
+        },
         "peak_activation_bytes": memory,
         "events": {name: s.tracer.events for name, s in strategies.items()},
         "ranges": ranges,
         "stage_bytes": _stage_bytes(model, ranges, batches, m) if rank == 0 else {},
     }
+
+
+def _time_torch_actions(stages: list[Any]) -> dict[str, dict[str, list[float]]]:
+    """Wrap each torch ``PipelineStage``'s F, B (I when not ``full_backward``) and W with a
+    clock; returns the milliseconds they will record per kind and stage (warm-up included:
+    the medians taken of them are robust to one repetition in seven)."""
+    times: dict[str, dict[str, list[float]]] = {}
+
+    def timed(fn: Any, kind: str, stage: int) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            k = "I" if kind == "B" and not kwargs.get("full_backward", True) else kind
+            times.setdefault(k, {}).setdefault(str(stage), []).append(
+                (time.perf_counter() - t0) * 1e3
+            )
+            return out
+
+        return run
+
+    for pipe in stages:
+        for kind, attr in (
+            ("F", "forward_one_chunk"),
+            ("B", "backward_one_chunk"),
+            ("W", "backward_weight_one_chunk"),
+        ):
+            setattr(pipe, attr, timed(getattr(pipe, attr), kind, pipe.stage_index))
+    return times
 
 
 def _same_compute_order(name: str, p: int, m: int, v: int, torch_order: Any) -> bool:
@@ -349,8 +386,13 @@ def main() -> None:
                 row["torch"] = f"{TORCH_CLASSES[name]} did not run: {r0['refused'][name]}"
             else:
                 theirs = f"torch_{name}"
+                merged: dict[str, dict[str, float]] = {}
+                for r in results:
+                    for kind, by_stage in r["torch_action_ms"][name].items():
+                        merged.setdefault(kind, {}).update(by_stage)
                 row |= {
                     "torch_class": TORCH_CLASSES[name],
+                    "torch_stage_kind_ms": {k: dict(sorted(d.items())) for k, d in merged.items()},
                     "torch_same_compute_order": r0["same_compute_order_as_torch"][name],
                     "torch_median_step_s": step_s[theirs],
                     "time_ratio_ours_vs_torch": step_s[f"ours_{name}"] / step_s[theirs],
