@@ -30,17 +30,18 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 
 
-def _job(world: int, schedule: str, m: int, steps: int, model: str, **extra: Any) -> Any:
+def _job(world: int, schedule: str, m: int, steps: int, model_name: str, **extra: Any) -> Any:
     from polytrain.config import job_from_dict
 
     data: dict[str, Any] = {
-        "model": {"name": model, "size": "tiny"},
+        "model": {"name": model_name, "size": "tiny"},
         "train": {"steps": steps, "global_batch_size": 32, "eval_every": 0, "sample_tokens": 0},
         "optim": {"grad_clip": 0.0},  # torch's schedules do not clip; neither do we here
         "parallel": {"pp": world},
@@ -53,15 +54,138 @@ def _job(world: int, schedule: str, m: int, steps: int, model: str, **extra: Any
     return job_from_dict(data)
 
 
-def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+class TorchPipeline(NamedTuple):
+    """Torch's side of one schedule on this rank."""
+
+    step: Callable[[int], float]
+    """One training step (``step(t)`` trains on batch ``t``), returning the loss."""
+    schedule: Any
+    """The ``torch.distributed.pipelining`` schedule object."""
+    stages: list[Any]
+    """This rank's ``PipelineStage``s."""
+
+
+def torch_stepper(
+    cls: Any,
+    model: Any,
+    ranges: list[tuple[int, int]],
+    stage_indices: tuple[int, ...],
+    batches: Any,
+    m: int,
+    optim: Any,
+    device: Any,
+) -> TorchPipeline:
+    """One training step of ``model``'s stages ``stage_indices`` (blocks ``ranges[s]``, the very
+    `StageModule`s polytrain runs) driven by ``torch.distributed.pipelining``'s schedule ``cls``.
+
+    Single-stage schedules (GPipe, 1F1B) get one ``PipelineStage``, the others the list of this
+    rank's stages; torch places them itself (stage ``s`` on ``s % p``, or in a V for ZBV), which
+    must agree with ``stage_indices``.
+    """
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    from polytrain.core.optim import build_optimizer
+    from polytrain.pipeline.stage import build_stage
+
+    num_stages = len(ranges)
+    x, _ = batches.train(0, 0, 1, 0, m)  # one micro-batch, for the boundary shapes
+    edges = [x]  # edges[s]: stage s's input; edges[-1]: the model's output
+    with torch.no_grad():
+        for start, stop in ranges:
+            h = edges[-1]
+            for i in range(start, stop):
+                h = model.blocks[i](h)
+            edges.append(h)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    pipes, modules = [], []
+    for s in stage_indices:
+        module = build_stage(model, *ranges[s])
+        # Torch reads requires_grad off the examples to decide which gradients travel.
+        example_in = edges[s].clone().requires_grad_(edges[s].is_floating_point())
+        example_out = edges[s + 1].clone().requires_grad_(True)
+        pipes.append(
+            PipelineStage(
+                module,
+                s,
+                num_stages,
+                device,
+                input_args=(example_in,),
+                output_args=(example_out,),
+                group=group,
+            )
+        )
+        modules.append(module)
+    single = issubclass(cls, PipelineScheduleSingle)
+    schedule = cls(pipes[0] if single else pipes, n_microbatches=m, loss_fn=model.loss)
+    optimizer = build_optimizer([p for mod in modules for p in mod.parameters()], optim)
+    first, last = 0 in stage_indices, num_stages - 1 in stage_indices
+
+    def step(t: int) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        xb, yb = batches.train(t, 0, 1)
+        losses: list[torch.Tensor] = []
+        schedule.step(
+            *((xb,) if first else ()),
+            **({"target": yb, "losses": losses} if last else {}),
+        )
+        optimizer.step()
+        loss = torch.stack(losses).sum() / m if losses else torch.zeros(())
+        dist.all_reduce(loss)  # as polytrain reports the loss to every rank
+        return float(loss.detach())
+
+    return TorchPipeline(step, schedule, pipes)
+
+
+def time_interleaved(
+    steppers: dict[str, Callable[[int], Any]], reps: int, steps: int, *, alternate: bool = False
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, float]]:
+    """Samples/s of each repetition, every timed step's seconds and the last step's loss, per
+    runner (every runner trains its own model on the same batches, so the losses agree).
+
+    Repetition 0 warms up; the runners take turns each repetition, so drift in the machine's
+    load hits all alike (``alternate``: in reverse order every other repetition, so no runner
+    always follows the same one). Each runner's repetition runs ``steps`` consecutive steps
+    between barriers. Each of our steps is read as the training loop reads it: a step's deferred
+    result once the next step has started ([Note: deferred step results], PipeDream only).
+    """
+    import torch.distributed as dist
+
+    from polytrain.core.strategy import StepOutput, step_result
+
+    samples: dict[str, list[float]] = {name: [] for name in steppers}
+    step_times: dict[str, list[float]] = {name: [] for name in steppers}
+    last_loss: dict[str, float] = {}
+    for rep in range(reps + 1):
+        order = list(steppers.items())
+        for name, fn in reversed(order) if alternate and rep % 2 else order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            previous = None
+            for t in range(rep * steps, (rep + 1) * steps):
+                s0 = time.perf_counter()
+                out = fn(t)
+                if previous is not None:
+                    step_result(previous)
+                previous = out if isinstance(out, StepOutput) else None
+                if rep:
+                    step_times[name].append(time.perf_counter() - s0)
+            if previous is not None:
+                out = step_result(previous)
+            dist.barrier()
+            if rep:
+                samples[name].append(steps * 32 / (time.perf_counter() - t0))
+            last_loss[name] = float(out.loss if isinstance(out, StepOutput) else out)
+    return samples, step_times, last_loss
+
+
+def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     from polytrain.comm.init import init_distributed
     from polytrain.comm.mesh import build_mesh
-    from polytrain.core.optim import build_optimizer
-    from polytrain.core.strategy import StepOutput, step_result
     from polytrain.data import Batches, build_datasets
     from polytrain.models.registry import block_size_of, build_model
     from polytrain.pipeline.family import pipeline_strategy
@@ -88,53 +212,8 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     ranges = strategies["1f1b"].ranges
 
     def torch_schedule(cls: Any) -> Any:
-        """The same stage modules, driven by torch.distributed.pipelining."""
-        from polytrain.pipeline.stage import build_stage
-
         model = build_model(base.model, spec, base.train.seed)
-        s = rank
-        start, stop = ranges[s]
-        x, _ = batches.train(0, 0, 1, 0, m)  # one micro-batch, for the boundary shapes
-        with torch.no_grad():
-            h = x
-            for i in range(start):
-                h = model.blocks[i](h)
-            example_in = h
-            for i in range(start, stop):
-                h = model.blocks[i](h)
-        # Torch reads requires_grad off the examples to decide which gradients travel.
-        example_in = example_in.requires_grad_(example_in.is_floating_point())
-        example_out = h.requires_grad_(True)
-        stage = build_stage(model, start, stop)
-        group = dist.new_group(list(range(world)))
-        pipe = PipelineStage(
-            stage,
-            s,
-            world,
-            ctx.device,
-            input_args=(example_in,),
-            output_args=(example_out,),
-            group=group,
-        )
-        schedule = cls(pipe, n_microbatches=m, loss_fn=model.loss)
-        optimizer = build_optimizer(stage.parameters(), base.optim)
-
-        def step(t: int) -> float:
-            optimizer.zero_grad(set_to_none=True)
-            xb, yb = batches.train(t, 0, 1)
-            losses: list[torch.Tensor] = []
-            if s == 0:
-                schedule.step(xb)
-            elif s == world - 1:
-                schedule.step(target=yb, losses=losses)
-            else:
-                schedule.step()
-            optimizer.step()
-            loss = torch.stack(losses).sum() / m if losses else torch.zeros(())
-            dist.all_reduce(loss)  # as polytrain reports the loss to every rank
-            return float(loss.detach())
-
-        return step
+        return torch_stepper(cls, model, ranges, (rank,), batches, m, base.optim, ctx.device).step
 
     steppers: dict[str, Any] = {
         "ours_gpipe": strategies["gpipe"].train_step,
@@ -143,28 +222,7 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         "torch_gpipe": torch_schedule(ScheduleGPipe),
         "torch_1f1b": torch_schedule(Schedule1F1B),
     }
-    samples: dict[str, list[float]] = {name: [] for name in steppers}
-    step_times: dict[str, list[float]] = {name: [] for name in steppers}
-    for rep in range(reps + 1):  # rep 0 warms up; interleaved so load drift hits all alike
-        for name, fn in steppers.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            previous = None
-            for t in range(rep * steps, (rep + 1) * steps):
-                s0 = time.perf_counter()
-                out = fn(t)
-                # As the training loop does: a step's deferred result is read once the next
-                # step has started ([Note: deferred step results], PipeDream only).
-                if previous is not None:
-                    step_result(previous)
-                previous = out if isinstance(out, StepOutput) else None
-                if rep:
-                    step_times[name].append(time.perf_counter() - s0)
-            if previous is not None:
-                step_result(previous)
-            dist.barrier()
-            if rep:
-                samples[name].append(steps * 32 / (time.perf_counter() - t0))
+    samples, step_times, _ = time_interleaved(steppers, reps, steps)
 
     # Stage 0's live activation bytes under each schedule (two steps, counting on).
     memory = {}
