@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-import tomllib
 
+from polytrain._toml import tomllib
 from polytrain.config.base import from_dict, to_dict
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError

@@ -13,8 +13,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-import tomllib
-
+from polytrain._toml import tomllib
 from polytrain.errors import PlanError
 
 __all__ = [

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
+from polytrain._toml import tomllib
 from polytrain.errors import PlanError
 from polytrain.planner.catalog import Device, Link, device, device_names, link, link_names, price
 
