@@ -93,3 +93,18 @@ def test_percentile_is_nearest_rank() -> None:
         50.0,
         3.0,
     )
+
+
+def test_elastic_goodput_grows_a_lone_job_past_its_ask_and_others_never_do() -> None:
+    """A lone 1-device job on 4 idle devices: the elastic goodput policy gives it all 4 (its
+    curve's speed-up at 4 shortens the job exactly), FIFO keeps it on its ask either way."""
+    lone = [TraceJob("J", 0.0, 1000.0, 1, model="small", line=2)]
+    cluster = Cluster(4, 600.0)
+    s4 = curve("small", 4)[4]
+    elastic = simulate(lone, Goodput(), cluster, restart_s=0.0, elastic=4.0)
+    assert elastic.jobs[0].jct == pytest.approx(1000.0 / s4)
+    assert simulate(lone, Goodput(), cluster, restart_s=0.0).jobs[0].jct == pytest.approx(1000.0)
+    fifo = simulate(lone, Fifo(), cluster, restart_s=0.0, elastic=4.0)
+    assert fifo.jobs[0].jct == pytest.approx(1000.0)
+    with pytest.raises(ConfigError, match="elastic = 0.5"):
+        simulate(lone, Goodput(), cluster, elastic=0.5)

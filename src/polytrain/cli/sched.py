@@ -69,6 +69,13 @@ def simulate_command(
         int | None, typer.Option("--sample", help="simulate N jobs drawn at random (seeded)")
     ] = None,
     seed: Annotated[int, typer.Option(help="seed of --sample")] = 0,
+    elastic: Annotated[
+        float,
+        typer.Option(
+            help="let the goodput policy grow a job up to this many times its ask (Pollux sizes "
+            "its jobs itself); 1 = every job runs on what it asks"
+        ),
+    ] = 1.0,
     drop_oversized: Annotated[
         bool, typer.Option(help="leave out jobs asking more devices than the cluster has")
     ] = False,
@@ -91,7 +98,10 @@ def simulate_command(
     jobs, dropped = fit_cluster(jobs, devices, drop=drop_oversized)
     if not jobs:
         raise ConfigError(f"no job of {str(trace)!r} fits {devices} devices: give more --devices")
-    results = {n: simulate(jobs, get_policy(n), cluster, restart_s=restart_s) for n in names}
+    results = {
+        n: simulate(jobs, get_policy(n), cluster, restart_s=restart_s, elastic=elastic)
+        for n in names
+    }
     if cdf is not None:
         plot_cdf(
             {n: [r.jct for r in res.jobs] for n, res in results.items()},

@@ -93,8 +93,16 @@ class JobView:
     first_started: float | None = None
     speedup: Mapping[int, float] = field(default_factory=dict)
     restart_s: float = 0.0
+    max_devices: int = 0  # the most an elastic policy may give it (0: ``devices``)
     last_stopped: float | None = None
     executed_s: float = 0.0
+
+    @property
+    def ceiling(self) -> int:
+        """The most devices any policy may give the job: ``max_devices`` where the job lets an
+        elastic policy grow it past its ask (Pollux's jobs are sized by the scheduler), else
+        ``devices``."""
+        return max(self.devices, self.max_devices)
 
     @property
     def waiting_since(self) -> float:

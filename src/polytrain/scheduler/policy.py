@@ -59,10 +59,10 @@ def check_allocation(allocation: Allocation, jobs: Sequence[JobView], cluster: C
         job = known.get(job_id)
         if job is None or not job.active:
             raise ConfigError(f"allocation gives {count} devices to {job_id!r}, not an active job")
-        if count < job.min_devices or count > min(job.devices, cluster.devices):
+        if count < job.min_devices or count > min(job.ceiling, cluster.devices):
             raise ConfigError(
                 f"allocation gives {job_id!r} {count} devices (it runs on "
-                f"{job.min_devices}..{job.devices}, the cluster has {cluster.devices})"
+                f"{job.min_devices}..{job.ceiling}, the cluster has {cluster.devices})"
             )
         total += count
     if total > cluster.devices:

@@ -57,6 +57,7 @@ class _Job:
         "finished",
         "first_started",
         "last_stopped",
+        "max_devices",
         "preemptions",
         "restart_until",
         "spec",
@@ -67,9 +68,10 @@ class _Job:
         "work",
     )
 
-    def __init__(self, spec: TraceJob) -> None:
+    def __init__(self, spec: TraceJob, max_devices: int) -> None:
         self.spec = spec
-        self.speedup = curve(spec.model, spec.devices)
+        self.max_devices = max_devices  # the elastic ceiling (= spec.devices when not elastic)
+        self.speedup = curve(spec.model, max(spec.devices, max_devices))
         self.work = spec.duration * self.speedup[spec.devices]
         self.done = 0.0
         self.state = JobState.QUEUED
@@ -95,6 +97,7 @@ class _Job:
                 state=self.state,
                 allocated=self.alloc,
                 min_devices=spec.min_devices,
+                max_devices=self.max_devices,
                 attained=self.attained,
                 remaining=(self.work - self.done) / self.speedup[spec.devices],
                 started=self.started,
@@ -119,11 +122,14 @@ def simulate(
     restart_s: float = DEFAULT_RESTART_S,
     check: bool = True,
     keep_placements: bool = False,
+    elastic: float = 1.0,
 ) -> SimResult:
     """Run ``trace`` under ``policy`` until every job finishes; per-job records and a summary.
 
     ``check`` verifies every allocation (:func:`check_allocation`) and places it on device
-    indices (:func:`place`); ``keep_placements`` keeps each placement for tests."""
+    indices (:func:`place`); ``keep_placements`` keeps each placement for tests. ``elastic``
+    lets an elastic policy (goodput) grow a job to ``elastic`` times its ask (at most the
+    cluster), as Pollux sizes its jobs itself; the other policies run each job on its ask."""
     if not trace:
         raise ConfigError("no jobs to simulate: give a trace with at least one job")
     by_id = {spec.id: i for i, spec in enumerate(trace)}
@@ -132,7 +138,10 @@ def simulate(
         raise ConfigError(f"job id {again.id!r} appears twice: give every job its own id")
     fit_cluster(trace, cluster.devices)  # a job that can never run is a one-line error
     wall = time.perf_counter()
-    jobs = [_Job(spec) for spec in trace]
+    if not elastic >= 1.0:
+        raise ConfigError(f"elastic = {elastic}: give 1 (jobs run on what they ask) or more")
+    ceiling = [min(cluster.devices, math.ceil(spec.devices * elastic)) for spec in trace]
+    jobs = [_Job(spec, top) for spec, top in zip(trace, ceiling, strict=True)]
     heap: list[tuple[float, int, int, int]] = [
         (spec.submitted, _ARRIVAL, i, 0) for i, spec in enumerate(trace)
     ]

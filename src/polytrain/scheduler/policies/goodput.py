@@ -13,7 +13,8 @@ and its learned goodput model (the speed-up curves are given: ``JobView.speedup`
    that nothing is restarted for no gain.
 3. **Grow**: the remaining devices go one step at a time to the admitted job whose next
    runnable device count adds the most speed-up per added device (a heap), up to its
-   ``devices`` (its maximum). A running job's first step beyond what it holds is priced with
+   ``ceiling`` (its ask, or ``max_devices`` for a job that lets the scheduler grow it past the
+   ask, as Pollux's jobs do: ``simulate(..., elastic=F)``). A running job's first step beyond what it holds is priced with
    its restart: over the next slice it gains ``s(t) x (slice_s - restart_s) - s(c) x slice_s``
    (in one-device seconds); a job is not resized unless that is positive.
 
@@ -39,7 +40,7 @@ def runnable_counts(job: JobView) -> list[int]:
     """Device counts the job may run on, ascending: its curve's counts in min..max."""
     if not job.speedup:
         return [job.devices]
-    return sorted(k for k in job.speedup if job.min_devices <= k <= job.devices)
+    return sorted(k for k in job.speedup if job.min_devices <= k <= job.ceiling)
 
 
 @dataclass(frozen=True)
