@@ -153,3 +153,33 @@ def test_serve_refuses_fewer_devices_than_its_jobs_hold(
     code, _, err = run_main(["sched", "serve", "--state", str(state), "--devices", "1"], capsys)
     assert_usage_error(code, err, "job 'good' still runs on device 1 and --devices is 1")
     assert Store(state).cluster() == (2, "cpu")
+
+
+def test_an_elastic_job_carries_the_planners_speedup(
+    state: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--max-devices` lets goodput grow a data-parallel job; the planner prices each count."""
+    job = job_file(tmp_path, "elastic", GOOD)
+    code, _, err = run_main(
+        [
+            "sched",
+            "submit",
+            str(job),
+            "--state",
+            str(state),
+            "--devices",
+            "1",
+            "--max-devices",
+            "2",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    record = Store(state).get("elastic")
+    assert record.max_devices == 2 and record.speedup[1] == pytest.approx(1.0)
+    assert record.speedup[2] > 1.0  # two replicas of the global batch: faster on the planner's host
+    code, _, err = run_main(
+        ["sched", "submit", str(job), "--state", str(state), "--name", "x", "--max-devices", "3"],
+        capsys,
+    )
+    assert_usage_error(code, err, "--max-devices 3")

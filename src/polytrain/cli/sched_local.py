@@ -48,6 +48,7 @@ from polytrain.scheduler.policy import Cluster, Policy
 from polytrain.scheduler.progress import newest_checkpoint
 from polytrain.scheduler.slurm import SlurmBackend
 from polytrain.scheduler.store import JobRecord, Store, job_dir
+from polytrain.trainer.auto import predict_job
 
 __all__ = [
     "DEFAULT_CHECKPOINTS",
@@ -220,6 +221,25 @@ def _validate(
         prepare(resolve_job(job_file, flags, []))
 
 
+def planned_speedup(job_file: Path, device: str, most: int) -> dict[int, float]:
+    """The planner's speed-up of a data-parallel job at 1..``most`` processes of this host
+    (its step time at 1 over its step time at k, the global batch fixed), for the goodput
+    policy; {} for a job whose layout does not scale with the process count (it sets dp, tp
+    or pp, or uses another family) or that the planner cannot price."""
+    written = load_job(job_file).get("parallel", {})  # dp is resolved from the world size
+    if any(written.get(k, 1) != 1 for k in ("tp", "pp")) or written.get("dp", 0):
+        return {}
+    if written.get("sync", "allreduce") != "allreduce":
+        return {}
+    steps: dict[int, float] = {}
+    for k in range(1, most + 1):
+        estimate = predict_job(resolve_job(job_file, {"device": device, "nproc": str(k)}, []))
+        if estimate.prediction is None:
+            return {}
+        steps[k] = estimate.prediction.step_s
+    return {k: steps[1] / s for k, s in steps.items()}
+
+
 def submit_command(
     job_file: Annotated[Path, typer.Argument(help="TOML job file, as `polytrain train` takes")],
     state: StateOption,
@@ -229,6 +249,13 @@ def submit_command(
     ] = None,
     min_devices: Annotated[
         int | None, typer.Option(help="fewest devices it may run on (default: --devices)")
+    ] = None,
+    max_devices: Annotated[
+        int | None,
+        typer.Option(
+            help="most devices an elastic policy (goodput) may give it, priced by the planner "
+            "(default: --devices)"
+        ),
     ] = None,
 ) -> None:
     """Validate a job file and queue it (a file that fails validation queues nothing)."""
@@ -256,13 +283,20 @@ def submit_command(
             f"job {job_id!r} asks for {count} devices and the cluster has {slots}: give "
             f"--devices {slots} or fewer"
         )
+    most = count if max_devices is None else max_devices
+    if most < count or most > slots:
+        raise ConfigError(
+            f"--max-devices {most} with --devices {count} on {slots} slots: give --devices <= "
+            f"--max-devices <= {slots}"
+        )
     if job.launch.nnodes != 1:
         raise ConfigError(
             f"launch.nnodes = {job.launch.nnodes}: the local executor runs one-node jobs; "
             "remove launch.nnodes from the job file"
         )
     every = job.checkpoint.every or max(1, job.train.steps // DEFAULT_CHECKPOINTS)
-    _validate(job_file, job_id, {count, fewest}, device, every, store)
+    _validate(job_file, job_id, {count, fewest, most}, device, every, store)
+    speedup = planned_speedup(job_file, device, most)
     home = job_dir(store.dir, job_id)
     try:
         home.mkdir(parents=True)
@@ -278,6 +312,8 @@ def submit_command(
         workdir=str(Path.cwd()),
         devices=count,
         min_devices=fewest,
+        max_devices=most,
+        speedup=speedup,
         steps=job.train.steps,
         checkpoint_every=every,
         state=JobState.QUEUED,

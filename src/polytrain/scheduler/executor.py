@@ -212,6 +212,8 @@ class Executor:
             remaining=self._remaining(job),
             started=job.started if job.state in _HOLDING else None,
             first_started=job.first_started,
+            max_devices=job.max_devices,
+            speedup=job.speedup,
             last_stopped=job.last_stopped,
             executed_s=executed,
         )

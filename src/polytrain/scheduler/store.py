@@ -21,7 +21,7 @@ import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     workdir TEXT NOT NULL,
     devices INTEGER NOT NULL,
     min_devices INTEGER NOT NULL,
+    max_devices INTEGER NOT NULL DEFAULT 0,
+    speedup TEXT NOT NULL DEFAULT '{}',
     steps INTEGER NOT NULL,
     checkpoint_every INTEGER NOT NULL,
     state TEXT NOT NULL,
@@ -87,6 +89,8 @@ class JobRecord:
     checkpoint_every: int
     state: JobState
     submitted: float
+    max_devices: int = 0  # the most an elastic policy may give it (0: devices)
+    speedup: dict[int, float] = field(default_factory=dict)  # planner's, per device count
     attained: float = 0.0  # device-seconds of service in finished runs
     executed: float = 0.0  # seconds it held devices in finished runs
     last_stopped: float | None = None  # when it last lost its devices
@@ -110,6 +114,8 @@ _MUTABLE = set(_COLUMNS) - {"id", "config", "workdir", "state", "submitted"}
 def _encode(name: str, value: Any) -> Any:
     if name == "placed":
         return json.dumps(list(value))
+    if name == "speedup":
+        return json.dumps({str(k): v for k, v in value.items()})
     if name == "state":
         return str(value)
     if name == "cancel_requested":
@@ -121,6 +127,7 @@ def _record(row: sqlite3.Row) -> JobRecord:
     values = dict(zip(row.keys(), row, strict=True))
     values["state"] = JobState(values["state"])
     values["placed"] = tuple(json.loads(values["placed"]))
+    values["speedup"] = {int(k): float(v) for k, v in json.loads(values["speedup"]).items()}
     values["cancel_requested"] = bool(values["cancel_requested"])
     return JobRecord(**values)
 
