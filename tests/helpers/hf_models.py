@@ -47,59 +47,43 @@ def make_llama(spec: Any, **args: Any) -> nn.Module:
     return LlamaForCausalLM(LlamaConfig(**cfg, bos_token_id=0, eos_token_id=0, pad_token_id=0))
 
 
-def make_bert(spec: Any, **args: Any) -> nn.Module:
-    from transformers import BertConfig, BertForSequenceClassification
+def _bert_config(vocab: int, positions: int, **args: Any) -> Any:
+    """A tiny BERT's config without dropout (its masks come from each rank's RNG)."""
+    from transformers import BertConfig
 
-    cfg = dict(
+    cfg: dict[str, Any] = dict(
         num_hidden_layers=2,
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=T,
-        num_labels=CLASSES,
+        vocab_size=vocab,
+        max_position_embeddings=positions,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     cfg.update(args)
-    return BertForSequenceClassification(BertConfig(**cfg))
+    return BertConfig(**cfg)
+
+
+def make_bert(spec: Any, **args: Any) -> nn.Module:
+    from transformers import BertForSequenceClassification
+
+    return BertForSequenceClassification(_bert_config(VOCAB, T, num_labels=CLASSES, **args))
 
 
 def make_bert_mlm(spec: Any, **args: Any) -> nn.Module:
     """A masked language model over the data's own vocabulary and context (spec)."""
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertForMaskedLM
 
-    cfg = dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        vocab_size=spec.vocab_size,
-        max_position_embeddings=spec.input_shape[0],
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    cfg.update(args)
-    return BertForMaskedLM(BertConfig(**cfg))
+    return BertForMaskedLM(_bert_config(spec.vocab_size, spec.input_shape[0], **args))
 
 
 def make_bert_classifier(spec: Any, **args: Any) -> nn.Module:
     """A sequence classifier over the data's vocabulary, context and classes (spec)."""
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
-    cfg = dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        vocab_size=spec.vocab_size,
-        max_position_embeddings=spec.input_shape[0],
-        num_labels=spec.num_outputs,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    cfg.update(args)
-    return BertForSequenceClassification(BertConfig(**cfg))
+    config = _bert_config(spec.vocab_size, spec.input_shape[0], num_labels=spec.num_outputs, **args)
+    return BertForSequenceClassification(config)
 
 
 def make_resnet(spec: Any, **args: Any) -> nn.Module:
