@@ -6,6 +6,7 @@ wrong or crash later, or a printed warning where the user asked for it explicitl
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ def has_batchnorm(model: nn.Module) -> bool:
 
 
 def _warn(message: str) -> None:
-    print(f"polytrain: warning: {message}", flush=True)
+    """On stderr, so that `--dry-run`'s stdout stays the job's TOML."""
+    print(f"polytrain: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None:
