@@ -114,6 +114,7 @@ def test_durations_as_typed() -> None:
 def test_sched_alone_prints_its_help(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(["sched"], capsys)
     assert code == 2 and "simulate" in out + err
+    assert (out + err).count("Usage:") == 1  # once, not twice
 
 
 def test_the_benchmark_without_its_trace_says_so_in_one_line(

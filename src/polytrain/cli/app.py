@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         code = command.main(args=argv, prog_name="polytrain", standalone_mode=False)
-    except cx.NoArgsIsHelpError as exc:
-        print(exc.ctx.get_help() if exc.ctx else "", file=sys.stderr)
+    except cx.NoArgsIsHelpError:
+        # typer has printed the help already (rich), before raising
+        sys.stdout.flush()
         sys.exit(2)
     except cx.UsageError as exc:
         _fail(exc.format_message().replace("\n", " "), 2)
