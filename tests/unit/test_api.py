@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import polytrain
@@ -17,3 +19,21 @@ def test_load_takes_a_factory_function_as_the_model() -> None:
 def test_load_refuses_a_factory_the_workers_cannot_import() -> None:
     with pytest.raises(ConfigError, match="cannot reach the worker processes"):
         polytrain.load(model__name=lambda spec: None)
+
+
+def test_a_run_returns_the_weights_under_the_users_names(tmp_path: Path) -> None:
+    from polytrain.trainer import train
+
+    job = polytrain.load(
+        model__name="tests.helpers.models:sequential",
+        train__steps=1,
+        train__sample_tokens=0,
+        train__eval_every=0,
+        launch__nproc=1,
+        observe__progress=False,
+        observe__out_dir=str(tmp_path / "run"),
+    )
+    result = train(job)
+    assert result.state_dict is not None and result.exported is not None
+    assert all(k.startswith("blocks.") for k in result.state_dict)
+    assert set(result.exported) == {k.removeprefix("blocks.") for k in result.state_dict}

@@ -56,7 +56,10 @@ class TrainResult:
     val_loss: float
     strategy: str
     history: list[dict[str, Any]] = field(default_factory=list)
-    state_dict: dict[str, torch.Tensor] | None = None  # rank 0 only
+    state_dict: dict[str, torch.Tensor] | None = None  # rank 0 only, the model's own names
+    # rank 0 only: the same tensors under the user's own names (what --save-final exports and
+    # what the user's class loads; a built-in's names are unchanged)
+    exported: dict[str, torch.Tensor] | None = None
     sample: str = ""
     start_step: int = 0  # > 0 when resumed from a checkpoint
 
@@ -257,6 +260,7 @@ def train(job: JobConfig, *, ctx: DistContext | None = None) -> TrainResult:
     result = TrainResult(steps, loss, val_loss, strategy.name, history, start_step=start)
     if ctx.is_main:
         result.state_dict = state
+        result.exported = model.export_state(state)
         if job.checkpoint.save_final:
             save_weights(model.export_state(state), job.checkpoint.save_final)
         if job.model.name == "gpt" and job.train.sample_tokens:
