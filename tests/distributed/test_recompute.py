@@ -33,10 +33,6 @@ def reference() -> dict[str, Any]:
             "parallel": {"pp": 2, "recompute": "ops"},
             "pipeline": {"schedule": "1f1b", "microbatches": 2},
         },
-        {
-            "parallel": {"pp": 2, "recompute": "every:2"},
-            "pipeline": {"schedule": "1f1b", "microbatches": 2},
-        },
         {"parallel": {"sync": "ps", "recompute": "ops"}, "ps": {"servers": 1}},
     ],
     ids=[
@@ -45,7 +41,6 @@ def reference() -> dict[str, Any]:
         "ddp-ops",
         "zero3-every2",
         "1f1b-ops",
-        "1f1b-every2",
         "ps-ops",
     ],
 )
