@@ -29,6 +29,7 @@ from polytrain.config import job_from_dict, load_job
 from polytrain.scheduler.executor import Executor, checkpoint_dir, log_file
 from polytrain.scheduler.jobs import JobState, JobView
 from polytrain.scheduler.local import LocalBackend
+from polytrain.scheduler.local import group_alive as running
 from polytrain.scheduler.policy import Allocation, Cluster
 from polytrain.scheduler.progress import newest_checkpoint
 from polytrain.scheduler.store import Store
@@ -221,7 +222,7 @@ def test_a_killed_scheduler_restarts_without_losing_a_job(
     survivor, victim = pid_of(state, "j1", 1), pid_of(state, "j2", 1)
     assert group_alive(survivor) and group_alive(victim)  # the jobs outlived their scheduler
     os.killpg(victim, signal.SIGKILL)  # j2 dies with it, without an exit status
-    wait_for(lambda: not _group_running(victim), 30, "j2's processes to end")
+    wait_for(lambda: not running(victim), 30, "j2's processes to end")
     kept = newest_checkpoint(checkpoint_dir(store, "j2"))
 
     second = serve(state, tmp_path, "--until-idle")
@@ -250,16 +251,3 @@ def _has_cluster(state: Path) -> bool:
     except Exception:
         return False
     return True
-
-
-def _group_running(pgid: int) -> bool:
-    """Any non-zombie process in group ``pgid`` (an orphan's zombie may never be reaped here)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False

@@ -27,7 +27,7 @@ from typing import Literal
 
 from polytrain.scheduler.backend import Launch
 
-__all__ = ["LocalBackend", "trainer_command"]
+__all__ = ["LocalBackend", "group_alive", "trainer_command"]
 
 # "$1" is the exit file; the rest is the trainer's command line (no quoting of our own).
 _WRAPPER = 'f=$1; shift; "$@"; c=$?; echo "$c" > "$f.tmp" && mv "$f.tmp" "$f"'
@@ -57,7 +57,7 @@ def _start_ticks(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """Whether any process of group ``pgid`` is alive (zombies do not count: an orphan's
     zombie waits for a reaper that may never come in a container)."""
     for entry in Path("/proc").iterdir():
@@ -191,4 +191,4 @@ class LocalBackend:
     def _alive(child: _Child) -> bool:
         if child.popen is not None:
             child.popen.poll()  # reap the shell once it exits
-        return _group_alive(child.pgid)
+        return group_alive(child.pgid)
