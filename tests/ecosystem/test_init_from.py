@@ -16,8 +16,9 @@ from polytrain.data.datasets import build_datasets
 from polytrain.data.sampler import Batches
 from polytrain.models.registry import block_size_of
 from polytrain.testing import assert_state_close, run_job
-from tests.ecosystem.test_transformers import data_file, hf_job
+from tests.ecosystem.test_transformers import data_file
 from tests.helpers import hf_models
+from tests.helpers.hf_models import hf_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

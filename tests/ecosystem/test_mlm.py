@@ -15,8 +15,8 @@ from polytrain.data.datasets import build_datasets
 from polytrain.data.masking import MaskedTokenDataset
 from polytrain.errors import ConfigError
 from polytrain.testing import assert_state_close, run_job
-from tests.conftest import small_job
 from tests.helpers.cli import run_main
+from tests.helpers.hf_models import hf_job
 
 pytestmark = [pytest.mark.timeout(600)]
 T = 16
@@ -58,16 +58,9 @@ def test_a_tokenizer_without_a_mask_token_is_one_line(tmp_path: Any) -> None:
 
 
 def _job(world: int = 1, **sections: dict[str, Any]) -> Any:
-    base: dict[str, Any] = {
-        "model": {"name": "tests.helpers.hf_models:make_bert_mlm", "block_size": T},
-        "data": {"objective": "mlm"},
-        "train": {"steps": 3, "global_batch_size": 8},
-        "optim": {"name": "adamw", "lr": 1e-3},
-        "launch": {"nproc": world},
-    }
-    for name, values in sections.items():
-        base.setdefault(name, {}).update(values)
-    return small_job(**base)
+    return hf_job(
+        "bert_mlm", None, world, model={"block_size": T}, data={"objective": "mlm"}, **sections
+    )
 
 
 @cache

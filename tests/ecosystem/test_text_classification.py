@@ -16,7 +16,7 @@ import torch
 from polytrain.config.job import DataConfig
 from polytrain.data.datasets import PairDataset, build_datasets
 from polytrain.testing import assert_state_close, run_job
-from tests.conftest import small_job
+from tests.helpers.hf_models import hf_job
 
 hf = pytest.importorskip("datasets")
 T = 12
@@ -68,16 +68,8 @@ def test_rows_become_padded_ids_with_their_special_tokens() -> None:
 
 def _job(world: int = 1, **sections: dict[str, Any]) -> Any:
     source, tok = files()
-    base: dict[str, Any] = {
-        "model": {"name": "tests.helpers.hf_models:make_bert_classifier", "block_size": T},
-        "data": {"source": str(source), "tokenizer": str(tok)},
-        "train": {"steps": 3, "global_batch_size": 8},
-        "optim": {"name": "adamw", "lr": 1e-3},
-        "launch": {"nproc": world},
-    }
-    for name, values in sections.items():
-        base.setdefault(name, {}).update(values)
-    return small_job(**base)
+    data = {"tokenizer": str(tok)}
+    return hf_job("bert_classifier", source, world, model={"block_size": T}, data=data, **sections)
 
 
 @pytest.mark.slow

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from polytrain.testing import assert_state_close, run_job
-from tests.conftest import small_job
 from tests.helpers import hf_models
+from tests.helpers.hf_models import hf_job
 
 # A reference run and a layout run of a real model: more than the suite-wide 300 s when the
 # machine is shared (each process imports transformers).
@@ -108,19 +108,6 @@ def sections_of(model: str, strategy: str) -> tuple[int, dict[str, Any]]:
     if model == "resnet" and "pipeline" in sections:
         sections = {**sections, "pipeline": {**sections["pipeline"], "microbatches": 1}}
     return world, sections
-
-
-def hf_job(name: str, data: Path, world: int = 1, **sections: dict[str, Any]) -> Any:
-    base: dict[str, Any] = {
-        "model": {"name": f"tests.helpers.hf_models:make_{name}"},
-        "data": {"source": str(data)},
-        "train": {"steps": 3, "global_batch_size": 8},
-        "optim": {"name": "adamw", "lr": 1e-3},
-        "launch": {"nproc": world},
-    }
-    for name, values in sections.items():
-        base.setdefault(name, {}).update(values)
-    return small_job(**base)
 
 
 @cache

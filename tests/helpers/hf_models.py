@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from tests.conftest import small_job
+
 VOCAB, T, ROWS, CLASSES = 48, 8, 64, 3
 
 
@@ -136,3 +138,18 @@ def write_data(name: str, path: Path) -> Path:
         }
     save_file(tensors, str(path))
     return path
+
+
+def hf_job(name: str, source: Path | None, world: int = 1, **sections: dict[str, Any]) -> Any:
+    """A short AdamW job of ``make_<name>`` on ``source`` (None: the job's default) over
+    ``world`` processes; ``sections`` update the job's sections (``model={"block_size": 12}``)."""
+    base: dict[str, Any] = {
+        "model": {"name": f"tests.helpers.hf_models:make_{name}"},
+        "data": {} if source is None else {"source": str(source)},
+        "train": {"steps": 3, "global_batch_size": 8},
+        "optim": {"name": "adamw", "lr": 1e-3},
+        "launch": {"nproc": world},
+    }
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return small_job(**base)
