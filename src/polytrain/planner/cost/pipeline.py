@@ -30,8 +30,8 @@ clock per rank, as processor sharing: every compute action in progress advances 
 that instant (the durations are priced with every rank computing, so ``speed[p] = 1``; fewer
 busy, faster). With every speed 1 it is `simulate_program` exactly (a test checks it). The
 pipeline's fill and drain, where few stages compute, run fast; its steady state, where all do,
-at the full slowdown. On five benchmark runs' measurements on two kinds of 2-vCPU host
-(2026-11-27), pricing every stage at the mean busy count (the model before) put gpt tiny's pp4
+at the full slowdown. On five benchmark runs' measurements on two kinds of 2-vCPU host,
+pricing every stage at the mean busy count (the model before) put gpt tiny's pp4
 1F1B 5-27% low, at the full count 4-42% high, this simulation -18..+1%: docs/planner.md "A
 pipeline's shared cores".
 """
