@@ -106,6 +106,10 @@ def _entry(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        # init_process_group returns on one rank while gloo may still be finishing the mesh
+        # on another: a rank whose ``fn`` returns at once would tear its end down under the
+        # peer ("Connection closed by peer" in connectFullMesh). Every rank meets here first.
+        dist.barrier()
         result = fn(rank, world_size, *args)
         results.put((rank, True, _pack(result)))
     except BaseException as exc:  # carried to the parent, which re-raises
