@@ -125,6 +125,39 @@ def test_plan_prices_a_layout_as_written(capsys: pytest.CaptureFixture[str]) -> 
     assert code == 2 and "needs 8 devices" in err and len(err.strip().splitlines()) == 1
 
 
+def test_plan_prices_a_given_layout_with_its_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--model", "gpt", "--size", "medium", "--cluster", "1x8xH100"]
+    layout = "dp=2,tp=2,pp=2,micro=4,recompute=every:2"
+    code, out, _ = _run([*base, "--layout", layout, "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["layout"] == "dp2-tp2-pp2-1f1b-m4-recompute-every2" and data["devices"] == 8
+    parts = data["breakdown"]
+    kinds = ("weights", "grads", "optimizer", "activations", "buffers")
+    assert all(parts["memory_" + kind] > 0 for kind in kinds)
+    assert parts["memory_total"] == data["memory_per_rank"]
+    # the same layout through --as-written and --set prices the same
+    sets = ["--set", "parallel.dp=2", "--set", "parallel.tp=2", "--set", "parallel.pp=2"]
+    sets += ["--set", "pipeline.microbatches=4", "--set", "parallel.recompute=every:2"]
+    sets += ["--set", "launch.nproc=8"]
+    _, out, _ = _run([*base, "--as-written", "--json", *sets], capsys)
+    assert json.loads(out)["step_s"] == data["step_s"]
+    code, out, _ = _run([*base, "--layout", "dp=4,zero=3"], capsys)
+    assert code == 0 and "dp4-zero3 on 4 x H100" in out
+    assert "data-parallel synchronization, exposed" in out and "memory: optimizer" in out
+
+
+@pytest.mark.parametrize(
+    ("layout", "named"),
+    [("dp=2,foo=3", "'foo=3'"), ("dp=two", "dp=two"), ("dp", "'dp'"), ("dp=0", "dp=0")],
+)
+def test_a_bad_layout_is_one_line(
+    layout: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(["plan", "--layout", layout], capsys)
+    assert code == 2 and named in err and len(err.strip().splitlines()) == 1
+
+
 def test_plan_prices_the_new_pipeline_schedules_when_asked(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

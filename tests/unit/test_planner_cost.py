@@ -176,6 +176,10 @@ def test_more_replicas_split_the_compute() -> None:
     # the same compute with recomputation costs one more forward
     rec = predict(Layout(dp=1, recompute=True), stats, env, 64)
     assert rec.breakdown["compute"] == pytest.approx(one.breakdown["compute"] * 4 / 3, rel=1e-6)
+    # every:2 recomputes the blocks with an even index only: between the two
+    half = predict(Layout(dp=1, recompute=True, recompute_every=2), stats, env, 64)
+    even = sum(env.fwd_s(b, 64, 1) for b in stats.blocks[::2])
+    assert half.breakdown["compute"] == pytest.approx(one.breakdown["compute"] + even, rel=1e-6)
 
 
 def test_a_calibrated_profile_replaces_the_catalog_inside_its_host() -> None:

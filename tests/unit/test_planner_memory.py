@@ -80,6 +80,21 @@ def test_recomputation_keeps_block_inputs_only() -> None:
     assert rec.activations < plain.activations
 
 
+def test_every_kth_block_recomputes_and_the_others_keep_their_activations() -> None:
+    # every:2 on four blocks: blocks 0 and 2 keep their inputs, 1 and 3 their activations;
+    # in backward one recomputing block's activations are rebuilt at a time
+    half = _mem(Layout(recompute=True, recompute_every=2))
+    assert half.activations == 2 * 100.0 * 8 + 2 * 1000.0 * 8 + 1000.0 * 8
+    assert _mem(Layout(recompute=True, recompute_every=1)) == _mem(Layout(recompute=True))
+    # a pipeline stage counts its blocks by their index in the model: of six blocks in two
+    # stages, every:2 recomputes 0 and 2 of stage 0 but only 4 of stage 1 (blocks 3, 4, 5),
+    # which GPipe's two micro-batches in flight make the busiest
+    six = ModelStats("toy", (BLOCK,) * 6, dtype_bytes=4, optimizer_state_per_param=2)
+    layout = Layout(pp=2, schedule="gpipe", microbatches=2, recompute=True, recompute_every=2)
+    stages = memory_per_rank(six, layout, [[BLOCK] * 3] * 2, 8)
+    assert stages.activations == 2 * (100.0 * 8 + 2 * 1000.0 * 8) + 1000.0 * 8
+
+
 def test_tensor_parallel_keeps_unsplit_tensors_whole() -> None:
     """[Note: tensor-parallel shards]: 3 MB split by a dimension of 12, 1 MB whole (LayerNorms,
     row-parallel biases): tp 2 and 4 split the 3 MB only; tp 8 does not divide 12, so the

@@ -10,7 +10,7 @@ from polytrain.config.io import job_from_dict
 from polytrain.config.job import DataConfig, JobConfig, ModelConfig
 from polytrain.errors import ConfigError
 from polytrain.planner.types import Curve, HostProfile, Layout
-from polytrain.trainer.auto import apply_layout
+from polytrain.trainer.auto import apply_layout, layout_of
 
 
 def test_apply_layout_writes_the_plan_into_the_job() -> None:
@@ -21,6 +21,18 @@ def test_apply_layout_writes_the_plan_into_the_job() -> None:
     assert (out.pipeline.schedule, out.pipeline.microbatches) == ("gpipe", 4)
     ps = apply_layout(job, Layout(dp=2, sync="ps", ps_servers=1, ps_mode="async"))
     assert (ps.launch.nproc, ps.num_trainers, ps.ps.mode) == (3, 2, "async")
+
+
+def test_layout_of_inverts_apply_layout_recompute_included() -> None:
+    job = job_from_dict({"strategy": "auto", "launch": {"nproc": 4}})
+    for layout in (
+        Layout(dp=4, recompute=True, recompute_every=2),
+        Layout(dp=2, pp=2, microbatches=4, recompute=True),
+        Layout(dp=2, tp=2, zero=3),
+    ):
+        assert layout_of(apply_layout(job, layout)) == layout
+    ops = job_from_dict({"launch": {"nproc": 4}, "parallel": {"recompute": "ops"}})
+    assert layout_of(ops) is None  # op-level selective recomputation is not priced
 
 
 def test_strategy_is_validated() -> None:

@@ -18,20 +18,19 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from polytrain.cli.plan_layout import layout_overrides, price_as_written
 from polytrain.cli.plan_validate import validate_plans
 from polytrain.cli.train import FLAG_FIELDS, resolve_job
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
 from polytrain.measure.host import profile_for, speed_sample
 from polytrain.measure.stats import model_stats
-from polytrain.planner.cluster import Cluster, parse_cluster
-from polytrain.planner.cost import Env, predict
+from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.drift import DRIFT_LIMIT, describe, drifted, rescaled, speed_ratios
 from polytrain.planner.memory import process_bytes
 from polytrain.planner.search import Plan, PlanRequest, PlanResult, duration_text, search
 from polytrain.planner.types import HostProfile, ModelStats
 from polytrain.planner.validate import Trial, toml_value
-from polytrain.trainer.auto import layout_of
 
 __all__ = ["at_present_speed", "parse_deadline", "parse_devices", "plan_command", "stats_for_job"]
 
@@ -113,43 +112,6 @@ def _gib(nbytes: float) -> str:
 
 def _money(cost: float | None) -> str:
     return "n/a" if cost is None else f"${cost:,.2f}"
-
-
-def _price_as_written(
-    job: JobConfig, stats: ModelStats, clu: Cluster, request: PlanRequest, json_: bool
-) -> None:
-    """`plan --as-written`: the cost model's step time and memory for the job's own layout."""
-    layout = layout_of(job)
-    if layout is None:
-        raise PlanError(
-            "plan --as-written: the planner has no model for this job's layout (hybrid or "
-            "spatial parallelism, selective recomputation, hierarchical parameter servers)"
-        )
-    if layout.devices > clu.size:
-        raise PlanError(
-            f"plan --as-written: layout {layout.describe()} needs {layout.devices} devices and "
-            f"the cluster {clu.describe()} has {clu.size}: give a larger --cluster"
-        )
-    env = Env(clu.with_size(layout.devices), job.train.dtype, request.profile, request.bucket_bytes)
-    pred = predict(layout, stats, env, job.train.global_batch_size)
-    if json_:
-        out = {
-            "layout": layout.describe(),
-            "devices": layout.devices,
-            "step_s": pred.step_s,
-            "memory_per_rank": pred.memory_per_rank,
-            "fits": pred.fits,
-            "why": pred.why,
-            "breakdown": pred.breakdown,
-        }
-        typer.echo(json.dumps(out, indent=2))
-        return
-    fits = "fits" if pred.fits else pred.why
-    typer.echo(
-        f"{stats.name} as written, {layout.describe()} on {layout.devices} x "
-        f"{clu.device.key}: {pred.step_s * 1e3:.1f} ms/step, {_gib(pred.memory_per_rank)} per "
-        f"rank ({fits})"
-    )
 
 
 def train_command_for(
@@ -317,6 +279,14 @@ def plan_command(
             "from --config / --set) on the cluster instead of searching"
         ),
     ] = False,
+    layout: Annotated[
+        str | None,
+        typer.Option(
+            help="price this layout instead of searching, e.g. 'dp=8,zero=3' or "
+            "'dp=2,tp=4,pp=4,schedule=interleaved-1f1b,v=2,micro=16,recompute=every:2' (keys: "
+            "dp tp pp zero sync recompute schedule micro v accum servers mode)"
+        ),
+    ] = None,
 ) -> None:
     """Predict step time, memory and cost of every layout on a cluster, and pick one."""
     if budget is not None and budget < 0:
@@ -337,7 +307,8 @@ def plan_command(
         )
     flags = {"model": model, "size": size, "data": data, "steps": steps, "batch_size": batch_size}
     flags |= {"dtype": dtype, "optimizer": optimizer}
-    job = resolve_job(config, flags, set_ or [])
+    layout_sets = layout_overrides(layout) if layout is not None else []
+    job = resolve_job(config, flags, [*(set_ or []), *layout_sets])
     stats = stats_for_job(job)
     profile = profile_for(clu.device.key)  # this host's, if calibrated and the same device
     speed_note = ""
@@ -360,8 +331,8 @@ def plan_command(
         profile=profile,
         next_schedules=new_schedules,
     )
-    if as_written:
-        _price_as_written(job, stats, clu, request, json_)
+    if as_written or layout is not None:
+        price_as_written(job, stats, clu, request, json_)
         return
     result = search(request)
     batch = job.train.global_batch_size

@@ -73,9 +73,10 @@ def memory_per_rank(
     if layout.pp > 1 and layout_program(layout)[1].stages_per_rank > 1:
         return _several_stages(stats, layout, stage_blocks, microbatch_samples)
     in_flight = _in_flight(layout)
+    starts = _starts(stage_blocks)
     best: MemoryEstimate | None = None
     for s, blocks in enumerate(stage_blocks):
-        act, rebuilt = _activation_sizes(layout, blocks, microbatch_samples)
+        act, rebuilt = _activation_sizes(layout, blocks, microbatch_samples, starts[s])
         est = _stage(
             stats, layout, blocks, microbatch_samples, act * in_flight[s] + rebuilt, in_flight[s], s
         )
@@ -101,7 +102,11 @@ def _several_stages(
     ZBV's every rank at ``2 p`` chunks, ``p`` stages' worth (`pipeline.schedule.formulas`).
     Model states are all the rank's stages'; a recomputing rank rebuilds one block at a time."""
     program, stage_map = layout_program(layout)
-    sizes = [_activation_sizes(layout, blocks, mb_samples) for blocks in stage_blocks]
+    starts = _starts(stage_blocks)
+    sizes = [
+        _activation_sizes(layout, blocks, mb_samples, start)
+        for blocks, start in zip(stage_blocks, starts, strict=True)
+    ]
     peaks = peak_activation_memory(program, lambda stage: sizes[stage][0])
     chunks = peak_activations(program)  # one micro-batch of one stage each
     best: MemoryEstimate | None = None
@@ -175,11 +180,21 @@ def _peaks(
     return tuple(peaks[r] for r in range(num_ranks))
 
 
+def _starts(stage_blocks: Sequence[Sequence[BlockStats]]) -> list[int]:
+    """The model index of each stage's first block (stages in model order)."""
+    starts, at = [], 0
+    for blocks in stage_blocks:
+        starts.append(at)
+        at += len(blocks)
+    return starts
+
+
 def _activation_sizes(
-    layout: Layout, blocks: Sequence[BlockStats], mb_samples: float
+    layout: Layout, blocks: Sequence[BlockStats], mb_samples: float, start: int = 0
 ) -> tuple[float, float]:
     """(bytes one micro-batch in flight keeps on ``blocks``, bytes added once while a
-    recomputing backward rebuilds one block's saved tensors)."""
+    recomputing backward rebuilds one block's saved tensors). ``start``: the model index of
+    ``blocks[0]`` (``every:K`` recomputes the blocks whose index is a multiple of K)."""
     tp = layout.tp
     # Activations: tensor parallel splits the saved tensors between a column-parallel output and
     # a row-parallel input; the rest every rank holds whole ([Note: tensor-parallel activations]
@@ -188,12 +203,15 @@ def _activation_sizes(
     saved = sum(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
     fixed = [b.saved_fixed_bytes * b.bytes_per_tp_rank(tp) / max(b.param_bytes, 1) for b in blocks]
     if layout.recompute:
-        # only each block's input survives the forward; one block's saved tensors are rebuilt
-        # at a time during backward
-        kept = sum(b.output_bytes for b in blocks) * mb_samples
-        rebuilt = max(
-            b.saved_per_tp_rank(tp) * mb_samples + f for b, f in zip(blocks, fixed, strict=True)
-        )
+        # a recomputing block keeps only its input (the previous block's output, counted as
+        # its own output: the same size along the residual stream) past the forward, and one
+        # block's saved tensors are rebuilt at a time during backward; the others keep theirs
+        covered = [layout.recomputes(start + k) for k in range(len(blocks))]
+        kept, rebuilt = 0.0, 0.0
+        for b, f, rec in zip(blocks, fixed, covered, strict=True):
+            full = b.saved_per_tp_rank(tp) * mb_samples + f
+            kept += b.output_bytes * mb_samples if rec else full
+            rebuilt = max(rebuilt, full if rec else 0.0)
         return kept, rebuilt
     return saved + sum(fixed), 0.0
 

@@ -372,6 +372,9 @@ class Layout:
     # schedule (ZBV's two per rank are its own): planner/schedules.py
     virtual_stages: int = 1
     recompute: bool = False
+    # with recompute: only the blocks whose model index is a multiple of it recompute
+    # (parallel.recompute = "every:K"; torchtitan's layer frequency); 1 = every block
+    recompute_every: int = 1
     grad_accum: int = 1
     ps_servers: int = 0
     ps_mode: str = "sync"
@@ -402,10 +405,19 @@ class Layout:
         if self.sufficient_factor:
             parts.append("sf")
         if self.recompute:
-            parts.append("recompute")
+            parts.append("recompute" + (f"-every{self.recompute_every}" * self.every_k))
         if self.grad_accum > 1:
             parts.append(f"accum{self.grad_accum}")
         return "-".join(parts)
+
+    @property
+    def every_k(self) -> bool:
+        """Recomputes some blocks only (``every:K`` with K > 1)."""
+        return self.recompute and self.recompute_every > 1
+
+    def recomputes(self, index: int) -> bool:
+        """Whether block ``index`` of the model (its block view) recomputes its forward."""
+        return self.recompute and index % self.recompute_every == 0
 
     @property
     def devices(self) -> int:
@@ -432,7 +444,9 @@ class Layout:
             "parallel.pp": self.pp,
             "parallel.zero": self.zero,
             "parallel.sync": self.sync,
-            "parallel.recompute": self.recompute,
+            "parallel.recompute": f"every:{self.recompute_every}"
+            if self.every_k
+            else self.recompute,
             "train.grad_accum": self.grad_accum,
             "launch.nproc": nproc,
             "launch.nnodes": nnodes,

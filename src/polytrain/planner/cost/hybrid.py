@@ -61,7 +61,9 @@ def predict(layout: Layout, stats: ModelStats, env: Env, global_batch: int) -> P
     fits = total <= env.cluster.device.memory
     shape = Shape(stages, replica_samples, mb_samples)
     step, breakdown = step_model(layout)(layout, stats, env, shape)
-    breakdown["memory_" + "total"] = total
+    # the busiest rank's memory by kind (a parameter server's server rank may be busier)
+    breakdown |= {"memory_" + kind: nbytes for kind, nbytes in mem.as_dict().items()}
+    breakdown["memory_total"] = total
     why = "" if fits else f"out of memory ({_gib(total)} > {_gib(env.cluster.device.memory)})"
     if layout.pp > 1:  # the stages priced here are the ones `overrides` makes the runtime run
         layout = replace(layout, partition=tuple(len(s) for s in stages))

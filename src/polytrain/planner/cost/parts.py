@@ -9,7 +9,7 @@ pipelines. Derivations: docs/planner.md "Compute", "Hybrids".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.tp import tp_comm_s, tp_dispatch_s
@@ -33,13 +33,15 @@ def block_times(
     blocks: Sequence[BlockStats],
     samples: float,
     tp: int,
-    recompute: bool,
+    recomputes: Callable[[int], bool],
     *,
     first: int,
     last: int,
 ) -> tuple[list[float], list[float], float]:
     """Per-block forward and backward seconds (compute / tp + tensor-parallel collectives)
-    and the tensor-parallel share of them. ``first``/``last``: model indices of the ends."""
+    and the tensor-parallel share of them. ``first``/``last``: the list indices of the
+    model's first and last block (``blocks[k]`` is block ``k - first`` of the model, which
+    recomputes its forward in backward iff ``recomputes(k - first)``)."""
     fwd, bwd = [], []
     tp_s = 0.0
     for k, b in enumerate(blocks):
@@ -50,6 +52,7 @@ def block_times(
         # dispatch in each pass
         dispatch = tp_dispatch_s(env, b, tp) / 2
         f = env.fwd_s(b, samples, tp) + comm_f + dispatch
+        recompute = recomputes(k - first)
         bw = env.bwd_s(b, samples, tp) + comm_b + dispatch + (f if recompute else 0.0)
         tp_s += comm_f + comm_b + 2 * dispatch + (comm_f + dispatch if recompute else 0.0)
         fwd.append(f)

@@ -38,7 +38,7 @@ def spmd_step(
     blocks = stats.blocks
     n = len(blocks)
     fwd, bwd, tp_s = block_times(
-        env, blocks, mb_samples, layout.tp, layout.recompute, first=0, last=n - 1
+        env, blocks, mb_samples, layout.tp, layout.recomputes, first=0, last=n - 1
     )
     compute = (sum(fwd) + sum(bwd)) * layout.grad_accum
     tp_s *= layout.grad_accum
@@ -123,12 +123,11 @@ def _syncs(layout: Layout, stats: ModelStats, env: Env, grad_bytes: Sequence[flo
             buckets = bucket_sizes(list(reversed(grad_bytes)), env.bucket_bytes)
             syncs += sum(count for per_block in buckets for count, _ in per_block)
     if tp > 1:
-        # forward, backward, and with recomputation the forward's again
-        passes = (False, True, False) if layout.recompute else (False, True)
+        # forward, backward, and for a recomputing block the forward's again
         per_micro = sum(
             tp_collectives(b, tp, first=k == 0, last=k == n - 1, backward=backward)
             for k, b in enumerate(blocks)
-            for backward in passes
+            for backward in ((False, True, False) if layout.recomputes(k) else (False, True))
         )
         syncs += per_micro * layout.grad_accum
     if clips_shards(layout, stats) and env.dtensor_clip_call_s(dtensor_mesh(layout, blocks)) > 0:
