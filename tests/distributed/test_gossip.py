@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from polytrain.testing import assert_state_close, max_abs_diff, run_job
+from polytrain.testing import RankFailure, assert_state_close, max_abs_diff, run_job
 from tests.conftest import small_job
 from tests.helpers.resume import resumed_after_step_3
 
@@ -207,3 +207,26 @@ def test_diloco_checkpoint_holds_anchor_and_outer_momentum(tmp_path: Path) -> No
     assert resumed["start"] == 3
     assert_state_close(resumed["state"], full["state"], atol=0.0)
     assert resumed["losses"] == full["losses"][3:]
+
+
+def test_diloco_state_is_not_dropped_on_resume(tmp_path: Path) -> None:
+    """A checkpoint of DiLoCo resumed without its outer step would drop the anchor and the
+    outer momentum: refused, in one line naming the setting to use (as is the reverse, which
+    would start them afresh: `trainer.checkpoint._check_state_carries_over`)."""
+    saved, resumed = "nesterov", "none"
+
+    def job(outer: str, steps: int, resume: bool) -> Any:
+        checkpoint = {"dir": str(tmp_path), "every": 2, "keep": 5, "resume": resume}
+        return small_job(
+            train={"steps": steps},
+            checkpoint=checkpoint,
+            parallel={"sync": "localsgd"},
+            localsgd={"period": 2, "outer": outer},
+            launch={"nproc": 2},
+        )
+
+    run_job(job(saved, 2, False))
+    with pytest.raises(
+        RankFailure, match=f"localsgd.outer = '{saved}'.*--set localsgd.outer={saved}"
+    ):
+        run_job(job(resumed, 3, True))

@@ -432,6 +432,7 @@ class Checkpointer:
             return 0
         path = step_dir(self.root, step)
         manifest = Manifest.from_json((path / MANIFEST).read_text(), str(path / MANIFEST))
+        _check_state_carries_over(manifest.job, to_dict(self.job), path)
         with _Files(path) as files:
 
             def fetch(key: str, live: Any) -> Any:
@@ -495,6 +496,27 @@ def _like(tensor: torch.Tensor, live: Any, key: str, path: Path) -> Any:
 
 
 _TRAJECTORY = ("model", "data", "optim", "train")  # what a resumed run's trajectory depends on
+
+
+def _outer_step(job: dict[str, Any]) -> str:
+    """The job's DiLoCo outer optimizer ("none" unless it averages with local SGD)."""
+    if job.get("parallel", {}).get("sync") != "localsgd":
+        return "none"
+    return str(job.get("localsgd", {}).get("outer", "none"))
+
+
+def _check_state_carries_over(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+    """Refuse a resume that would drop state the checkpoint holds beyond the model and its
+    optimizer, or start that state afresh as if it had been saved: DiLoCo's anchor and outer
+    momentum ([Note: DiLoCo state] in gossip/localsgd.py). Every rank reads the same manifest,
+    so every rank refuses alike."""
+    old, new = _outer_step(saved), _outer_step(current)
+    if old != new:
+        raise CheckpointError(
+            f"{path} was saved with localsgd.outer = {old!r} and this job has {new!r}: DiLoCo's "
+            f"anchor and outer momentum cannot carry over; resume with --set localsgd.outer={old}"
+            " or start from another --checkpoint-dir"
+        )
 
 
 def _job_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
