@@ -55,6 +55,7 @@ def test_plan_for_a_model_that_fits_no_device(capsys: pytest.CaptureFixture[str]
     assert code == 0
     data = json.loads(out)
     assert data["best"] is None and "would fit" in data["note"]
+    assert data["plans"] and all(p["step_s"] is None for p in data["plans"])  # untimed
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,28 @@ def test_a_model_that_fits_nowhere_says_what_would_fit() -> None:
     assert "fits no layout" in res.note and "would fit: about" in res.note
 
 
+def test_a_layout_that_does_not_fit_is_not_timed() -> None:
+    """[Note: untimed layouts]: memory only, an infinite step, and nothing that depends on
+    its time; the same layout priced on its own is timed as before."""
+    big = gpt_stats(n_layer=24, n_embd=2304, n_head=24, block_size=1024, vocab_size=50257)
+    res = search(PlanRequest(big, parse_cluster("1x8xL4"), 8, 10))
+    unfit = [p for p in res.plans if not p.prediction.fits]
+    assert unfit and all(p.prediction.step_s == float("inf") for p in unfit)
+    assert all("out of memory" in p.why and not p.meets for p in unfit)
+    env = Env(parse_cluster("1x1xL4"))
+    assert 0 < predict(Layout(), big, env, 8).step_s < float("inf")
+
+
+def test_pipelines_get_every_micro_batch_count_and_partial_recomputation() -> None:
+    """[Note: micro-batch counts]: m >= pp dividing the replica's batch, 12 pp included;
+    every:2 recomputation beside none and full."""
+    c = parse_cluster("1x8xA100-40GB")
+    pipes = [lay for lay in enumerate_layouts(8, SMALL, c, 96) if lay.pp == 8]
+    assert {lay.microbatches for lay in pipes} == {8, 12, 16, 24, 32, 48, 96}
+    variants = {(lay.recompute, lay.recompute_every) for lay in pipes}
+    assert variants == {(False, 1), (True, 2), (True, 1)}
+
+
 def test_cost_needs_a_price() -> None:
     with pytest.raises(PlanError, match="no price for M40"):
         search(PlanRequest(SMALL, parse_cluster("1x2xM40"), 8, 10, budget=5.0))

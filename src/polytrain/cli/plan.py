@@ -8,6 +8,7 @@ one line and exit code 2 (contract 6).
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 from datetime import datetime, timezone
@@ -163,16 +164,17 @@ def trial_to_dict(trial: Trial) -> dict[str, Any]:
 
 def plan_to_dict(plan: Plan, global_batch: int, per_host: int = 0) -> dict[str, Any]:
     pred = plan.prediction
+    timed = math.isfinite(pred.step_s)
     return {
         "layout": pred.layout.describe(),
         "overrides": pred.layout.overrides(per_host),
         "devices": plan.devices,
-        "step_s": pred.step_s,
-        "samples_per_s": global_batch / pred.step_s if pred.step_s else None,
+        "step_s": pred.step_s if timed else None,  # [Note: untimed layouts] in planner/search.py
+        "samples_per_s": global_batch / pred.step_s if timed and pred.step_s else None,
         "memory_per_rank_bytes": pred.memory_per_rank,
         "fits": pred.fits,
-        "total_s": plan.total_s,
-        "cost_usd": plan.cost,
+        "total_s": plan.total_s if timed else None,
+        "cost_usd": plan.cost if timed else None,
         "meets": plan.meets,
         "why": plan.why,
         "breakdown_s": {k: v for k, v in pred.breakdown.items() if not k.startswith("memory")},
@@ -195,15 +197,16 @@ def _table(title: str, plans: list[Plan], global_batch: int) -> Table:
         table.add_column(col, justify="right" if col not in ("layout", "why not first") else "left")
     for i, p in enumerate(plans, 1):
         pred = p.prediction
+        timed = math.isfinite(pred.step_s)  # [Note: untimed layouts] in planner/search.py
         table.add_row(
             str(i),
             pred.layout.describe(),
             str(p.devices),
-            f"{pred.step_s * 1e3:.1f} ms",
-            f"{global_batch / pred.step_s:,.1f}" if pred.step_s else "-",
+            f"{pred.step_s * 1e3:.1f} ms" if timed else "-",
+            f"{global_batch / pred.step_s:,.1f}" if timed and pred.step_s else "-",
             _gib(pred.memory_per_rank),
-            duration_text(p.total_s),
-            _money(p.cost),
+            duration_text(p.total_s) if timed else "-",
+            _money(p.cost) if timed else "-",
             p.why or ("chosen" if i == 1 and p.meets else ""),
         )
     return table

@@ -14,7 +14,7 @@ from functools import cache
 
 from polytrain.gossip.graphs import graph_for_round
 from polytrain.pipeline.schedule import peak_activation_memory, peak_activations
-from polytrain.planner.schedules import by_rank, layout_program, lowered_program
+from polytrain.planner.schedules import by_rank, compute_program, layout_compute
 from polytrain.planner.types import BlockStats, HostProfile, Layout, ModelStats
 
 __all__ = [
@@ -70,7 +70,7 @@ def memory_per_rank(
     ``microbatch_samples``: samples in one micro-batch (one grad-accumulation micro-step when
     pp == 1) on one replica.
     """
-    if layout.pp > 1 and layout_program(layout)[1].stages_per_rank > 1:
+    if layout.pp > 1 and layout_compute(layout)[1].stages_per_rank > 1:
         return _several_stages(stats, layout, stage_blocks, microbatch_samples)
     in_flight = _in_flight(layout)
     starts = _starts(stage_blocks)
@@ -101,7 +101,7 @@ def _several_stages(
     peaks at ``v p + p - 1`` chunks, ``p + (p - 1) / v`` stages' worth against 1F1B's ``p``;
     ZBV's every rank at ``2 p`` chunks, ``p`` stages' worth (`pipeline.schedule.formulas`).
     Model states are all the rank's stages'; a recomputing rank rebuilds one block at a time."""
-    program, stage_map = layout_program(layout)
+    program, stage_map = layout_compute(layout)
     starts = _starts(stage_blocks)
     sizes = [
         _activation_sizes(layout, blocks, mb_samples, start)
@@ -175,7 +175,7 @@ def _peaks(
     schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int
 ) -> tuple[int, ...]:
     peaks = peak_activations(
-        lowered_program(schedule, num_ranks, num_microbatches, virtual_stages)[0]
+        compute_program(schedule, num_ranks, num_microbatches, virtual_stages)[0]
     )
     return tuple(peaks[r] for r in range(num_ranks))
 

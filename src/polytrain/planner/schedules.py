@@ -31,6 +31,8 @@ __all__ = [
     "PRICED_SCHEDULES",
     "by_rank",
     "check_pipeline",
+    "compute_program",
+    "layout_compute",
     "layout_program",
     "lowered_program",
     "pipeline_problem",
@@ -44,21 +46,35 @@ PRICED_SCHEDULES: tuple[str, ...] = tuple(dict.fromkeys(SCHEDULE_NAMES + NEXT_SC
 
 
 @cache
-def lowered_program(
+def compute_program(
     schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[Schedule, StageMap]:
-    """The lowered action lists of ``schedule`` (rank -> actions, sends and receives
-    included) and its stage map. Cached: the search asks for each often. ``virtual_stages`` is
-    interleaved 1F1B's ``v``; the other schedules fix their own (ZBV two, the rest one)."""
+    """The compute action lists of ``schedule`` (rank -> F, B, I and W actions, before
+    lowering) and its stage map: what memory needs (activations live from an F to its B or
+    W). Cached: the search asks for each often. ``virtual_stages`` is interleaved 1F1B's
+    ``v``; the other schedules fix their own (ZBV two, the rest one)."""
     try:
         if schedule not in NEXT_SCHEDULE_NAMES:  # one stage per rank (build raises if unknown)
             if virtual_stages != 1:
                 raise ScheduleError(f"{schedule} has one stage per rank")
-            return lower(build(schedule, num_ranks, num_microbatches)), StageMap(num_ranks)
+            return build(schedule, num_ranks, num_microbatches), StageMap(num_ranks)
         v = virtual_stages if schedule == "interleaved-1f1b" else None
         if v is None and virtual_stages != 1:
             raise ScheduleError(f"{schedule} fixes its own stages per rank")
-        compute, stage_map = build_next(schedule, num_ranks, num_microbatches, virtual_stages=v)
+        return build_next(schedule, num_ranks, num_microbatches, virtual_stages=v)
+    except ScheduleError as e:
+        raise PlanError(f"cannot price pipeline schedule {schedule!r}: {e}") from None
+
+
+@cache
+def lowered_program(
+    schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
+) -> tuple[Schedule, StageMap]:
+    """The lowered action lists of ``schedule`` (rank -> actions, sends and receives
+    included) and its stage map: what the step time is simulated over. Cached, as
+    `compute_program`, which it lowers."""
+    compute, stage_map = compute_program(schedule, num_ranks, num_microbatches, virtual_stages)
+    try:
         return lower(compute, stage_map=stage_map), stage_map
     except ScheduleError as e:
         raise PlanError(f"cannot price pipeline schedule {schedule!r}: {e}") from None
@@ -68,12 +84,18 @@ def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
     """Virtual stages each rank holds under ``schedule``: its `StageMap`'s (ZBV 2, interleaved
     1F1B ``virtual_stages``, the rest 1), read off a one-rank build so that the schedule
     package stays the one home of each schedule's placement."""
-    return lowered_program(schedule, 1, 1, virtual_stages)[1].stages_per_rank
+    return compute_program(schedule, 1, 1, virtual_stages)[1].stages_per_rank
 
 
 def layout_program(layout: Layout) -> tuple[Schedule, StageMap]:
     """`lowered_program` of a pipeline ``layout`` (``layout.pp > 1``)."""
     return lowered_program(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+
+
+def layout_compute(layout: Layout) -> tuple[Schedule, StageMap]:
+    """`compute_program` of a pipeline ``layout`` (``layout.pp > 1``): its stage map and
+    activations without lowering it, which a layout that does not fit never needs."""
+    return compute_program(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
 
 
 def pipeline_problem(layout: Layout, num_blocks: int) -> str | None:
@@ -104,7 +126,7 @@ def pipeline_problem(layout: Layout, num_blocks: int) -> str | None:
         )
     if p <= 1 or layout.schedule not in NEXT_SCHEDULE_NAMES:
         return None
-    stage_map = lowered_program(layout.schedule, p, m, v)[1]
+    stage_map = compute_program(layout.schedule, p, m, v)[1]
     stages = stage_map.num_stages
     if stage_map.stages_per_rank > 1 and num_blocks < stages:
         return (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from functools import cache
 from typing import Literal
 
 from polytrain.errors import PlanError
@@ -34,6 +35,9 @@ Objective = Literal["time", "cost"]
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
 # (schedule, virtual_stages) offered with PlanRequest.next_schedules
 NEXT_SCHEDULES = (("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 1))
+# (recompute, recompute_every), least recomputation first ([Note: pruning]): none, every
+# second block (parallel.recompute = "every:2", torchtitan's layer frequency), every block
+RECOMPUTE_VARIANTS = ((False, 1), (True, 2), (True, 1))
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,9 @@ def device_counts(cluster: Cluster, lo: int, hi: int) -> list[int]:
     return sorted(n for n in out if launch_shape(n, cluster.per_host) is not None)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@cache
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def enumerate_layouts(
@@ -140,16 +145,23 @@ def enumerate_layouts(
             if pp > blocks or global_batch % dp or (layered and pp > 1 and tp > 1):
                 continue  # the layer view counts no tensor-parallel shards per layer
             per_replica = global_batch // dp
-            for recompute in (False, True):
+            for recompute, every in RECOMPUTE_VARIANTS:
                 if pp == 1:
                     for zero in (0, 2, 3) if dp > 1 else (0,):
-                        yield Layout(dp=dp, tp=tp, zero=zero, recompute=recompute)
+                        yield Layout(
+                            dp=dp, tp=tp, zero=zero, recompute=recompute, recompute_every=every
+                        )
                     if dp > 1 and tp == 1 and any(b.linears for b in stats.blocks):
-                        yield Layout(dp=dp, sufficient_factor=True, recompute=recompute)
+                        yield Layout(
+                            dp=dp,
+                            sufficient_factor=True,
+                            recompute=recompute,
+                            recompute_every=every,
+                        )
                     continue
-                for m in (pp, 2 * pp, 4 * pp, 8 * pp):
-                    if m > per_replica or per_replica % m:
-                        continue
+                # [Note: micro-batch counts] every count from one micro-batch per stage to
+                # one sample per micro-batch that divides the replica's batch
+                for m in (m for m in _divisors(per_replica) if m >= pp):
                     for schedule in SCHEDULES:
                         if schedule == "pipedream" and (tp > 1 or layered):
                             continue  # pre-flight rejects tp and layer pipelines with PipeDream
@@ -160,6 +172,7 @@ def enumerate_layouts(
                             schedule=schedule,
                             microbatches=m,
                             recompute=recompute,
+                            recompute_every=every,
                         )
                     if not next_schedules or layered or tp > 1:  # the runtime refuses tp there
                         continue
@@ -172,6 +185,7 @@ def enumerate_layouts(
                             virtual_stages=v,
                             microbatches=m,
                             recompute=recompute,
+                            recompute_every=every,
                         )
                         if pipeline_problem(layout, blocks) is None:
                             yield layout
@@ -197,7 +211,13 @@ def _with_accumulation(layout: Layout, pred: Prediction, req: PlanRequest, env: 
     accum = 2
     while not pred.fits and accum <= per_replica:
         if per_replica % accum == 0:
-            pred = predict(replace(layout, grad_accum=accum), req.stats, env, req.global_batch)
+            pred = predict(
+                replace(layout, grad_accum=accum),
+                req.stats,
+                env,
+                req.global_batch,
+                time_unfit=False,
+            )
         accum *= 2
     return pred
 
@@ -213,6 +233,18 @@ def search(req: PlanRequest) -> PlanResult:
     [Note: pruning] `enumerate_layouts` yields a mesh's layouts without recomputation first;
     once the plain (no ZeRO, no recomputation) layout of a mesh fits, its recomputing variants
     are skipped: they run the same collectives plus one more forward, so they cannot be faster.
+    Likewise a layout recomputing every block is skipped where the same layout recomputing
+    every second block (yielded before it) fits.
+
+    [Note: micro-batch counts] A pipeline is offered every micro-batch count m >= pp that
+    divides the replica's batch (one sample per micro-batch at most): published runs use
+    counts such as 12 pp (Megatron's 145.6B: 96 micro-batches on 8 stages).
+
+    [Note: untimed layouts] A layout that does not fit its devices is priced for memory only:
+    its step time is infinite and shown as "-" (it could not run, and what would fit is said
+    by `_what_would_fit`). A large model's search is mostly such layouts, and timing them
+    cost most of it: pipeline simulations of thousands of micro-batch actions each (the
+    3,072-GPU Megatron setup: 509 of its 520 pipeline layouts do not fit).
     """
     if req.global_batch < 1 or req.steps < 1:
         raise PlanError(f"global batch {req.global_batch} and steps {req.steps} must be >= 1")
@@ -229,6 +261,7 @@ def search(req: PlanRequest) -> PlanResult:
         cluster = req.cluster.with_size(n)
         env = Env(cluster, req.dtype, req.profile, req.bucket_bytes)
         fit_plain: set[tuple[int, int, int]] = set()
+        fit_partly: set[Layout] = set()  # every:2 layouts that fit, as their full variant
         layouts = enumerate_layouts(
             n, req.stats, cluster, req.global_batch, req.localsgd_period, req.next_schedules
         )
@@ -241,12 +274,16 @@ def search(req: PlanRequest) -> PlanResult:
                 continue  # [Note: synchronous by default]
             if layout.recompute and (layout.dp, layout.tp, layout.pp) in fit_plain:
                 continue  # [Note: pruning] recomputation only adds time once memory fits
-            pred = predict(layout, req.stats, env, req.global_batch)
+            if layout in fit_partly:
+                continue  # [Note: pruning] every block recomputes where every second sufficed
+            pred = predict(layout, req.stats, env, req.global_batch, time_unfit=False)
             if layout.sufficient_factor and not pred.breakdown.get("late_multiply"):
                 continue  # no layer is cheaper with factors: the same as plain dp
             pred = _with_accumulation(layout, pred, req, env)
             if pred.fits and not layout.recompute and layout.zero == 0:
                 fit_plain.add((layout.dp, layout.tp, layout.pp))
+            if pred.fits and layout.every_k:
+                fit_partly.add(replace(layout, recompute_every=1))
             total = req.steps * pred.step_s + startup
             cost = n * price * total / 3600 if price is not None else None
             plans.append(_judge(pred, total, cost, req))

@@ -90,6 +90,15 @@ class Action:
     microbatch_index: int
 
     def __post_init__(self) -> None:
+        s, m = self.stage_index, self.microbatch_index
+        if (
+            type(s) is int
+            and type(m) is int
+            and s >= 0
+            and m >= 0
+            and type(self.kind) is ActionKind
+        ):
+            return  # the common case, checked cheaply (lowering builds millions of actions)
         for name in ("stage_index", "microbatch_index"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

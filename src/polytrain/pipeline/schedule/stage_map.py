@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from polytrain.errors import ScheduleError
@@ -68,11 +69,21 @@ class StageMap:
 
     def rank_of(self, stage_index: int) -> int:
         """The rank that holds stage ``stage_index``."""
-        self._check_stage(stage_index)
-        chunk, position = divmod(stage_index, self.num_ranks)
-        if self.style == "v" and chunk % 2 == 1:
-            return self.num_ranks - 1 - position
-        return position
+        ranks = self._ranks
+        if type(stage_index) is int and 0 <= stage_index < len(ranks):  # the planner's hot path
+            return ranks[stage_index]
+        self._check_stage(stage_index)  # raises; an int subclass (not bool) passes on
+        return ranks[stage_index]
+
+    @cached_property
+    def _ranks(self) -> tuple[int, ...]:
+        """Each stage's rank, in stage order (the placement the class docstring draws)."""
+        out = []
+        for stage_index in range(self.num_stages):
+            chunk, position = divmod(stage_index, self.num_ranks)
+            flipped = self.style == "v" and chunk % 2 == 1
+            out.append(self.num_ranks - 1 - position if flipped else position)
+        return tuple(out)
 
     def chunk_of(self, stage_index: int) -> int:
         """Which of its rank's stages ``stage_index`` is, ``0 .. v - 1`` in model order."""

@@ -25,7 +25,7 @@ from polytrain.planner.cost.parts import (
     weight_grad_share,
 )
 from polytrain.planner.cost.pipeline import PipelineTiming, pipeline_step
-from polytrain.planner.schedules import by_rank, layout_program
+from polytrain.planner.schedules import by_rank, layout_compute, layout_program
 from polytrain.planner.types import BlockStats, Layout, ModelStats
 
 __all__ = ["stages_layout_step", "stages_step"]
@@ -69,7 +69,7 @@ def stages_step(
     runs = 1 if layout.schedule == "pipedream" else layout.grad_accum
     run = _pipeline_stages(layout, stats, env, stages, mb_samples, _shared_speed(env, layout.pp))
     timing = run.timing
-    ranks = by_rank(stages, layout_program(layout)[1])  # each rank's blocks, all its stages'
+    ranks = by_rank(stages, layout_compute(layout)[1])  # each rank's blocks, all its stages'
     # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, rank by rank in
     # parallel: the slowest rank's is on the critical path. PipeDream's is deferred into
     # the next step (StepOutput.complete) and hides behind it.
