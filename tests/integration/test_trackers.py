@@ -17,7 +17,7 @@ from polytrain.comm.init import shutdown
 from polytrain.core.strategy import NonFiniteLossError
 from polytrain.errors import ConfigError
 from polytrain.measure import mfu
-from polytrain.observe.trackers import scalars
+from polytrain.observe.trackers import MLflowTracker, WandbTracker, scalars
 from polytrain.trainer.loop import train
 from tests.helpers.cli import assert_usage_error, run_main
 
@@ -204,6 +204,28 @@ def test_trackers_close_their_runs_as_failed_when_training_stops(
     assert run.info.status == "FAILED"
     assert _mlflow(client, run, list(expected)) == expected
     assert _wandb_run(run_dir) == (expected, "run", 1)
+
+
+@pytest.mark.slow  # two trackers opened twice, in-process: a few seconds of start-up
+def test_a_restarted_rank_continues_its_trackers_runs(tmp_path: Path, tracker_env: None) -> None:
+    """[Note: one tracker run per training run]: a rank that opens its trackers again in the
+    same run directory (an elastic restart) logs into the same MLflow and W&B runs."""
+    for package in ("mlflow", "wandb"):
+        pytest.importorskip(package)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    job = {"train": {"steps": 4}}
+    for step, failed in ((1, True), (2, False)):  # killed after step 1, restarted
+        trackers = [MLflowTracker(run_dir, job), WandbTracker(run_dir, job)]
+        for tracker in trackers:
+            tracker.log({"loss": 1.0 / step}, step)
+            tracker.close(failed=failed)
+    client, run = _mlflow_run(run_dir / "mlruns")  # one run, both steps, finished
+    assert run.info.status == "FINISHED"
+    assert _mlflow(client, run, ["loss"]) == {"loss": [(1, 1.0), (2, 0.5)]}
+    assert run.data.params["train.steps"] == "4"
+    ids = {path.name.rsplit("-", 1)[1] for path in (run_dir / "wandb").glob("offline-run-*")}
+    assert ids == {(run_dir / "wandb_run_id").read_text().strip()}
 
 
 @pytest.mark.parametrize(

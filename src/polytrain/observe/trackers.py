@@ -13,12 +13,20 @@ tracker is opened, like ``datasets`` in `polytrain.data.tables` ([Note: optional
 places where polytrain imports an optional package at use. Pre-flight (`check_trackers`)
 imports the selected ones in the launching process, so a missing package is one line naming
 its extra before any worker starts.
+
+[Note: one tracker run per training run] A worker restarted by the elastic agent (or a job
+resumed into the same ``--out-dir``) reopens its trackers in the same run directory. MLflow and
+W&B would start a second run there, splitting one training's curves; so the first open writes
+its run's id to the run directory (``mlflow_run_id``, ``wandb_run_id``) and later opens continue
+that run (MLflow: the same run id, back to RUNNING; W&B: ``resume="allow"`` with the same id).
+TensorBoard needs nothing: its reader merges every event file of the directory.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -101,6 +109,15 @@ def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _read_id(path: Path) -> str:
+    return path.read_text().strip() if path.is_file() else ""
+
+
+def _write_id(path: Path, run_id: str) -> None:
+    if _read_id(path) != run_id:
+        path.write_text(run_id + "\n")
+
+
 class TensorBoardTracker:
     """Event files under ``<run dir>/tensorboard`` (``tensorboard --logdir``) through torch's
     ``SummaryWriter``. Scalars are stored as float32 (TensorBoard's ``simple_value``)."""
@@ -144,12 +161,27 @@ class MLflowTracker:
             experiment = found.experiment_id if found else self._client.create_experiment(name)
         else:
             experiment = os.environ.get("MLFLOW_EXPERIMENT_ID", "0")
+        # [Note: one tracker run per training run]
+        id_file = run_dir / "mlflow_run_id"
+        earlier = _read_id(id_file)
+        if earlier and self._exists(earlier):
+            self._run_id = earlier
+            self._client.update_run(earlier, status="RUNNING")
+            return  # its parameters were logged when it started
         self._run_id = self._client.create_run(experiment, run_name=run_dir.name).info.run_id
+        _write_id(id_file, self._run_id)
         params = [
             self._entities.Param(key, str(value)[:_MLFLOW_PARAM_CHARS])
             for key, value in flatten(job).items()
         ]
         self._client.log_batch(self._run_id, params=params)  # the client sends them in chunks
+
+    def _exists(self, run_id: str) -> bool:
+        try:
+            self._client.get_run(run_id)
+        except Exception:  # MlflowException: not in this store (another tracking URI)
+            return False
+        return True
 
     def log(self, record: Mapping[str, float], step: int) -> None:
         now_ms = int(time.time() * 1000)
@@ -167,8 +199,14 @@ class WandbTracker:
 
     def __init__(self, run_dir: Path, job: Mapping[str, Any]) -> None:
         wandb = import_tracker("wandb")
+        # [Note: one tracker run per training run]
+        id_file = run_dir / "wandb_run_id"
+        run_id = _read_id(id_file) or secrets.token_hex(6)  # W&B ids: [a-z0-9]
+        _write_id(id_file, run_id)
         self._run = wandb.init(
             dir=str(run_dir),
+            id=run_id,
+            resume="allow",
             name=run_dir.name,
             project=None if os.environ.get("WANDB_PROJECT") else "polytrain",
             mode=None if os.environ.get("WANDB_MODE") else "offline",
