@@ -44,7 +44,7 @@ STRATEGIES: dict[str, tuple[int, dict[str, Any]]] = {
     ),
 }
 # Tensor parallel: a transformers model's own base_model_tp_plan (Llama publishes one), else
-# polytrain's plan for its family (parallel.tp_plans.TRANSFORMERS_PLANS): GPT-2's Conv1D, fused
+# polytrain's plan for its family (core.tp_plans.TRANSFORMERS_PLANS): GPT-2's Conv1D, fused
 # qkv and tied wte/lm_head, BERT and ViT in Megatron's pattern, ResNet's classifier.
 # Recomputation of each layer inside the stages of a layer pipeline.
 RECOMPUTE: dict[str, tuple[int, dict[str, Any]]] = {

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from polytrain.config.job import DataConfig, ModelConfig
+from polytrain.core.tensor_parallel import resolve_tp_plan
 from polytrain.data.datasets import Dataset, DataSpec, build_datasets
 from polytrain.errors import ConfigError
 from polytrain.models.base import BlockModel
@@ -19,7 +20,6 @@ from polytrain.models.contract import top1_correct
 from polytrain.models.registry import build_model
 from polytrain.parallel.hybrid import resolve_hybrid_plan
 from polytrain.parallel.spatial import check_spatial
-from polytrain.parallel.tensor_parallel import resolve_tp_plan
 
 pytest.importorskip("sklearn")
 

@@ -182,15 +182,7 @@ def test_lower_layers_do_not_import_higher_ones() -> None:
 # Strategy families that exist: siblings that never import each other (what two need lives in
 # `core`). The imports not yet removed, "file -> module" with why; this list may only shrink.
 FAMILIES = ["parallel", "pipeline", "ps", "gossip"]
-CROSS_FAMILY_ALLOWED = {
-    # Pipeline stages apply tensor parallelism (pp x tp); tensor parallelism still lives in the
-    # SPMD family's package.
-    "pipeline/family.py -> polytrain.parallel.tensor_parallel": "pp x tp: the stages' TP plan",
-    "pipeline/strategy.py -> polytrain.parallel.tensor_parallel": "pp x tp: TP inside stages",
-    # The pure partition validator lives beside the pipeline's search; `core` imports torch, so
-    # it cannot move there without making `pipeline/partition.py` load torch.
-    "parallel/family.py -> polytrain.pipeline.partition": "one-stage pipeline.partition check",
-}
+CROSS_FAMILY_ALLOWED = {}
 
 
 def _cross_family_imports() -> set[str]:

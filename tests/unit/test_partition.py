@@ -405,6 +405,9 @@ def test_preflight_checks_explicit_and_auto_partitions() -> None:
         preflight(small_job(**two, pipeline={"partition": [2, 3]}))
     with pytest.raises(PartitionError, match="has 3 stage"):
         preflight(small_job(**two, pipeline={"partition": [1, 1, 2]}))
+    with pytest.raises(PartitionError, match=r"\[1, 3\] with parallel.pp = 1: the one stage"):
+        preflight(small_job(pipeline={"partition": [1, 3]}))
+    preflight(small_job(pipeline={"partition": [4]}))
     preflight(small_job(**two, pipeline={"partition": "auto", "memory_limit_mb": 64}))
     # memory does not depend on timing: the meta-device profile finds that nothing fits
     with pytest.raises(PartitionError, match="no 2-stage partition fits"):

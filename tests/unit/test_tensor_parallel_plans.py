@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from polytrain.config import job_from_dict
-from polytrain.data.datasets import DataSpec
-from polytrain.errors import ConfigError, MeshError
-from polytrain.models.gpt import GPTConfig, build_gpt
-from polytrain.models.mlp import build_mlp
-from polytrain.parallel.sufficient_factor import choose_layers, layer_cost, plain_linears
-from polytrain.parallel.tensor_parallel import resolve_tp_plan
-from polytrain.parallel.tp_plans import (
+from polytrain.core.tensor_parallel import resolve_tp_plan
+from polytrain.core.tp_plans import (
     ModuleInfo,
     PlanEntry,
     check_plan,
@@ -21,6 +16,11 @@ from polytrain.parallel.tp_plans import (
     mlp_plan,
     parse_plan,
 )
+from polytrain.data.datasets import DataSpec
+from polytrain.errors import ConfigError, MeshError
+from polytrain.models.gpt import GPTConfig, build_gpt
+from polytrain.models.mlp import build_mlp
+from polytrain.parallel.sufficient_factor import choose_layers, layer_cost, plain_linears
 
 
 def _gpt(vocab: int = 64, n_head: int = 4) -> torch.nn.Module:

@@ -77,7 +77,7 @@ class SplitActivations(TorchDispatchMode):
     row-parallel input (q, k, v, the attention's output, the MLP's hidden activations) and
     leaves whole what every rank computes in full: the layer norms' inputs and outputs (the
     column-parallel layers' inputs), the residual stream, the loss. The runtime's plan (``styles``:
-    module path -> style, `parallel.tensor_parallel.resolve_tp_plan`) names the modules: the
+    module path -> style, `core.tensor_parallel.resolve_tp_plan`) names the modules: the
     output of a ``colwise``/``qkv`` module is split, the output of any other planned module
     (``rowwise`` after its all-reduce, ``colwise_gather`` after its gather, ``vocab``) is
     whole, and every operator's result is split iff one of its tensor arguments is. Tensors are

@@ -2,7 +2,7 @@
 
 Which parameter bytes a plan splits ([Note: tensor-parallel shards]) and which modules it
 parallelizes, with the activations their collectives move ([Note: tensor-parallel modules] in
-planner/cost/tp.py). The plan is the runtime's own (`parallel.tensor_parallel.resolve_tp_plan`),
+planner/cost/tp.py). The plan is the runtime's own (`core.tensor_parallel.resolve_tp_plan`),
 resolved at tp = 1 so that every conditional row is in; a row that applies only when tp
 divides a dimension (the vocabulary rows) carries that dimension as its divisor.
 """
@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from polytrain.core.tensor_parallel import module_infos, resolve_tp_plan
+from polytrain.core.tp_plans import ModuleInfo
 from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel
-from polytrain.parallel.tensor_parallel import module_infos, resolve_tp_plan
-from polytrain.parallel.tp_plans import ModuleInfo
 from polytrain.planner.types import TPModule, splits_inputs
 
 __all__ = ["TPModules", "plan_styles", "tp_shards"]

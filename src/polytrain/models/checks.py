@@ -49,7 +49,7 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
     p = job.parallel
     ties = tied_parameters(model)
     layer_pipeline = p.pp > 1 and bool(model.layers)  # [Note: layer pipeline] in models.split
-    # Under tensor parallel a tie is kept (parallel.tp_styles.retie) when the plan splits the
+    # Under tensor parallel a tie is kept (core.tp_styles.retie) when the plan splits the
     # shared tensor alike in every module that uses it (checked with the plan).
     if ties and p.pp > 1 and not layer_pipeline:
         n = len(model.user_prefix)

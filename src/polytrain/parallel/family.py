@@ -21,8 +21,11 @@ from polytrain.core.compile import apply_compile
 from polytrain.core.recompute import apply_recompute
 from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
+from polytrain.core.tensor_parallel import apply_tensor_parallel, check_tp_plan
+from polytrain.core.tp_plans import Style
 from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
+from polytrain.errors import PartitionError
 from polytrain.models.base import BlockModel, one_input
 from polytrain.models.blocks import disable_inplace
 from polytrain.parallel.data_parallel import apply_data_parallel
@@ -35,10 +38,7 @@ from polytrain.parallel.sufficient_factor import (
     choose_layers,
     plain_linears,
 )
-from polytrain.parallel.tensor_parallel import apply_tensor_parallel, check_tp_plan
-from polytrain.parallel.tp_plans import Style
 from polytrain.parallel.zero import apply_zero
-from polytrain.pipeline.partition import check_counts
 from polytrain.topology import ParallelDims
 
 __all__ = ["SPMD", "build_spmd", "check_hybrid_plan", "check_spmd_job"]
@@ -60,8 +60,12 @@ def check_spmd_job(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
         x, _ = dataset.get(torch.arange(1))
         shape = tuple(x.shape[1:]) if isinstance(x, torch.Tensor) else ()
         check_spatial(model, shape, job.parallel.spatial)
-    if isinstance(job.pipeline.partition, list):  # one stage: the list must cover the model
-        check_counts(job.pipeline.partition, model.num_blocks, 1)
+    counts = job.pipeline.partition
+    if isinstance(counts, list) and counts != [model.num_blocks]:  # one stage holds the model
+        raise PartitionError(
+            f"pipeline.partition = {counts} with parallel.pp = 1: the one stage holds all "
+            f"{model.num_blocks} blocks; leave pipeline.partition unset (or set parallel.pp)"
+        )
     if job.parallel.sufficient_factor == "on" and not plain_linears(model):
         choose_layers([], "on")  # raises: nothing to exchange factors for
 

@@ -5,7 +5,7 @@ hybrid parallelism: a convolutional network's convolutions hold few parameters a
 the FLOPs, its fully connected layers hold most of the parameters and do few FLOPs. So every
 rank runs the convolutions on its own slice of the batch (data parallel: their small gradients
 are all-reduced by DDP), and the wide Linear layers are split over the same ranks (tensor
-parallel, `parallel.tp_plans` styles) and run on the whole batch: their large gradients are
+parallel, `core.tp_plans` styles) and run on the whole batch: their large gradients are
 never exchanged, only activations are.
 
 ``parallel.hybrid`` is a plan in the tensor-parallel row format (``"pattern=style"``) naming the
@@ -39,9 +39,8 @@ from torch import nn
 
 from polytrain.comm.autograd import all_gather_rows
 from polytrain.comm.mesh import Mesh
-from polytrain.errors import ConfigError
-from polytrain.parallel.tensor_parallel import module_infos, parallelize
-from polytrain.parallel.tp_plans import (
+from polytrain.core.tensor_parallel import module_infos, parallelize
+from polytrain.core.tp_plans import (
     ModuleInfo,
     PlanEntry,
     Style,
@@ -49,6 +48,7 @@ from polytrain.parallel.tp_plans import (
     match_plan,
     parse_plan,
 )
+from polytrain.errors import ConfigError
 
 __all__ = ["apply_hybrid", "auto_layers", "hybrid_ignored", "resolve_hybrid_plan"]
 

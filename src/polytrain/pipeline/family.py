@@ -9,12 +9,12 @@ from polytrain.comm.mesh import Mesh, build_mesh
 from polytrain.config.job import JobConfig
 from polytrain.core.registry import StrategyFamily
 from polytrain.core.strategy import Strategy
+from polytrain.core.tensor_parallel import check_tp_plan
 from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
 from polytrain.errors import ConfigError, PartitionError
 from polytrain.models.base import BlockModel
 from polytrain.models.blocks import disable_inplace
-from polytrain.parallel.tensor_parallel import check_tp_plan
 from polytrain.pipeline.checks import check_pipeline_job, num_pipeline_stages
 from polytrain.pipeline.pipedream import PipeDreamStrategy
 from polytrain.pipeline.profile import check_partition

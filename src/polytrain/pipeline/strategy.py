@@ -75,6 +75,15 @@ from polytrain.core.step import (
     sum_over,
 )
 from polytrain.core.strategy import StepOutput, Strategy
+from polytrain.core.tensor_parallel import (
+    apply_tensor_parallel_to_stage,
+    full_tensors,
+    grad_square_sum,
+    like_param,
+    local_tensor,
+    parallelize_layer_stage,
+    resolve_tp_plan,
+)
 from polytrain.data.datasets import Inputs
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel, inputs_to, one_input
@@ -87,15 +96,6 @@ from polytrain.models.split import (
     trace_sides,
 )
 from polytrain.observe.trace import Tracer
-from polytrain.parallel.tensor_parallel import (
-    apply_tensor_parallel_to_stage,
-    full_tensors,
-    grad_square_sum,
-    like_param,
-    local_tensor,
-    parallelize_layer_stage,
-    resolve_tp_plan,
-)
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.layer_profile import profile_job_layers
 from polytrain.pipeline.layer_stage import LayerStage

@@ -47,7 +47,7 @@ def launch_shape(devices: int, per_host: int) -> tuple[int, int] | None:
 
 
 def splits_inputs(style: str) -> bool:
-    """Whether a tensor-parallel ``style`` (`parallel.tp_plans.Style`) splits a Linear by its
+    """Whether a tensor-parallel ``style`` (`core.tp_plans.Style`) splits a Linear by its
     inputs (the row-parallel ones) rather than by its outputs (the others)."""
     return style in ("rowwise", "rowwise_split")
 
@@ -56,7 +56,7 @@ def splits_inputs(style: str) -> bool:
 class TPModule:
     """One module a tensor-parallel plan parallelizes ([Note: tensor-parallel modules])."""
 
-    style: str  # parallel.tp_plans.Style: colwise, colwise_gather, rowwise, rowwise_split, ...
+    style: str  # core.tp_plans.Style: colwise, colwise_gather, rowwise, rowwise_split, ...
     divisor: int  # the dimension it splits: applied at degree tp iff tp divides it
     tensors: int  # its parameter tensors (DTensors once applied)
     in_bytes: float  # its input's bytes per sample (0 for token ids), unsplit

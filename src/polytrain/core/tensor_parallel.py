@@ -2,7 +2,7 @@
 al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism",
 2019).
 
-The split is a plan (`parallel.tp_plans`): rows of (module path pattern, style). This module
+The split is a plan (`core.tp_plans`): rows of (module path pattern, style). This module
 turns the plan into torch's ``ColwiseParallel`` / ``RowwiseParallel`` styles on the ``tp``
 sub-mesh. Megatron's ``f`` (identity forward, all-reduce backward) and ``g`` (all-reduce
 forward, identity backward) are DTensor redistributions inserted by those styles at the input of
@@ -35,8 +35,7 @@ from torch.distributed.tensor.parallel import (
 from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import JobConfig
-from polytrain.errors import MeshError
-from polytrain.parallel.tp_plans import (
+from polytrain.core.tp_plans import (
     TRANSFORMERS_PLANS,
     ModuleInfo,
     PlanEntry,
@@ -48,7 +47,7 @@ from polytrain.parallel.tp_plans import (
     mlp_plan,
     parse_plan,
 )
-from polytrain.parallel.tp_styles import (
+from polytrain.core.tp_styles import (
     Conv1DColwise,
     Conv1DRowwise,
     fix_split_width,
@@ -56,6 +55,7 @@ from polytrain.parallel.tp_styles import (
     retie,
     tied_uses,
 )
+from polytrain.errors import MeshError
 
 __all__ = [
     "apply_tensor_parallel",
@@ -224,7 +224,7 @@ def style_of(style: Style, module: nn.Module) -> ParallelStyle:
 
 def parallelize(root: nn.Module, tp_mesh: DeviceMesh, assignment: Mapping[str, Style]) -> None:
     """Apply the styles, then the fix-ups a style needs outside its module: fused projections'
-    split width, and tied weights put back together (parallel.tp_styles)."""
+    split width, and tied weights put back together (core.tp_styles)."""
     ties = tied_uses(root)
     styles = {name: style_of(s, root.get_submodule(name)) for name, s in assignment.items()}
     if styles:

@@ -18,7 +18,7 @@ style                 module        what each of the ``tp`` ranks holds and comp
                                     rank takes its slice (a head after replicated layers)
 ``qkv``               Conv1D        a fused [q | k | v] projection, each chunk column-split so
                                     a rank holds whole heads of q, k and v (GPT-2's ``c_attn``;
-                                    [Note: fused projections under tp] in parallel.tp_styles)
+                                    [Note: fused projections under tp] in core.tp_styles)
 ``vocab``             nn.Embedding  rows ``num_embeddings/tp`` of the table (vocabulary parallel);
                                     ids replicated, looked-up rows all-reduced
 ====================  ============  ==============================================================
@@ -177,7 +177,7 @@ def check_ties(
     ties: Sequence[Sequence[str]],
 ) -> None:
     """Modules that share one weight (GPT-2's ``wte`` and ``lm_head``) must split it alike, so
-    one distributed tensor serves both ([Note: tied weights under tp] in parallel.tp_styles)."""
+    one distributed tensor serves both ([Note: tied weights under tp] in core.tp_styles)."""
     for group in ties:
         splits = {m: _weight_split(modules[m], assignment.get(m)) for m in group}
         if len(set(splits.values())) > 1:
