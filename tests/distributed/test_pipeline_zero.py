@@ -20,8 +20,6 @@ from polytrain.config import JobConfig
 from polytrain.testing import assert_state_close, run_distributed
 from tests.conftest import small_job
 from tests.distributed.test_pipeline import run_jobs
-from tests.helpers import hf_models
-from tests.helpers.cli import assert_usage_error, run_main
 from tests.helpers.resume import resumed_after_step_3
 
 pytestmark = pytest.mark.slow
@@ -155,14 +153,3 @@ def test_checkpoint_resumes_exactly(tmp_path: Path) -> None:
     assert resumed["start"] == 3
     assert_state_close(resumed["state"], full["state"], atol=1e-6)
     assert resumed["losses"] == pytest.approx(full["losses"][3:], abs=1e-6)
-
-
-def test_layer_pipelines_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A transformers model is pipelined over its own layers (`LayerStage`): ZeRO stages hold
-    our models' blocks only, refused in pre-flight in one line."""
-    data = hf_models.write_data("gpt2", tmp_path / "data.safetensors")
-    args = ["train", "--dry-run", "--model", "tests.helpers.hf_models:make_gpt2"]
-    args += ["--set", f"data.source={data}", "--nproc", "4", "--dp", "2", "--pp", "2"]
-    args += ["--zero", "2", "--microbatches", "2"]
-    code, _, err = run_main(args, capsys)
-    assert_usage_error(code, err, "ZeRO stages hold our models' blocks only; use --zero 0")

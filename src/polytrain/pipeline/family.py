@@ -33,12 +33,6 @@ def check_pipeline(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
             f"pipeline.schedule = {name!r} with a pipeline over the layers of model.name = "
             f"{job.model.name!r}: users' layer pipelines run with gpipe, 1f1b and pipedream only"
         )
-    if model.layers and job.parallel.zero:
-        raise ConfigError(
-            f"parallel.zero = {job.parallel.zero} with a pipeline over the layers of "
-            f"model.name = {job.model.name!r}: ZeRO stages hold our models' blocks only; use "
-            "--zero 0 (stages replicate over dp)"
-        )
     num_stages = num_pipeline_stages(job)
     if num_stages > model.num_blocks and not model.layers:
         stages = f"{pp} x {num_stages // pp} = {num_stages}" if num_stages > pp else f"{pp}"

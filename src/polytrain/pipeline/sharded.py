@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from polytrain.comm.collectives import all_reduce_sum_
@@ -56,7 +57,6 @@ from polytrain.config.job import ParallelConfig
 from polytrain.parallel.tensor_parallel import local_tensor
 from polytrain.parallel.zero import shard_units
 from polytrain.pipeline.schedule import Action, ActionKind
-from polytrain.pipeline.stage import StageModule
 
 __all__ = ["StageSharding", "last_backwards"]
 
@@ -71,14 +71,21 @@ class StageSharding:
     ([Note: ZeRO inside stages])."""
 
     def __init__(
-        self, stage: StageModule, mesh: Mesh, cfg: ParallelConfig, device: torch.device
+        self,
+        stage: nn.Module,
+        units: Sequence[nn.Module],
+        mesh: Mesh,
+        cfg: ParallelConfig,
+        device: torch.device,
     ) -> None:
+        """``units``: the stage's blocks (a `StageModule`'s), or a user model's repeated layers
+        (a `LayerStage`'s; those the stage does not own hold no parameters and stay whole)."""
         self.zero, self.device = cfg.zero, device
         self.group = mesh.group("dp")
-        self.module = shard_units(stage, stage.blocks.values(), mesh.sub("dp"), cfg)
-        units = [u for u in stage.blocks.values() if isinstance(u, FSDPModule)]
-        for k, unit in enumerate(units):  # [Note: backward prefetch in stages]
-            unit.set_modules_to_backward_prefetch([units[k - 1] if k else unit])
+        self.module = shard_units(stage, units, mesh.sub("dp"), cfg)
+        sharded = [u for u in units if isinstance(u, FSDPModule)]
+        for k, unit in enumerate(sharded):  # [Note: backward prefetch in stages]
+            unit.set_modules_to_backward_prefetch([sharded[k - 1] if k else unit])
         self.last: dict[int, int] = {}
         """Stage -> micro-batch of its last backward in one run of the program (`track`)."""
         self.final_run = True

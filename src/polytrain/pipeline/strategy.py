@@ -172,6 +172,7 @@ class PipelineStrategy(Strategy):
             nn.Parameter
         ] = []  # tied tensors this stage holds ([Note: layer pipeline])
         self._tie_counted = True  # whether this stage counts the tied tensors in the global norm
+        self._tied_names: list[str] = []
         if model.layers:
             self._build_layer_stage(job, model)
         else:
@@ -184,9 +185,14 @@ class PipelineStrategy(Strategy):
             if len(self.stages) > 1:  # a converted block is a new module: gather them again
                 self.stage = _rank_module(self.stages, job.parallel.recompute_policy)
         self.sharding: StageSharding | None = None  # ZeRO: FSDP2 over the stage's dp peers
-        if job.parallel.zero:  # one block stage per rank (pipeline.checks), before the optimizer
-            assert isinstance(self.stage, StageModule) and len(self.stages) == 1
-            self.sharding = StageSharding(self.stage, mesh, job.parallel, device)
+        if job.parallel.zero:  # one stage per rank (pipeline.checks), before the optimizer
+            assert len(self.stages) == 1
+            stage = self.stage
+            units = list(stage.blocks.values()) if isinstance(stage, StageModule) else model.units()
+            self.sharding = StageSharding(stage, units, mesh, job.parallel, device)
+            if self._tied:  # FSDP2 replaced the parameters: find the tied ones again by name
+                params = dict(stage.named_parameters())
+                self._tied = [params[name] for name in self._tied_names]
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
         self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
         self._accuracy: float | None = None  # of the last evaluation, on classification data
@@ -286,6 +292,7 @@ class PipelineStrategy(Strategy):
                 self._tie_group = group
                 self._tie_counted = self.stage_index == stages[0]
         params = dict(self.stage.named_parameters())
+        self._tied_names = tied_names
         self._tied = [params[name] for name in tied_names]
 
     def _init_runtime(self, job: JobConfig, model: BlockModel) -> None:
