@@ -41,7 +41,8 @@ REFERENCES = {"gpt": small_job(model=GPT), "gpt-adam-clip": small_job(model=GPT,
 CASES: dict[str, tuple[str, JobConfig]] = {
     "1f1b-zero2": ("gpt", pipe("1f1b", 4, 2)),
     "1f1b-zero3": ("gpt", pipe("1f1b", 4, 3)),
-    "gpipe-zero2": ("gpt", pipe("gpipe", 4, 2)),
+    # Evaluations between steps: ZeRO-2 frees what the forward-only pass gathered.
+    "gpipe-zero2-eval": ("gpt", pipe("gpipe", 4, 2, train={"eval_every": 1})),
     "gpipe-zero3": ("gpt", pipe("gpipe", 4, 3)),
     "1f1b-zero3-adam-clip": ("gpt-adam-clip", pipe("1f1b", 4, 3, optim=ADAM_CLIP)),
     "1f1b-zero2-accum2-recompute": (
