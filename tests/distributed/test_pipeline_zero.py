@@ -1,7 +1,7 @@
 """ZeRO inside pipeline stages (dp 2 x pp 2, FSDP2 over each stage's replicas) reproduces the
 single-process run parameter by parameter ([Note: ZeRO inside stages] in pipeline.sharded).
 
-1F1B and GPipe with ZeRO-2 and ZeRO-3 on the tiny GPT, global-norm clipping with AdamW,
+1F1B, GPipe and interleaved 1F1B with ZeRO-2 and ZeRO-3 on the tiny GPT, global-norm clipping with AdamW,
 accumulation with recomputation; each stage reduce-scatters once per step (ZeRO-2 also gathers
 once, ZeRO-3 per micro-batch), the optimizer state is sharded, and a checkpoint resumes the
 run exactly. Jobs of one world size share one set of processes.
@@ -27,11 +27,12 @@ pytestmark = pytest.mark.slow
 # gpt n_layer 2: [embedding, block, block, head] = 4 blocks, 2 per stage.
 GPT: dict[str, Any] = {"name": "gpt", "n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16}
 ADAM_CLIP: dict[str, Any] = {"name": "adamw", "lr": 0.01, "grad_clip": 0.5}
+V2: dict[str, Any] = {"virtual_stages": 2}
 
 
 def pipe(schedule: str, m: int, zero: int, **sections: Any) -> JobConfig:
     parallel = {"dp": 2, "pp": 2, "zero": zero, **sections.pop("parallel", {})}
-    pipeline = {"schedule": schedule, "microbatches": m}
+    pipeline = {"schedule": schedule, "microbatches": m, **sections.pop("pipeline", {})}
     return small_job(
         model=GPT, parallel=parallel, pipeline=pipeline, launch={"nproc": 4}, **sections
     )
@@ -45,6 +46,12 @@ CASES: dict[str, tuple[str, JobConfig]] = {
     "gpipe-zero2-eval": ("gpt", pipe("gpipe", 4, 2, train={"eval_every": 1})),
     "gpipe-zero3": ("gpt", pipe("gpipe", 4, 3)),
     "1f1b-zero3-adam-clip": ("gpt-adam-clip", pipe("1f1b", 4, 3, optim=ADAM_CLIP)),
+    # Two stages per rank (one block each), each its own FSDP2 root; clipping over all four.
+    "interleaved-v2-zero2": ("gpt", pipe("interleaved-1f1b", 4, 2, pipeline=V2)),
+    "interleaved-v2-zero3-adam-clip": (
+        "gpt-adam-clip",
+        pipe("interleaved-1f1b", 4, 3, pipeline=V2, optim=ADAM_CLIP),
+    ),
     "1f1b-zero2-accum2-recompute": (
         "gpt",
         pipe("1f1b", 2, 2, train={"grad_accum": 2}, parallel={"recompute": True}),
@@ -64,7 +71,8 @@ def test_matches_single_process(case: str) -> None:
     ref_name, job = CASES[case]
     out, ref = outcomes(4)[case], outcomes(1)[ref_name]
     m, zero = job.pipeline.microbatches, job.parallel.zero
-    assert out["strategy"] == f"{job.pipeline.schedule}-pp2-m{m}-dp2-zero{zero}"
+    v = "-v2" if job.pipeline.virtual_stages > 1 else ""
+    assert out["strategy"] == f"{job.pipeline.schedule}-pp2{v}-m{m}-dp2-zero{zero}"
     # AdamW divides by the root of tiny second moments, which magnifies reassociation noise.
     atol = 1e-4 if ref_name == "gpt-adam-clip" else 1e-5
     assert_state_close(out["state"], ref["state"], atol=atol)
@@ -140,14 +148,19 @@ def test_reduce_scatter_once_per_step_and_sharded_optimizer_state() -> None:
             assert local[0] in (full[0] // 2, (full[0] + 1) // 2), (local, full)
 
 
-def test_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("zero", "pipeline"),
+    [(3, {"schedule": "1f1b"}), (2, {"schedule": "interleaved-1f1b", **V2})],
+    ids=["1f1b-zero3", "interleaved-v2-zero2"],
+)
+def test_checkpoint_resumes_exactly(tmp_path: Path, zero: int, pipeline: dict[str, Any]) -> None:
     """Saved every 3 steps (full tensors gathered over dp) and resumed from step 3: the same
     weights and losses as the uninterrupted run, AdamW's sharded moments included."""
     full, resumed = resumed_after_step_3(
         tmp_path,
         model=GPT,
-        parallel={"dp": 2, "pp": 2, "zero": 3},
-        pipeline={"schedule": "1f1b", "microbatches": 2},
+        parallel={"dp": 2, "pp": 2, "zero": zero},
+        pipeline={"microbatches": 2, **pipeline},
         launch={"nproc": 4},
         optim={"name": "adamw", "lr": 0.01},
     )

@@ -99,8 +99,8 @@ def check_pipeline_job(job: JobConfig) -> None:
 
 def check_zero_stages(job: JobConfig) -> None:
     """Raise a one-line `ConfigError` for what ZeRO inside stages (`pipeline.sharded`) does not
-    offer: weight stashing, the schedules with several stages per rank or a split backward,
-    tensor-parallel stages."""
+    offer: weight stashing, the zero-bubble schedules' split backward, tensor-parallel
+    stages."""
     p, name = job.parallel, job.pipeline.schedule
     if name == "pipedream":
         raise ConfigError(
@@ -108,11 +108,11 @@ def check_zero_stages(job: JobConfig) -> None:
             "keeps whole copies of a stage's weights, which ZeRO shards; use --schedule 1f1b "
             "(or gpipe) with ZeRO, or --zero 0 with pipedream"
         )
-    if name in NEXT_SCHEDULE_NAMES:
+    if name in NEXT_SCHEDULE_NAMES and name != "interleaved-1f1b":
         raise ConfigError(
-            f"parallel.zero = {p.zero} with pipeline.schedule = {name!r}: ZeRO stages run with "
-            "gpipe and 1f1b only (one stage per rank, one backward per micro-batch); use one "
-            "of them, or --zero 0"
+            f"parallel.zero = {p.zero} with pipeline.schedule = {name!r}: the zero-bubble "
+            "schedules split each backward in two, which ZeRO stages do not; use gpipe, 1f1b "
+            "or interleaved-1f1b, or --zero 0"
         )
     if p.tp > 1:
         raise ConfigError(

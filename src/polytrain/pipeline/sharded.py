@@ -1,9 +1,9 @@
 """ZeRO inside pipeline stages: FSDP2 over each stage's data-parallel replicas.
 
 ZeRO (Rajbhandari et al., SC 2020) through FSDP2's ``fully_shard`` (`parallel.zero`), composed
-with a synchronous pipeline (GPipe, 1F1B) as torchtitan composes them: each rank shards its
-stage's blocks, then the stage, over the stage's ``dp`` sub-mesh (the same stage of every
-pipeline replica). The optimizer is built on the sharded parameters, so it steps on the
+with a synchronous pipeline (GPipe, 1F1B, interleaved 1F1B) as torchtitan composes them: each
+rank shards each of its stages' blocks, then the stage, over the stage's ``dp`` sub-mesh (the
+same stage of every pipeline replica). The optimizer is built on the sharded parameters, so it steps on the
 DTensor shards and keeps its state sharded.
 
 [Note: ZeRO inside stages] A stage runs one backward per micro-batch, and FSDP2 would
@@ -45,7 +45,7 @@ shard counted once), then over ``pp`` (`PipelineStrategy._global_norm`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -72,20 +72,23 @@ class StageSharding:
 
     def __init__(
         self,
-        stage: nn.Module,
-        units: Sequence[nn.Module],
+        stages: Mapping[int, tuple[nn.Module, Sequence[nn.Module]]],
         mesh: Mesh,
         cfg: ParallelConfig,
         device: torch.device,
     ) -> None:
-        """``units``: the stage's blocks (a `StageModule`'s), or a user model's repeated layers
-        (a `LayerStage`'s; those the stage does not own hold no parameters and stay whole)."""
+        """``stages``: stage index -> (its module, its units): a `StageModule`'s blocks, or a
+        user model's repeated layers (a `LayerStage`'s; those the stage does not own hold no
+        parameters and stay whole). Each stage is its own FSDP2 root (interleaved 1F1B holds
+        several on one rank)."""
         self.zero, self.device = cfg.zero, device
         self.group = mesh.group("dp")
-        self.module = shard_units(stage, units, mesh.sub("dp"), cfg)
-        sharded = [u for u in units if isinstance(u, FSDPModule)]
-        for k, unit in enumerate(sharded):  # [Note: backward prefetch in stages]
-            unit.set_modules_to_backward_prefetch([sharded[k - 1] if k else unit])
+        self.modules: dict[int, FSDPModule] = {}
+        for index, (stage, units) in stages.items():
+            self.modules[index] = shard_units(stage, units, mesh.sub("dp"), cfg)
+            sharded = [u for u in units if isinstance(u, FSDPModule)]
+            for k, unit in enumerate(sharded):  # [Note: backward prefetch in stages]
+                unit.set_modules_to_backward_prefetch([sharded[k - 1] if k else unit])
         self.last: dict[int, int] = {}
         """Stage -> micro-batch of its last backward in one run of the program (`track`)."""
         self.final_run = True
@@ -98,13 +101,15 @@ class StageSharding:
     def before_backward(self, stage_index: int, microbatch: int) -> None:
         """Reduce-scatter (and reshard) after this backward only if it is the step's last."""
         last = self.final_run and self.last.get(stage_index) == microbatch
-        self.module.set_is_last_backward(last)
-        self.module.set_requires_gradient_sync(last)
-        self.module.set_reshard_after_backward(last or self.zero == 3)
+        module = self.modules[stage_index]
+        module.set_is_last_backward(last)
+        module.set_requires_gradient_sync(last)
+        module.set_reshard_after_backward(last or self.zero == 3)
 
     def reshard(self) -> None:
         """Free the gathered parameters (``zero = 2`` keeps them after an evaluation)."""
-        self.module.reshard()
+        for module in self.modules.values():
+            module.reshard()
 
     def square_sum(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Sum of squares of the stage's whole gradients: the shards' summed over ``dp``."""

@@ -185,13 +185,21 @@ class PipelineStrategy(Strategy):
             if len(self.stages) > 1:  # a converted block is a new module: gather them again
                 self.stage = _rank_module(self.stages, job.parallel.recompute_policy)
         self.sharding: StageSharding | None = None  # ZeRO: FSDP2 over the stage's dp peers
-        if job.parallel.zero:  # one stage per rank (pipeline.checks), before the optimizer
-            assert len(self.stages) == 1
-            stage = self.stage
-            units = list(stage.blocks.values()) if isinstance(stage, StageModule) else model.units()
-            self.sharding = StageSharding(stage, units, mesh, job.parallel, device)
+        if job.parallel.zero:  # each stage its own FSDP2 root, before the optimizer
+            self.sharding = StageSharding(
+                {
+                    s: (
+                        st,
+                        list(st.blocks.values()) if isinstance(st, StageModule) else model.units(),
+                    )
+                    for s, st in self.stages.items()
+                },
+                mesh,
+                job.parallel,
+                device,
+            )
             if self._tied:  # FSDP2 replaced the parameters: find the tied ones again by name
-                params = dict(stage.named_parameters())
+                params = dict(self.stage.named_parameters())
                 self._tied = [params[name] for name in self._tied_names]
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
         self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
