@@ -1,6 +1,6 @@
 """ZeRO inside pipeline stages: FSDP2 over each stage's data-parallel replicas.
 
-ZeRO (Rajbhandari et al., SC 2020) through FSDP2's ``fully_shard`` (`parallel.zero`), composed
+ZeRO (Rajbhandari et al., SC 2020) through FSDP2's ``fully_shard`` (`core.fsdp`), composed
 with a synchronous pipeline (GPipe, 1F1B, interleaved 1F1B) as torchtitan composes them: each
 rank shards each of its stages' blocks, then the stage, over the stage's ``dp`` sub-mesh (the
 same stage of every pipeline replica). The optimizer is built on the sharded parameters, so it steps on the
@@ -50,13 +50,15 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import ParallelConfig
-from polytrain.parallel.tensor_parallel import local_tensor
-from polytrain.parallel.zero import shard_units
+from polytrain.core.fsdp import shard_units
+from polytrain.models.base import BlockModel
 from polytrain.pipeline.schedule import Action, ActionKind
+from polytrain.pipeline.stage import StageModule
 
 __all__ = ["StageSharding", "last_backwards"]
 
@@ -94,6 +96,23 @@ class StageSharding:
         self.final_run = True
         """Whether the program's run is the step's last (``train.grad_accum`` runs it k times)."""
 
+    @classmethod
+    def of(
+        cls,
+        stages: Mapping[int, nn.Module],
+        model: BlockModel,
+        mesh: Mesh,
+        cfg: ParallelConfig,
+        device: torch.device,
+    ) -> StageSharding:
+        """Shard a rank's stages: a `StageModule` by its blocks, a `LayerStage` by the model's
+        repeated layers."""
+        units = {
+            index: list(stage.blocks.values()) if isinstance(stage, StageModule) else model.units()
+            for index, stage in stages.items()
+        }
+        return cls({i: (stage, units[i]) for i, stage in stages.items()}, mesh, cfg, device)
+
     def track(self, program: Sequence[Action]) -> None:
         """The rank's program, run once per step (or once per accumulation round)."""
         self.last = last_backwards(program)
@@ -113,7 +132,7 @@ class StageSharding:
 
     def square_sum(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Sum of squares of the stage's whole gradients: the shards' summed over ``dp``."""
-        local = [local_tensor(g).detach() for g in grads]
+        local = [(g.to_local() if isinstance(g, DTensor) else g).detach() for g in grads]
         if local:
             square = torch.nn.utils.get_total_norm(local).to(self.device, torch.float32).square()
         else:

@@ -186,18 +186,7 @@ class PipelineStrategy(Strategy):
                 self.stage = _rank_module(self.stages, job.parallel.recompute_policy)
         self.sharding: StageSharding | None = None  # ZeRO: FSDP2 over the stage's dp peers
         if job.parallel.zero:  # each stage its own FSDP2 root, before the optimizer
-            self.sharding = StageSharding(
-                {
-                    s: (
-                        st,
-                        list(st.blocks.values()) if isinstance(st, StageModule) else model.units(),
-                    )
-                    for s, st in self.stages.items()
-                },
-                mesh,
-                job.parallel,
-                device,
-            )
+            self.sharding = StageSharding.of(self.stages, model, mesh, job.parallel, device)
             if self._tied:  # FSDP2 replaced the parameters: find the tied ones again by name
                 params = dict(self.stage.named_parameters())
                 self._tied = [params[name] for name in self._tied_names]
