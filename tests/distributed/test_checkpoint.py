@@ -122,8 +122,9 @@ ZBV = {"schedule": "zbv", "microbatches": 2}  # two stages per rank, rank 0's no
         (2, {"tp": 2}, {}),
         (2, {"pp": 2}, {}),
         (2, {"pp": 2}, ZBV),
+        (4, {"dp": 2, "pp": 2, "zero": 3}, {}),
     ],
-    ids=["dp1", "zero3-dp2", "tp2", "pp2", "zbv-pp2"],
+    ids=["dp1", "zero3-dp2", "tp2", "pp2", "zbv-pp2", "zero3-dp2-pp2"],
 )
 def test_resume_under_another_layout(
     root: str, nproc: int, parallel: dict[str, Any], pipeline: dict[str, Any]

@@ -1,7 +1,8 @@
 """Each memory or consistency feature shows its effect, not only parity (STYLE 19; issue 10).
 
 - recomputation holds less activation memory than storing activations (SPMD and pipeline),
-- ZeRO-3 holds ~1/dp of the parameters through the forward, ZeRO-2 the whole,
+- ZeRO-3 holds ~1/dp of the parameters through the forward, ZeRO-2 the whole (and inside
+  pipeline stages, ZeRO-2 keeps them whole across micro-batches),
 - async and SSP parameter servers admit staleness above 0 with a straggler, SSP never above s.
 
 Memory is read by probes placed in the model (tests/helpers/probes.py) during real training
@@ -130,6 +131,32 @@ def test_zero_stage_sets_parameter_residency(
             readings = dict(step)
             assert readings["start"] == pytest.approx(at_rest * whole, rel=0.02), (rank, step)
             assert readings["end"] == pytest.approx(after_forward * whole, rel=0.02), (rank, step)
+
+
+@pytest.mark.parametrize("zero", [2, 3], ids=["zero2", "zero3"])
+def test_zero_inside_stages_sets_parameter_residency(zero: int) -> None:
+    """dp 2 x pp 2, GPipe with 2 micro-batches ([Note: ZeRO inside stages]): bytes a stage's 2
+    MLP blocks hold at the start and the end of each micro-batch's forward. ZeRO-3 holds ~1/dp
+    throughout (each block gathered for its own forward only). ZeRO-2 starts the step at 1/dp
+    and gathers the stage once: whole from the first forward's end, and still whole when the
+    second micro-batch starts (kept across micro-batches until the step's last backward)."""
+    job = small_job(
+        model={
+            "name": "tests.helpers.probes:residency_two_stages",
+            "block_size": probes.BLOCK_SIZE,
+        },
+        parallel={"dp": 2, "pp": 2, "zero": zero},
+        pipeline={"schedule": "gpipe", "microbatches": 2, "partition": [5, 5]},
+        train={"steps": STEPS, "global_batch_size": 32},
+        launch={"nproc": 4},
+    )
+    stage = probes.mlp_param_bytes() // 2  # 2 of the 4 MLP blocks
+    expected = [0.5] * 4 if zero == 3 else [0.5, 1.0, 1.0, 1.0]
+    for rank, out in enumerate(run_distributed(_train_probed, 4, job, timeout_s=180)):
+        for step in _steps(out["readings"], 2)[1:]:
+            values = [v / stage for _, v in step]
+            assert [kind for kind, _ in step] == ["start", "end"] * 2, (rank, step)
+            assert values == pytest.approx(expected, rel=0.02), (rank, values)
 
 
 # -- parameter-server staleness ----------------------------------------------------------------

@@ -1,6 +1,6 @@
 """fp16 with dynamic loss scaling ([Note: dynamic loss scaling] in polytrain.core.loss_scale).
 
-Data parallel, ZeRO-3 and a GPipe pipeline under fp16 reproduce the single-process fp16 run
+Data parallel, ZeRO-3, a GPipe pipeline and ZeRO-3 inside 1F1B stages under fp16 reproduce the single-process fp16 run
 (the same loss scale on every rank, the same skipped steps).
 """
 
@@ -48,8 +48,9 @@ def test_fp16_trains_in_half_precision() -> None:
         (2, {"parallel": {"dp": 2}}),
         (2, {"parallel": {"dp": 2, "zero": 3}}),
         (2, {"parallel": {"pp": 2, "dp": 1}, "pipeline": {"schedule": "gpipe"}}),
+        (4, {"parallel": {"pp": 2, "dp": 2, "zero": 3}, "pipeline": {"schedule": "1f1b"}}),
     ],
-    ids=["dp2", "zero3-dp2", "gpipe-pp2"],
+    ids=["dp2", "zero3-dp2", "gpipe-pp2", "zero3-dp2-1f1b-pp2"],
 )
 def test_fp16_matches_single_process(world: int, sections: dict[str, Any]) -> None:
     ref = reference()

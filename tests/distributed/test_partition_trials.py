@@ -15,10 +15,8 @@ pytestmark = pytest.mark.slow
 
 def _ranges(rank: int, world_size: int, trials: list[int]) -> list[Any]:
     from polytrain.comm.init import init_distributed
-    from polytrain.data.datasets import build_datasets
-    from polytrain.data.sampler import Batches
-    from polytrain.models.registry import block_size_of, build_model
-    from polytrain.trainer.build import build_strategy
+    from polytrain.pipeline.strategy import PipelineStrategy
+    from tests.helpers.strategies import job_strategy
 
     ctx = init_distributed()
     out = []
@@ -29,10 +27,9 @@ def _ranges(rank: int, world_size: int, trials: list[int]) -> list[Any]:
             pipeline={"partition": "auto", "microbatches": 4, "partition_trials": k},
             launch={"nproc": 2},
         )
-        train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
-        batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
-        model = build_model(job.model, spec, job.train.seed)
-        out.append(build_strategy(job, ctx, model, batches).ranges)
+        strategy = job_strategy(job, ctx)
+        assert isinstance(strategy, PipelineStrategy)
+        out.append(strategy.ranges)
     return out
 
 

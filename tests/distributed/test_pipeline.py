@@ -39,6 +39,7 @@ def _train_jobs(rank: int, world_size: int, jobs: list[JobConfig]) -> list[dict[
             {
                 "state": result.state_dict,
                 "losses": [r["loss"] for r in result.history],
+                "history": result.history,
                 "steps": [r["step"] for r in result.history],
                 "val_loss": result.val_loss,
                 "strategy": result.strategy,
@@ -134,17 +135,13 @@ def _pipedream_rank(rank: int, world_size: int, jobs: list[JobConfig]) -> list[d
     from polytrain.comm.init import init_distributed
     from polytrain.core.optim import lr_at
     from polytrain.core.strategy import step_result
-    from polytrain.data.sampler import Batches
     from polytrain.pipeline.pipedream import PipeDreamStrategy
-    from polytrain.trainer.build import build_strategy
+    from tests.helpers.strategies import job_strategy
 
     ctx = init_distributed()
     outs = []
     for job in jobs:
-        train_set, val_set, spec = build_datasets(job.data, block_size_of(job.model))
-        batches = Batches(train_set, val_set, job.train.global_batch_size, job.train.seed)
-        model = build_model(job.model, spec, job.train.seed)
-        strategy = build_strategy(job, ctx, model, batches)
+        strategy = job_strategy(job, ctx)
         assert isinstance(strategy, PipeDreamStrategy)
         losses, val_losses = [], []
         for step in range(job.train.steps):

@@ -4,7 +4,7 @@ and their exported weights load back into the original class with no key changes
 
 Strategies: dp, ZeRO-3, sync parameter server, GPipe and 1F1B pipelines over the models'
 repeated layers (GPT-2's tied ``wte``/``lm_head`` on the first and last stage), and dp x pp
-(world 4). Tolerance: every parameter within 2e-5 (absolute) of the single-process run after 3
+(world 4), also with ZeRO-3 inside the stages. Tolerance: every parameter within 2e-5 (absolute) of the single-process run after 3
 AdamW steps (float32 reassociation of the all-reduced means, micro-batch sums and synchronised
 BatchNorm statistics; measured differences are 0 to 2.3e-6; per-replica BatchNorm misses).
 """
@@ -42,6 +42,14 @@ STRATEGIES: dict[str, tuple[int, dict[str, Any]]] = {
         4,
         {"parallel": {"dp": 2, "pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
     ),
+    # ZeRO-3 inside the stages (pipeline.sharded): each stage's layers sharded over dp
+    "zero3-dp2-pp2": (
+        4,
+        {
+            "parallel": {"dp": 2, "pp": 2, "zero": 3},
+            "pipeline": {"schedule": "1f1b", "microbatches": 2},
+        },
+    ),
 }
 # Tensor parallel: a transformers model's own base_model_tp_plan (Llama publishes one), else
 # polytrain's plan for its family (core.tp_plans.TRANSFORMERS_PLANS): GPT-2's Conv1D, fused
@@ -70,12 +78,12 @@ FULL_MATRIX = [(model, strategy) for model in MODELS for strategy in STRATEGIES]
 FULL_MATRIX += [(model, "tp2") for model in MODELS if model != "gpt2"]  # gpt2: its own test
 FULL_MATRIX += [(model, "pp2-tp2") for model in MODELS]
 FULL_MATRIX += [("gpt2", "1f1b-pp2-recompute"), ("llama", "1f1b-pp2-recompute")]
-# [Note: the CI matrix] The full matrix is 41 model x strategy pairs plus the GPT-2 tp test, 42
+# [Note: the CI matrix] The full matrix is 46 model x strategy pairs plus the GPT-2 tp test, 47
 # multi-process runs and 5 references (about fifteen minutes on 2 cores), more than half of the
 # suite's budget. By default every strategy and the recomputation row run on at least two
 # models (test_the_ci_matrix_keeps_its_promise checks it) and every model under at least
 # two strategies, chosen where each model's trap is: GPT-2's tie across pipeline
-# stages (also split by tp inside them) and under ZeRO-3, BatchNorm under dp / dp x pp / parameter servers, Llama's rotary
+# stages (also split by tp inside them, or sharded by ZeRO-3 inside them) and under ZeRO-3, BatchNorm under dp / dp x pp / parameter servers, Llama's rotary
 # tables and masks across stages and its own tp plan, BERT's padding mask; GPT-2 under tp has
 # its own test (fused qkv, tie and export in one run). POLYTRAIN_FULL_MATRIX=1 runs every pair
 # (run in full when the layer pipelines and the tp plans landed; docs/models.md).
@@ -83,12 +91,14 @@ CI_MATRIX = [
     ("gpt2", "1f1b-pp2"),
     ("gpt2", "pp2-tp2"),
     ("gpt2", "zero3-dp2"),
+    ("gpt2", "zero3-dp2-pp2"),
     ("gpt2", "1f1b-pp2-recompute"),
     ("llama", "1f1b-pp2-recompute"),
     ("llama", "gpipe-pp2"),
     ("llama", "ps-sync"),
     ("llama", "tp2"),
     ("llama", "zero3-dp2"),
+    ("llama", "zero3-dp2-pp2"),
     ("llama", "pp2-tp2"),
     ("bert", "dp2"),
     ("bert", "gpipe-pp2"),

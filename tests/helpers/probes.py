@@ -72,6 +72,20 @@ def residency(spec: DataSpec) -> nn.Module:
     return BlockModel([start, _embed(spec), *mlps, end, nn.Linear(WIDTH, spec.vocab_size)])
 
 
+def residency_two_stages(spec: DataSpec) -> nn.Module:
+    """Two stages of 5 blocks (``pipeline.partition = [5, 5]``), each bracketed by probes that
+    read what the stage's 2 MLPs' parameters hold: [start, embed, MLP, MLP, end] and
+    [start, MLP, MLP, end, head]."""
+    first, second = [_mlp(), _mlp()], [_mlp(), _mlp()]
+    probes = [_Probe("start"), _Probe("end"), _Probe("start"), _Probe("end")]
+    for probe, watched in zip(probes, [first, first, second, second], strict=True):
+        probe.watched = watched
+    head = nn.Linear(WIDTH, spec.vocab_size)
+    return BlockModel(
+        [probes[0], _embed(spec), *first, probes[1], probes[2], *second, probes[3], head]
+    )
+
+
 def mlp_param_bytes() -> int:
     """Bytes of the 4 MLP blocks' parameters, whole."""
     per_block = 2 * WIDTH * 4 * WIDTH + 4 * WIDTH + WIDTH

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from polytrain.pipeline.schedule import zbv
-from tests.integration.test_cli import polytrain
+from polytrain.testing import scaled
+from tests.integration.test_cli import ROOT, polytrain
 
 pytestmark = pytest.mark.slow
 
@@ -78,3 +82,46 @@ def test_zbv_runs_its_schedule(tmp_path: Path) -> None:
     drawn = polytrain("timeline", str(trace), "--png", str(png), cwd=tmp_path)
     assert drawn.returncode == 0, drawn.stderr
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+GPT_TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=16"]
+
+
+def test_zero_inside_stages_from_the_cli(tmp_path: Path) -> None:
+    """``polytrain train --dp 2 --pp 2 --zero 3`` trains the sharded stages (docs/pipeline.md,
+    ZeRO inside stages)."""
+    args = ["train", "--model", "gpt", "--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "3"]
+    args += ["--schedule", "1f1b", "--microbatches", "2", "--steps", "2", "--batch-size", "8"]
+    args += ["--eval-every", "0", "--no-progress", "--out-dir", str(tmp_path / "cli")]
+    for field in GPT_TINY:
+        args += ["--set", field]
+    run = polytrain(*args, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    metrics = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").open()]
+    assert metrics[-1]["strategy"] == "1f1b-pp2-m2-dp2-zero3"
+
+
+def test_zero_inside_stages_from_the_python_api(tmp_path: Path) -> None:
+    """``polytrain.run`` of a job with ``parallel.zero = 2``, ``dp = 2`` and ``pp = 2``."""
+    script = tmp_path / "api.py"
+    model = ", ".join(f"model__{f.split('=')[0][6:]}={f.split('=')[1]}" for f in GPT_TINY)
+    script.write_text(
+        "import polytrain\n"
+        f"job = polytrain.load(model__name='gpt', {model}, parallel__dp=2, parallel__pp=2,\n"
+        "    parallel__zero=2, pipeline__schedule='gpipe', pipeline__microbatches=2,\n"
+        "    train__steps=2, train__global_batch_size=8, train__eval_every=0,\n"
+        f"    launch__nproc=4, observe__progress=False, observe__out_dir={str(tmp_path / 'api')!r})\n"
+        "print(polytrain.run(job))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(240),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    metrics = [json.loads(line) for line in (tmp_path / "api" / "metrics.jsonl").open()]
+    assert metrics[-1]["strategy"] == "gpipe-pp2-m2-dp2-zero2"

@@ -32,7 +32,26 @@ CASES = {
         ["--model", "mlp", "--nproc", "4", "--pp", "2", "--tp", "2", "--schedule", "pipedream"],
         "parallel.tp = 2 with pipeline.schedule = 'pipedream'",
     ),
-    "zero with pipeline": ([*PIPE, "--nproc", "4", "--zero", "3"], "parallel.zero = 3 with"),
+    # ZeRO inside stages (pipeline.sharded): gpipe and 1f1b, one block stage per rank.
+    "zero with pipedream's stashing": (
+        [*PIPE, "--nproc", "4", "--zero", "3", "--schedule", "pipedream"],
+        "parallel.zero = 3 with pipeline.schedule = 'pipedream': weight stashing keeps whole "
+        "copies of a stage's weights, which ZeRO shards; use --schedule 1f1b",
+    ),
+    "zero with a zero-bubble schedule": (
+        [*PIPE, "--nproc", "4", "--zero", "2", "--schedule", "zbv"],
+        "parallel.zero = 2 with pipeline.schedule = 'zbv': the zero-bubble schedules split each "
+        "backward in two, which ZeRO stages do not; use gpipe, 1f1b or interleaved-1f1b",
+    ),
+    "zero with zb-h1": (
+        [*PIPE, "--nproc", "4", "--zero", "3", "--schedule", "zb-h1"],
+        "parallel.zero = 3 with pipeline.schedule = 'zb-h1'",
+    ),
+    "zero with tensor-parallel stages": (
+        ["--model", "mlp", "--nproc", "8", "--pp", "2", "--tp", "2", "--zero", "3"],
+        "parallel.zero = 3 with parallel.tp = 2 and parallel.pp = 2: ZeRO stages are not "
+        "tensor-parallel",
+    ),
     "pipedream cannot skip a step": (
         [*PIPE, "--schedule", "pipedream", "--set", "train.on_nonfinite=skip"],
         "train.on_nonfinite = 'skip' with pipeline.schedule = 'pipedream'",
@@ -119,3 +138,18 @@ def test_new_schedules_pass_preflight(
         main(["train", "--dry-run", *PIPE, "--microbatches", "4", "--schedule", *schedule])
     assert exc.value.code == 0, capsys.readouterr().err
     assert f'schedule = "{schedule[0]}"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("zero", ["2", "3"])
+@pytest.mark.parametrize(
+    "schedule", [["gpipe"], ["1f1b"], ["interleaved-1f1b", "--virtual-stages", "2"]]
+)
+def test_zero_stages_pass_preflight(
+    zero: str, schedule: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ZeRO inside the stages of dp 2 x pp 2 gets through preflight (pipeline.sharded)."""
+    args = ["--model", "mlp", "--nproc", "4", "--dp", "2", "--pp", "2", "--zero", zero]
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--dry-run", *args, "--schedule", *schedule, "--microbatches", "4"])
+    assert exc.value.code == 0, capsys.readouterr().err
+    assert f"zero = {zero}" in capsys.readouterr().out

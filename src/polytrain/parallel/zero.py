@@ -13,24 +13,17 @@ gradient is kept in the parameters' dtype for the optimizer step.
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import ParallelConfig
+from polytrain.core.fsdp import shard_units
 from polytrain.models.base import BlockModel
 
 __all__ = ["apply_zero"]
 
-_REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def apply_zero(module: BlockModel, mesh: Mesh, cfg: ParallelConfig) -> FSDPModule:
-    """Shard every block (a user model's repeated layers, [Note: block view]), then the root."""
-    reshard = cfg.zero == 3
-    dp_mesh = mesh.sub("dp")
-    policy = MixedPrecisionPolicy(reduce_dtype=_REDUCE_DTYPES.get(cfg.grad_compression))
-    for block in module.units():
-        if any(p.requires_grad for p in block.parameters()):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    """Shard every block (a user model's repeated layers, [Note: block view]), then the root
+    (`core.fsdp.shard_units`)."""
+    return shard_units(module, module.units(), mesh.sub("dp"), cfg)

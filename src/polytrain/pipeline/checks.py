@@ -6,7 +6,12 @@ from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
 from polytrain.pipeline.schedule import NEXT_SCHEDULE_NAMES, build_staged, stages_per_rank
 
-__all__ = ["check_pipeline_job", "check_schedule_options", "num_pipeline_stages"]
+__all__ = [
+    "check_pipeline_job",
+    "check_schedule_options",
+    "check_zero_stages",
+    "num_pipeline_stages",
+]
 
 
 def num_pipeline_stages(job: JobConfig) -> int:
@@ -73,10 +78,7 @@ def check_pipeline_job(job: JobConfig) -> None:
             "tensor-parallel stages is not supported; use gpipe or 1f1b, or tp = 1"
         )
     if p.zero:
-        raise ConfigError(
-            f"parallel.zero = {p.zero} with parallel.pp = {p.pp}: ZeRO sharding of pipeline "
-            "stages is not supported; use zero = 0 (stages replicate over dp)"
-        )
+        check_zero_stages(job)
     if p.sync != "allreduce":
         raise ConfigError(
             f"parallel.sync = {p.sync!r} with parallel.pp = {p.pp}: pipeline replicas combine "
@@ -92,4 +94,28 @@ def check_pipeline_job(job: JobConfig) -> None:
         raise ConfigError(
             "train.on_nonfinite = 'skip' with pipeline.schedule = 'pipedream': PipeDream "
             "updates after every micro-batch, so a step cannot be skipped; use 'stop'"
+        )
+
+
+def check_zero_stages(job: JobConfig) -> None:
+    """Raise a one-line `ConfigError` for what ZeRO inside stages (`pipeline.sharded`) does not
+    offer: weight stashing, the zero-bubble schedules' split backward, tensor-parallel
+    stages."""
+    p, name = job.parallel, job.pipeline.schedule
+    if name == "pipedream":
+        raise ConfigError(
+            f"parallel.zero = {p.zero} with pipeline.schedule = 'pipedream': weight stashing "
+            "keeps whole copies of a stage's weights, which ZeRO shards; use --schedule 1f1b "
+            "(or gpipe) with ZeRO, or --zero 0 with pipedream"
+        )
+    if name in NEXT_SCHEDULE_NAMES and name != "interleaved-1f1b":
+        raise ConfigError(
+            f"parallel.zero = {p.zero} with pipeline.schedule = {name!r}: the zero-bubble "
+            "schedules split each backward in two, which ZeRO stages do not; use gpipe, 1f1b "
+            "or interleaved-1f1b, or --zero 0"
+        )
+    if p.tp > 1:
+        raise ConfigError(
+            f"parallel.zero = {p.zero} with parallel.tp = {p.tp} and parallel.pp = {p.pp}: "
+            "ZeRO stages are not tensor-parallel; use tp = 1, or --zero 0"
         )

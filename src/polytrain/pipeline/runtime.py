@@ -306,6 +306,7 @@ class StageRuntime:
         autocast_dtype: torch.dtype | None = None,
         stash: WeightStash | None = None,
         after_backward: Callable[[int], None] | None = None,
+        before_backward: Callable[[int, int], None] | None = None,
         track_activations: bool = False,
     ) -> None:
         self.stages = dict(stages)
@@ -317,6 +318,9 @@ class StageRuntime:
         assert stash is None or len(self.stages) == 1, "weight stashing needs one stage per rank"
         self.stash = stash
         self.after_backward = after_backward
+        # Called with (stage, micro-batch) before each B: ZeRO stages choose there whether this
+        # backward reduce-scatters ([Note: ZeRO inside stages] in pipeline.sharded).
+        self.before_backward = before_backward
         self.track_activations = track_activations
         self.pending = PendingSends()
         self.last_send_f = 0  # index in `pending` of the latest activation send's works
@@ -360,6 +364,8 @@ class StageRuntime:
                     if loss is not None:
                         loss_sum += loss.detach()
                 elif kind is ActionKind.B or kind is ActionKind.I:
+                    if self.before_backward is not None:
+                        self.before_backward(s, i)
                     self._backward(s, i, weights=kind is ActionKind.B)
                 elif kind is ActionKind.W:
                     self._backward_weights(s, i)

@@ -108,6 +108,7 @@ from polytrain.pipeline.runtime import (
     training_p2p,
 )
 from polytrain.pipeline.schedule import Action, build_staged, lower, validate
+from polytrain.pipeline.sharded import StageSharding
 from polytrain.pipeline.stage import StageModule, build_stage
 
 __all__ = ["SYNC_ONLY", "PipelineStrategy"]
@@ -171,6 +172,7 @@ class PipelineStrategy(Strategy):
             nn.Parameter
         ] = []  # tied tensors this stage holds ([Note: layer pipeline])
         self._tie_counted = True  # whether this stage counts the tied tensors in the global norm
+        self._tied_names: list[str] = []
         if model.layers:
             self._build_layer_stage(job, model)
         else:
@@ -182,6 +184,12 @@ class PipelineStrategy(Strategy):
                 convert_batchnorm(stage, mesh.group("dp"), owned_only=True)
             if len(self.stages) > 1:  # a converted block is a new module: gather them again
                 self.stage = _rank_module(self.stages, job.parallel.recompute_policy)
+        self.sharding: StageSharding | None = None  # ZeRO: FSDP2 over the stage's dp peers
+        if job.parallel.zero:  # each stage its own FSDP2 root, before the optimizer
+            self.sharding = StageSharding.of(self.stages, model, mesh, job.parallel, device)
+            if self._tied:  # FSDP2 replaced the parameters: find the tied ones again by name
+                params = dict(self.stage.named_parameters())
+                self._tied = [params[name] for name in self._tied_names]
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.stage.parameters(), job.optim)
         self.tracer = Tracer(mesh.rank, enabled=bool(job.observe.trace))
         self._accuracy: float | None = None  # of the last evaluation, on classification data
@@ -190,6 +198,7 @@ class PipelineStrategy(Strategy):
         self._data_step = -1
         self._data: dict[int, tuple[Inputs, torch.Tensor]] = {}
         suffix = (f"-dp{self.dp}" if self.dp > 1 else "") + (f"-tp{self.tp}" if self.tp > 1 else "")
+        suffix += f"-zero{job.parallel.zero}" if job.parallel.zero else ""
         v = f"-v{len(self.stage_indices)}" if self.schedule_name == "interleaved-1f1b" else ""
         self.name = f"{self.schedule_name}-pp{self.pp}{v}-m{self.microbatches}{suffix}"
         self._init_runtime(job, model)
@@ -280,6 +289,7 @@ class PipelineStrategy(Strategy):
                 self._tie_group = group
                 self._tie_counted = self.stage_index == stages[0]
         params = dict(self.stage.named_parameters())
+        self._tied_names = tied_names
         self._tied = [params[name] for name in tied_names]
 
     def _init_runtime(self, job: JobConfig, model: BlockModel) -> None:
@@ -289,6 +299,8 @@ class PipelineStrategy(Strategy):
         self.loss_scale = loss_scale_of(job.train.dtype, self.device)
         self.runtime.loss_scale = self.loss_scale
         self._program = self._stage_program(self.schedule_name, self.microbatches, check=True)
+        if self.sharding is not None:
+            self.sharding.track(self._program)
 
     def _make_runtime(
         self,
@@ -307,6 +319,7 @@ class PipelineStrategy(Strategy):
             autocast_dtype=self._dtype,
             stash=stash,
             after_backward=after_backward,
+            before_backward=self.sharding.before_backward if self.sharding else None,
         )
 
     def _stage_program(
@@ -396,6 +409,8 @@ class PipelineStrategy(Strategy):
         m, accum = self.microbatches, self.accum
         loss = torch.zeros((), device=self.device)
         for k in range(accum):
+            if self.sharding is not None:  # [Note: ZeRO inside stages]: reduce in the last run
+                self.sharding.final_run = k == accum - 1
             feed = self._feed(partial(_sync_index, step, k * m), 1.0 / (m * accum), step)
             loss += self.runtime.run(self._program, feed)
             self.runtime.finish()
@@ -405,7 +420,7 @@ class PipelineStrategy(Strategy):
                 if param.grad is not None:  # a tp shard pairs with the same shard (same tp rank)
                     param.grad = like_param(param.grad, param)
                     all_reduce_sum_(local_tensor(param.grad), self._tie_group)
-        if self.dp > 1:
+        if self.dp > 1 and self.sharding is None:  # ZeRO stages reduce-scattered in backward
             with self.tracer.span("allreduce_grads", cat="comm", step=step):
                 all_reduce_mean_flat_([local_tensor(g) for g in grads], self.mesh.group("dp"))
         # Every tp rank of the last stage of every replica holds the loss: divide by dp * tp.
@@ -450,7 +465,10 @@ class PipelineStrategy(Strategy):
         if not self._tie_counted:  # a tied tensor counts once, on the first stage holding it
             tied = {id(p.grad) for p in self._tied}
             counted = [g for g in grads if id(g) not in tied]
-        squares = grad_square_sum(counted, self.mesh)  # tp shards summed, replicas counted once
+        if self.sharding is not None:  # dp shards summed ([Note: ZeRO inside stages])
+            squares = self.sharding.square_sum(counted)
+        else:  # tp shards summed, replicas counted once
+            squares = grad_square_sum(counted, self.mesh)
         return all_reduce_sum_(squares, self.mesh.group("pp")).sqrt()
 
     # -- evaluation and weights ----------------------------------------------------------------
@@ -495,6 +513,8 @@ class PipelineStrategy(Strategy):
                     self.eval_p2p.isend(out, self._rank_of(s + 1), f"{EVAL}{s}", pending)
         pending.wait()
         train_mode(self.stage)
+        if self.sharding is not None:
+            self.sharding.reshard()
         # Summed over the world: only last stages hold values; tp peers hold equal ones, so
         # the loss is divided by tp and the accuracy's ratio is unchanged.
         sums = all_reduce_sum_(torch.cat([total.reshape(1), counts]), None)
@@ -521,7 +541,9 @@ class PipelineStrategy(Strategy):
         """Collective: ranks of replica 0 send their stages' weights to global rank 0 (tensors
         only), each rank its stages' in stage order."""
         state = self.stage.state_dict()
-        if self.tp > 1 and self.dp_rank == 0:  # gather the tp shards (collective over tp)
+        if self.sharding is not None:  # gather the dp shards (collective over dp)
+            state = full_tensors(state)
+        elif self.tp > 1 and self.dp_rank == 0:  # gather the tp shards (collective over tp)
             state = full_tensors(state)
         keys = self._stage_keys
         if self.dp_rank == 0 and self.pp_rank > 0 and self.mesh.coord("tp") == 0:
