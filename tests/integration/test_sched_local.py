@@ -1,11 +1,18 @@
 """The local executor end to end: real ``polytrain train`` jobs (gpt tiny, CPU) on two slots.
 
-1. Three jobs, one of them preempted at the first slice boundary and resumed on one process
-   instead of two: every job's final weights equal those of an uninterrupted run of the same
-   job (bit for bit where the layout never changed; within fp32 round-off across 2 -> 1).
+1. One job submitted three times, one copy on two devices preempted at the first slice
+   boundary and resumed on one: every copy's final weights equal those of one uninterrupted
+   one-process run (bit for bit where the layout never changed; within fp32 round-off for the
+   copy that ran its first steps on two processes).
 2. The scheduler SIGKILLed mid-run and started again: the job whose processes survived is
    adopted, the job whose processes were also killed resumes from its newest checkpoint (no
-   step lost beyond it), the queued one still runs; all three finish with the right weights.
+   step lost beyond it), the queued one still runs; all three are the same job and finish
+   with the same weights, bit for bit: the adopted and the queued one each ran once,
+   uninterrupted (test 1 holds such a run to a plain ``run_job``).
+
+[Note: SGD for the comparison] in tests/integration/test_slurm.py: the jobs use SGD, so one
+absolute bound holds the round-off of the steps run on 2 processes, and one reference run
+serves all three copies.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ ENV = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
 }
+ROUND_OFF = 1e-5  # fp32 round-off of 2 vs 1 processes under SGD (measured: ~1e-7)
 
 
 def write_job(path: Path, *, steps: int, seed: int, nproc: int) -> Path:
@@ -60,6 +68,12 @@ global_batch_size = 8
 seed = {seed}
 eval_every = 0
 sample_tokens = 0
+[optim]
+name = "sgd"
+lr = 0.05
+momentum = 0.9
+schedule = "constant"
+warmup_steps = 0
 [launch]
 nproc = {nproc}
 [checkpoint]
@@ -122,14 +136,15 @@ def test_preempted_and_resized_jobs_end_with_the_uninterrupted_weights(
     state = tmp_path / "state"
     store = Store(state, create=True)
     store.set_cluster(2, "cpu")
-    a = write_job(tmp_path / "a.toml", steps=60, seed=1, nproc=2)
-    b = write_job(tmp_path / "b.toml", steps=40, seed=2, nproc=1)
-    c = write_job(tmp_path / "c.toml", steps=40, seed=2, nproc=1)  # b's twin: one reference
-    submit(state, a, capsys, "--min-devices", "1")
+    # One job three times (one reference run): a asks 2 devices, b and c 1.
+    a, b, c = (write_job(tmp_path / f"{k}.toml", steps=40, seed=2, nproc=1) for k in "abc")
+    submit(state, a, capsys, "--devices", "2", "--min-devices", "1")
     submit(state, b, capsys)
     submit(state, c, capsys)
 
-    cluster = Cluster(2, slice_s=5.0)
+    # The boundary comes before a's first checkpoint even on a fast host: a is preempted at
+    # its step-10 checkpoint, well before its end.
+    cluster = Cluster(2, slice_s=2.0)
     executor = Executor(
         store, LocalBackend("cpu", env=ENV), ShrinkAtFirstBoundary(time.time()), cluster
     )
@@ -145,27 +160,21 @@ def test_preempted_and_resized_jobs_end_with_the_uninterrupted_weights(
     assert "preempted after its checkpoint" in notes
     resumed = log_file(store, "a", 2).read_text()
     step = int(re.search(r"resumed from .*step_(\d+)", resumed).group(1))  # type: ignore[union-attr]
-    assert 0 < step < 60
+    assert 0 < step < 40
     assert len(starts(store, "b")) == len(starts(store, "c")) == 1
     # Two slots, never more: b and c never ran while a held both devices.
     assert sum(1 for j in jobs.values() if j.starts) == 3
 
     weights = {k: load_file(str(tmp_path / f"{k}.safetensors")) for k in "abc"}
-    ref_bc = reference(b, 1)
-    assert max_difference(weights["b"], ref_bc) == 0.0
-    assert max_difference(weights["c"], ref_bc) == 0.0
-    # 2 -> 1 processes sums the gradients in another order: fp32 round-off, which Adam carries
-    # through the remaining steps. Its size is what the same job run uninterrupted on one and
-    # on two processes differ by; the resized run, on two processes for its first steps only,
-    # may differ from the two-process run by about as much and no more. Another job's weights
-    # are orders of magnitude further away.
-    ref_a2, ref_a1 = reference(a, 2), reference(a, 1)
-    round_off = max_difference(ref_a1, ref_a2)
-    assert 0 < round_off < 1e-2
-    resized = max_difference(weights["a"], ref_a2)
-    print(f"max |w - w_ref|: 1 vs 2 processes {round_off:.2e}, resized run {resized:.2e}")
-    assert resized <= 2 * round_off
-    assert max_difference(weights["a"], ref_bc) > 100 * round_off
+    ref = reference(b, 1)
+    assert max_difference(weights["b"], ref) == 0.0
+    assert max_difference(weights["c"], ref) == 0.0
+    # a's first steps ran on 2 processes, which sum the gradients in another order: fp32
+    # round-off (not zero: it did run on 2), which SGD carries through the remaining steps
+    # without magnifying it ([Note: SGD for the comparison]).
+    resized = max_difference(weights["a"], ref)
+    print(f"max |w - w_ref| of the resized run: {resized:.2e}")
+    assert 0 < resized <= ROUND_OFF
 
 
 def serve(state: Path, cwd: Path, *flags: str) -> subprocess.Popen[str]:
@@ -199,14 +208,12 @@ def test_a_killed_scheduler_restarts_without_losing_a_job(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     state = tmp_path / "state"
+    store = Store(state, create=True)
+    store.set_cluster(2, "cpu")  # what `serve --devices 2` writes; it then finds the jobs queued
+    for i in (1, 2, 3):  # queued before serve starts, so j1 and j2 start at one tick
+        submit(state, write_job(tmp_path / f"j{i}.toml", steps=60, seed=3, nproc=1), capsys)
     first = serve(state, tmp_path)
     try:
-        wait_for(lambda: (state / "sched.db").exists(), 60, "the scheduler's state")
-        wait_for(lambda: _has_cluster(state), 30, "the cluster row")
-        jobs = [write_job(tmp_path / f"j{i}.toml", steps=120, seed=3, nproc=1) for i in (1, 2, 3)]
-        for job in jobs:
-            submit(state, job, capsys)
-        store = Store(state)
 
         def both_checkpointed() -> bool:
             return all(
@@ -239,15 +246,7 @@ def test_a_killed_scheduler_restarts_without_losing_a_job(
         f"resumed from {checkpoint_dir(store, 'j2')}/step_{kept:09d}"
         in log_file(store, "j2", 2).read_text()
     )
-    ref = reference(jobs[0], 1)
-    for i in (1, 2, 3):
+    adopted = load_file(str(tmp_path / "j1.safetensors"))  # its one run, never stopped
+    for i in (2, 3):
         weights = load_file(str(tmp_path / f"j{i}.safetensors"))
-        assert max_difference(weights, ref) == 0.0, f"j{i}"
-
-
-def _has_cluster(state: Path) -> bool:
-    try:
-        Store(state).cluster()
-    except Exception:
-        return False
-    return True
+        assert max_difference(weights, adopted) == 0.0, f"j{i}"

@@ -36,7 +36,9 @@ from polytrain.cli.sched_slurm import slurm_script_command
 from polytrain.scheduler.backend import Launch
 from polytrain.scheduler.slurm import SlurmBackend, exit_code
 from polytrain.scheduler.slurm_script import ScriptSpec, batch_script
+from polytrain.scheduler.store import Store
 from polytrain.testing import scaled
+from tests.helpers.cli import run_main
 from tests.helpers.slurm import SlurmCluster, SlurmUnavailable, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -55,7 +57,8 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         pytest.skip(f"no Slurm cluster: {exc}")
 
 
-def job_file(path: Path, final: Path) -> Path:
+def job_file(path: Path, final: Path, every: int = 0) -> Path:
+    """The job; ``every``: its ``checkpoint.every`` (0: not set, the scheduler picks one)."""
     path.write_text(
         "\n".join(
             [
@@ -78,6 +81,7 @@ def job_file(path: Path, final: Path) -> Path:
                 "[checkpoint]",
                 f'save_final = "{final}"',
                 "keep = 10",
+                *([f"every = {every}"] if every else []),
             ]
         )
         + "\n"
@@ -236,32 +240,31 @@ def test_preempted_job_resumes_on_fewer_nodes_to_the_same_weights(
         Path(os.environ["POLYTRAIN_SLURM_SAMPLES"]).write_text(out)
 
 
-def test_sched_serve_runs_jobs_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
+def test_sched_serve_runs_jobs_on_slurm(
+    slurm: SlurmCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """`polytrain sched serve --slurm-nodes`: the executor and a policy drive the same Slurm
     backend; two submitted jobs (one on 2 device slots, one on 1) run through sbatch to the
     end, and their final weights agree (the same job: 2 replicas vs 1, fp32 round-off)."""
+    monkeypatch.chdir(tmp_path)  # where `submit` runs: the jobs' working directory
     state = tmp_path / "state"
-    env = {**slurm.env, "PYTHONPATH": PYTHONPATH}
-    jobs = {n: job_file(tmp_path / f"{n}.toml", tmp_path / f"{n}.safetensors") for n in "ab"}
+    Store(state, create=True).set_cluster(4, "cpu")  # as `serve --devices 4` writes it
+    for name, devices in (("a", "2"), ("b", "1")):  # queued first: serve finds both at once
+        job = job_file(tmp_path / f"{name}.toml", tmp_path / f"{name}.safetensors", every=STEPS)
+        args = ["sched", "submit", str(job), "--state", str(state), "--devices", devices]
+        code, _, err = run_main(args, capsys)
+        assert code == 0, err
     serve = subprocess.Popen(
         [sys.executable, "-m", "polytrain", "sched", "serve", "--state", str(state),
          "--devices", "4", "--slurm-nodes", ",".join(slurm.nodes), "--policy", "fifo",
-         "--poll", "0.5s", "--until-idle"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--poll", "0.2s", "--until-idle"],
+        env={**slurm.env, "PYTHONPATH": PYTHONPATH}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-
-        def submitted(name: str, devices: str) -> bool:
-            done = subprocess.run(
-                [sys.executable, "-m", "polytrain", "sched", "submit", str(jobs[name]),
-                 "--state", str(state), "--name", name, "--devices", devices],
-                env=env, capture_output=True, text=True, timeout=scaled(120),
-            )  # fmt: skip
-            assert done.returncode == 0 or "holds no scheduler state" in done.stderr, done.stderr
-            return done.returncode == 0
-
-        wait_for(lambda: submitted("a", "2"), 60, "the first submit")
-        assert submitted("b", "1")
         out, err = serve.communicate(timeout=scaled(240))
     finally:
         serve.kill()

@@ -10,6 +10,7 @@ import pytest
 from benchmarks.scheduler import main as benchmark
 
 from polytrain.scheduler.durations import parse_duration
+from polytrain.scheduler.speedup import curve, planned_curves
 from tests.helpers.cli import assert_usage_error, run_main
 
 TINY = "id,submitted,duration,devices,min_devices\nJ1,0,100,2,2\nJ2,10,50,1,1\nJ3,20,30,1,1\n"
@@ -43,6 +44,28 @@ def test_json_has_every_policy_asked_with_its_figures(
     assert result["setup"]["jobs"] == 3 and result["setup"]["slice_s"] == 2400.0
 
 
+def test_planner_curves_change_only_the_elastic_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--speedup planner: FIFO runs the job on its ask (its JCT does not depend on the curve);
+    goodput, free to grow it to 2 devices, finishes it in duration / s(2) of the curve given."""
+    one = tmp_path / "one.csv"
+    one.write_text("id,submitted,duration,devices,model\nA,0,100,1,small\n")
+    runs = {}
+    for speedup in ("analytic", "planner:1x2xV100:nvlink2"):
+        flags = ("--policy", "fifo,goodput", "--elastic", "2", "--speedup", speedup, "--json")
+        code, out, err = run_main(simulate(one, *flags), capsys)
+        assert code == 0, err
+        runs[speedup] = json.loads(out)
+    analytic, planner = runs["analytic"], runs["planner:1x2xV100:nvlink2"]
+    assert planner["setup"]["speedup"] == "planner:1x2xV100:nvlink2"
+    assert analytic["policies"]["fifo"]["avg_jct_s"] == planner["policies"]["fifo"]["avg_jct_s"]
+    s2 = {"analytic": curve("small", 2)[2], "planner": planned_curves("1x2xV100:nvlink2")}
+    assert analytic["policies"]["goodput"]["avg_jct_s"] == pytest.approx(100.0 / s2["analytic"])
+    expected = 100.0 / s2["planner"]["small"][2]
+    assert planner["policies"]["goodput"]["avg_jct_s"] == pytest.approx(expected)
+
+
 def test_default_is_every_policy_as_a_table(
     trace: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -72,6 +95,9 @@ def test_cdf_is_written_once_and_never_overwritten(
         (["--restart", "-1s"], "--restart '-1s'"),
         (["--policy", "lottery"], "--policy 'lottery': choose from fifo"),
         (["--sample", "9"], "--sample 9: give 1..3"),
+        (["--speedup", "measured"], "--speedup 'measured': choose analytic, planner"),
+        (["--speedup", "planner:1x1xV100"], "has 1 devices, 2 needed"),
+        (["--speedup", "planner:3xZ"], "speed-up cluster '3xZ'"),
     ],
 )
 def test_bad_flags_are_one_line(

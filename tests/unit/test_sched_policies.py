@@ -133,6 +133,18 @@ def test_goodput_resizes_only_when_the_gain_beats_the_restart(
     assert out == ({"r": 4} if grows else {"r": 2})  # without a restart every gain counts
 
 
+@pytest.mark.parametrize(("remaining", "grows"), [(10.0, False), (1000.0, True)])
+def test_goodput_does_not_restart_a_job_about_to_finish(remaining: float, grows: bool) -> None:
+    # [Note: restart horizon]: 10 s of work left at 4 devices is 20 s at the 2 it holds, less
+    # than the 30 s restart; 1000 s left pays for it.
+    running = job(
+        "r", devices=4, speedup=LINEAR, state=RUNNING, allocated=2, started=0.0,
+        restart_s=30.0, remaining=remaining,
+    )  # fmt: skip
+    out = decide(Goodput(), [running], 4, 500.0, slice_s=1000.0)
+    assert out == ({"r": 4} if grows else {"r": 2})
+
+
 def test_goodput_shrinks_a_running_job_to_admit_a_new_one() -> None:
     running = job("r", devices=4, speedup=LINEAR, state=RUNNING, allocated=4, started=0.0)
     new = job("new", submitted=5.0, devices=4, speedup=LINEAR)

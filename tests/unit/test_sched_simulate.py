@@ -9,7 +9,7 @@ from polytrain.scheduler.policies import Fifo, Goodput, Srtf, get_policy
 from polytrain.scheduler.policy import Cluster
 from polytrain.scheduler.report import percentile
 from polytrain.scheduler.simulate import simulate
-from polytrain.scheduler.speedup import curve
+from polytrain.scheduler.speedup import PLANNED_MODELS, curve, planned_curves, useful_counts
 from polytrain.scheduler.trace import TraceJob
 
 # J1: 2 devices for 100 s from t=0; J2: 1 device, 50 s, t=10; J3: 1 device, 30 s, t=20.
@@ -108,3 +108,30 @@ def test_elastic_goodput_grows_a_lone_job_past_its_ask_and_others_never_do() -> 
     assert fifo.jobs[0].jct == pytest.approx(1000.0)
     with pytest.raises(ConfigError, match="elastic = 0.5"):
         simulate(lone, Goodput(), cluster, elastic=0.5)
+
+
+def test_planned_curves_come_from_the_planner_with_a_knee_past_one_host() -> None:
+    """Each class's GPT priced data-parallel with the batch fixed: linear-ish inside a host,
+    bent where the all-reduce leaves NVLink for InfiniBand; larger models scale further."""
+    curves = planned_curves("2x8xV100:ib100")
+    assert set(curves) == set(PLANNED_MODELS)
+    for speedup in curves.values():
+        assert list(speedup) == list(range(1, 17)) and speedup[1] == pytest.approx(1.0)
+        assert 1.0 < speedup[2] <= 2.0 and speedup[8] > speedup[4] > speedup[2]
+        # the ninth device is on the second host: it adds less than each of the first eight
+        assert speedup[9] - speedup[8] < (speedup[8] - 1.0) / 7
+    assert curves["small"][9] < curves["small"][8]  # for a small model, less than nothing
+    assert curves["small"][16] < curves["medium"][16] < curves["large"][16] < curves["xlarge"][16]
+
+
+def test_useful_counts_drop_a_count_slower_than_a_smaller_one_but_keep_the_ask() -> None:
+    bent = {1: 1.0, 2: 1.9, 3: 1.5, 4: 2.5}
+    assert useful_counts(bent, keep=1) == {1: 1.0, 2: 1.9, 4: 2.5}
+    assert useful_counts(bent, keep=3) == bent  # a job that asked for 3 runs on 3
+
+
+def test_a_curve_shorter_than_the_ceiling_is_one_line() -> None:
+    curves = {"small": {1: 1.0, 2: 1.8}}
+    assert curve("small", 2, curves) == {1: 1.0, 2: 1.8}
+    with pytest.raises(ConfigError, match="stops at 2 devices, 4 needed"):
+        curve("small", 4, curves)

@@ -28,9 +28,10 @@ from polytrain.scheduler.policies import POLICIES, get_policy
 from polytrain.scheduler.policy import Cluster
 from polytrain.scheduler.report import Summary, plot_cdf
 from polytrain.scheduler.simulate import DEFAULT_RESTART_S, SimResult, simulate
+from polytrain.scheduler.speedup import PLAN_CLUSTER, Curves, planned_curves
 from polytrain.scheduler.trace import fit_cluster, offered_load, read_trace, sample
 
-__all__ = ["parse_policies", "sched_app", "simulate_command"]
+__all__ = ["parse_policies", "parse_speedup", "sched_app", "simulate_command"]
 
 sched_app = typer.Typer(
     name="sched",
@@ -47,6 +48,19 @@ def parse_policies(values: list[str]) -> list[str]:
         if name not in POLICIES:
             raise ConfigError(f"--policy {name!r}: choose from {', '.join(POLICIES)}")
     return list(dict.fromkeys(names))
+
+
+def parse_speedup(value: str, devices: int) -> Curves | None:
+    """``--speedup analytic`` (None: the analytic classes) or ``planner[:CLUSTER]``."""
+    kind, _, cluster = value.partition(":")
+    if kind == "analytic" and not cluster:
+        return None
+    if kind == "planner":
+        return planned_curves(cluster or PLAN_CLUSTER, devices)
+    raise ConfigError(
+        f"--speedup {value!r}: choose analytic, planner or planner:CLUSTER (e.g. "
+        f"planner:{PLAN_CLUSTER})"
+    )
 
 
 @sched_app.command("simulate")
@@ -76,6 +90,13 @@ def simulate_command(
             "its jobs itself); 1 = every job runs on what it asks"
         ),
     ] = 1.0,
+    speedup: Annotated[
+        str,
+        typer.Option(
+            help="the jobs' speed-up curves: analytic (model classes), or planner[:CLUSTER] (each "
+            f"class's model priced by the planner on CLUSTER, default {PLAN_CLUSTER})"
+        ),
+    ] = "analytic",
     drop_oversized: Annotated[
         bool, typer.Option(help="leave out jobs asking more devices than the cluster has")
     ] = False,
@@ -90,6 +111,7 @@ def simulate_command(
         raise ConfigError(f"--devices {devices}: give at least 1")
     cluster = Cluster(devices, parse_duration(slice_, "--slice"))
     restart_s = parse_duration(restart, "--restart", allow_zero=True)
+    curves = parse_speedup(speedup, devices)
     if cdf is not None and cdf.exists():
         raise ConfigError(f"--cdf {str(cdf)!r} already exists: choose another path or remove it")
     jobs = read_trace(trace)
@@ -99,7 +121,9 @@ def simulate_command(
     if not jobs:
         raise ConfigError(f"no job of {str(trace)!r} fits {devices} devices: give more --devices")
     results = {
-        n: simulate(jobs, get_policy(n), cluster, restart_s=restart_s, elastic=elastic)
+        n: simulate(
+            jobs, get_policy(n), cluster, restart_s=restart_s, elastic=elastic, curves=curves
+        )
         for n in names
     }
     if cdf is not None:
@@ -118,6 +142,7 @@ def simulate_command(
         "sample": sample_,
         "seed": seed,
         "offered_load": offered_load(jobs, devices),
+        "speedup": speedup,
     }
     if as_json:
         out = {"setup": setup, "policies": {n: r.summary.as_dict() for n, r in results.items()}}

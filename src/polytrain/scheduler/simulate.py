@@ -29,7 +29,7 @@ from polytrain.errors import ConfigError
 from polytrain.scheduler.jobs import JobState, JobView, advance
 from polytrain.scheduler.policy import Cluster, Policy, check_allocation, place
 from polytrain.scheduler.report import JobRecord, Summary, summarize
-from polytrain.scheduler.speedup import curve
+from polytrain.scheduler.speedup import Curves, curve, useful_counts
 from polytrain.scheduler.trace import TraceJob, fit_cluster
 
 __all__ = ["DEFAULT_RESTART_S", "SimResult", "simulate"]
@@ -68,10 +68,11 @@ class _Job:
         "work",
     )
 
-    def __init__(self, spec: TraceJob, max_devices: int) -> None:
+    def __init__(self, spec: TraceJob, max_devices: int, curves: Curves | None) -> None:
         self.spec = spec
         self.max_devices = max_devices  # the elastic ceiling (= spec.devices when not elastic)
-        self.speedup = curve(spec.model, max(spec.devices, max_devices))
+        full = curve(spec.model, max(spec.devices, max_devices), curves)
+        self.speedup = useful_counts(full, keep=spec.devices)
         self.work = spec.duration * self.speedup[spec.devices]
         self.done = 0.0
         self.state = JobState.QUEUED
@@ -123,13 +124,16 @@ def simulate(
     check: bool = True,
     keep_placements: bool = False,
     elastic: float = 1.0,
+    curves: Curves | None = None,
 ) -> SimResult:
     """Run ``trace`` under ``policy`` until every job finishes; per-job records and a summary.
 
     ``check`` verifies every allocation (:func:`check_allocation`) and places it on device
     indices (:func:`place`); ``keep_placements`` keeps each placement for tests. ``elastic``
     lets an elastic policy (goodput) grow a job to ``elastic`` times its ask (at most the
-    cluster), as Pollux sizes its jobs itself; the other policies run each job on its ask."""
+    cluster), as Pollux sizes its jobs itself; the other policies run each job on its ask.
+    ``curves``: each model class's speed-up by device count (:func:`~.speedup.planned_curves`);
+    default the analytic classes of :mod:`.speedup`."""
     if not trace:
         raise ConfigError("no jobs to simulate: give a trace with at least one job")
     by_id = {spec.id: i for i, spec in enumerate(trace)}
@@ -141,7 +145,7 @@ def simulate(
     if not elastic >= 1.0:
         raise ConfigError(f"elastic = {elastic}: give 1 (jobs run on what they ask) or more")
     ceiling = [min(cluster.devices, math.ceil(spec.devices * elastic)) for spec in trace]
-    jobs = [_Job(spec, top) for spec, top in zip(trace, ceiling, strict=True)]
+    jobs = [_Job(spec, top, curves) for spec, top in zip(trace, ceiling, strict=True)]
     heap: list[tuple[float, int, int, int]] = [
         (spec.submitted, _ARRIVAL, i, 0) for i, spec in enumerate(trace)
     ]

@@ -14,9 +14,14 @@ and its learned goodput model (the speed-up curves are given: ``JobView.speedup`
 3. **Grow**: the remaining devices go one step at a time to the admitted job whose next
    runnable device count adds the most speed-up per added device (a heap), up to its
    ``ceiling`` (its ask, or ``max_devices`` for a job that lets the scheduler grow it past the
-   ask, as Pollux's jobs do: ``simulate(..., elastic=F)``). A running job's first step beyond what it holds is priced with
-   its restart: over the next slice it gains ``s(t) x (slice_s - restart_s) - s(c) x slice_s``
-   (in one-device seconds); a job is not resized unless that is positive.
+   ask, as Pollux's jobs do: ``simulate(..., elastic=F)``). A running job's first step
+   beyond what it holds is priced with its restart ([Note: restart horizon]).
+
+[Note: restart horizon] Growing a running job from ``c`` to ``t`` devices costs it
+``restart_s`` of no progress; it pays if, over the horizon ``h`` the new count will hold, the
+job does more work: ``s(t) (h - restart_s) > s(c) h``. The horizon is the next slice, or the
+time the job needs to finish at ``c`` where that is shorter (``JobView.remaining``): a job
+about to finish is not restarted for a speed-up it has no time left to use.
 
 A running job shrinks only when admission needs its devices (step 1 outranks step 2). Jobs
 without a speed-up curve run only at their requested ``devices``. Decisions happen at events
@@ -105,8 +110,13 @@ class Goodput:
         now_s, next_s = _speedup(job, count), _speedup(job, nxt)
         held = job.allocated if job.state is JobState.RUNNING else 0
         if held and count == held:  # the first step beyond what it holds restarts it
-            gained = next_s * (cluster.slice_s - job.restart_s) - now_s * cluster.slice_s
-            per_device = gained / cluster.slice_s / (nxt - count)
+            horizon = cluster.slice_s  # [Note: restart horizon]
+            if job.remaining is not None:
+                horizon = min(horizon, job.remaining * _speedup(job, job.devices) / now_s)
+            if horizon <= job.restart_s:
+                return None
+            gained = next_s * (horizon - job.restart_s) - now_s * horizon
+            per_device = gained / horizon / (nxt - count)
         else:
             per_device = (next_s - now_s) / (nxt - count)
         return (per_device, nxt) if per_device > 0 else None
