@@ -124,7 +124,8 @@ def transformer_stats(
                 ),
             )
         )
-    head_params = C * V + 2 * C
+    head_norm = 2 * C if bias else C  # final LayerNorm (weight, bias) or RMSNorm (weight)
+    head_params = C * V + head_norm
     blocks.append(
         BlockStats(
             name=f"blocks.{n_layer + 1}",
@@ -137,8 +138,8 @@ def transformer_stats(
             output_bytes=float(T * V * act_bytes),
             linears=((C, V),),
             rows_per_sample=T,
-            tensors=3,  # final LayerNorm (2) and the output layer
-            tp_shards=((C * V * param_bytes, V), (2 * C * param_bytes, 1)),
+            tensors=3 if bias else 2,  # final norm (weight, bias) and the output layer
+            tp_shards=((C * V * param_bytes, V), (head_norm * param_bytes, 1)),
         )
     )
     return ModelStats(
