@@ -133,6 +133,10 @@ SETUPS = [
     Setup("Megatron-LM 8.3B, 512 V100 (tp 8, dp 64)", "Shoeybi et al. 2019, arXiv:1909.08053, sec. 5.1: 15.1 PFLOP/s on 512 GPUs",
           _v100_dgx2h(32), gpt(72, 3072, 32, 1024, 51200), 512, Layout(dp=64, tp=8, recompute=True), 15.1e3 / 512,
           slow_search=True),
+    Setup("Megatron-LM 1.2B, 1 V100", "Shoeybi et al. 2019, arXiv:1909.08053, sec. 5.1: 39 TFLOP/s on one V100 32GB; "
+          "config (Table 1: h 1536, 16 heads, 40 layers) and batch 8 (Table 8) as transcribed by a "
+          "third-party study script (not checked against the PDF)", _v100_dgx2h(1).with_size(1), gpt(40, 1536, 16, 1024, 51200), 8,
+          Layout(dp=1, recompute=True), 39.0),
     Setup("BLOOM 176B, 384 A100 (tp 4, pp 12, dp 8)", BLOOM, _a100_jean_zay(48), gpt(70, 14336, 112, 2048, 250880), 2048,
           Layout(dp=8, tp=4, pp=12, zero=2, microbatches=128, recompute=True), 150.0, dtype="bf16",
           published_gib=60.0, slow_search=True),
