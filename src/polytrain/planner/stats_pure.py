@@ -32,11 +32,33 @@ def transformer_stats(
     param_bytes: int = 4,
     optimizer_state_per_param: int = 2,
     name: str = "gpt",
+    n_kv_head: int | None = None,
+    ffn_hidden: int | None = None,
+    gated: bool = False,
+    bias: bool = True,
+    dropout: bool = True,
+    position_table: bool = True,
+    flash: bool = False,
 ) -> ModelStats:
-    """Block view [embedding, layer x n_layer, head] of a GPT (ours or Megatron's)."""
+    """Block view [embedding, layer x n_layer, head] of a GPT (ours or Megatron's).
+
+    The defaults are a GPT-2 / Megatron GPT layer. A Llama is ``n_kv_head`` (grouped-query
+    attention: k and v have ``n_kv_head`` heads of width ``n_embd / n_head``), ``ffn_hidden`` and
+    ``gated=True`` (SwiGLU: gate, up and down projections), ``bias=False``, ``dropout=False``,
+    ``position_table=False`` (RoPE) and ``flash=True``: a flash / memory-efficient attention
+    kernel saves O(T) per head, not Korthikanti's ``5 a T^2`` bytes of scores, softmax and
+    dropout mask. Saved activations follow Korthikanti et al.'s count term by term (16-bit):
+    attention ``2TC`` (q/k/v input) ``+ 2TC + 4TCkv`` (q, k, v) ``+ 2TC`` (projection input)
+    ``+ TC`` (dropout mask); MLP ``2TC + 4TF`` (GELU input and output) ``+ TC`` (mask), or
+    ``2TC + 8TF`` gated (gate, up, silu(gate), their product); two norms' inputs ``4TC``. With
+    the defaults that is eq. 1's ``34 TC + 5 a T^2``.
+    """
     T, C, V = seq_len, n_embd, vocab_size
+    kv = n_head if n_kv_head is None else n_kv_head
+    Ckv = C * kv // n_head  # width of k and v
+    F = 4 * C if ffn_hidden is None else ffn_hidden
     act = T * C * act_bytes
-    emb_params = V * C + T * C
+    emb_params = V * C + (T * C if position_table else 0)
     blocks = [
         BlockStats(
             name="blocks.0",
@@ -45,44 +67,65 @@ def transformer_stats(
             fwd_flops=0.0,  # a gather, not a matmul
             saved_bytes=float(act),
             output_bytes=float(act),
-            tensors=2,  # token and position tables
+            tensors=2 if position_table else 1,  # token (and position) tables
             saved_whole_bytes=float(act),  # the embedding's output: all-reduced, whole
             # the token table is vocabulary-parallel, the position table whole (gpt_plan)
-            tp_shards=((V * C * param_bytes, V), (T * C * param_bytes, 1)),
+            tp_shards=((V * C * param_bytes, V), ((emb_params - V * C) * param_bytes, 1))
+            if position_table
+            else ((V * C * param_bytes, V),),
         )
     ]
-    layer_params = 12 * C * C + 13 * C
-    # Korthikanti et al. eq. 1 is for 2-byte activations; scale to ours.
-    saved = T * C * (34 + 5 * n_head * T / C) * act_bytes / 2
+    attn_w = 2 * C * C + 2 * C * Ckv  # q, o: C x C; k, v: C x Ckv
+    attn_b = 2 * C + 2 * Ckv if bias else 0
+    mlp_w = (3 if gated else 2) * C * F
+    mlp_b = ((2 if gated else 1) * F + C) if bias else 0
+    norms = 4 * C if bias else 2 * C  # two LayerNorms (weight, bias) or RMSNorms (weight)
+    layer_params = attn_w + attn_b + mlp_w + mlp_b + norms
+    # Korthikanti et al. eq. 1 term by term (see the docstring), for 2-byte activations;
+    # scaled to ours
+    mask = T * C if dropout else 0
+    attn_saved = 2 * T * C + 2 * T * C + 4 * T * Ckv + 2 * T * C + mask
+    attn_saved += 0 if flash else 5 * n_head * T * T
+    mlp_saved = 2 * T * C + (8 * T * F if gated else 4 * T * F) + mask
+    saved = (attn_saved + mlp_saved + 4 * T * C) * act_bytes / 2
+    # eq. 2: norms' inputs, the q/k/v and MLP inputs and the dropout masks stay whole
+    whole = (8 * T * C + 2 * mask) * act_bytes / 2
+    col = (C * C + 2 * C * Ckv) + (C + 2 * Ckv if bias else 0)  # q, k, v
+    row = C * C + mlp_w // (3 if gated else 2)  # o and down: weights split, biases whole
+    mlp_col = mlp_w - C * F + ((2 if gated else 1) * F if bias else 0)  # fc / gate and up
     for i in range(n_layer):
         blocks.append(
             BlockStats(
                 name=f"blocks.{i + 1}",
                 params=layer_params,
                 param_bytes=layer_params * param_bytes,
-                fwd_flops=24.0 * T * C * C + 4.0 * T * T * C,
+                fwd_flops=2.0 * T * (attn_w + mlp_w) + 4.0 * T * T * C,
                 # [Note: attention kernels]: one causal self-attention call, counted in full
                 attention=((T, T, C // n_head, 4.0 * T * T * C),),
                 attention_counted=4.0 * T * T * C,
                 saved_bytes=saved,
                 # eq. 2 (tensor parallel, no sequence parallelism): the 10 T C bytes of layer
                 # norm and dropout inputs stay whole ([Note: tensor-parallel activations])
-                saved_whole_bytes=10.0 * T * C * act_bytes / 2,
+                saved_whole_bytes=whole,
                 output_bytes=float(act),
-                linears=((C, C), (C, C), (C, C), (C, C), (C, 4 * C), (4 * C, C)),
+                linears=((C, C), (C, Ckv), (C, Ckv), (C, C))
+                + ((C, F),) * (2 if gated else 1)
+                + ((F, C),),
                 rows_per_sample=T,
-                tensors=16,  # 6 Linear weights and biases, 2 LayerNorms' weights and biases
-                # gpt_plan: q, k, v column-parallel (weight and bias split by C), attn.proj
-                # row-parallel (weight by C, bias whole), fc column- (by 4C), mlp.proj
-                # row-parallel (weight by 4C, bias whole); LayerNorms whole
+                # Linear weights (and biases), norms' weights (and biases)
+                tensors=(7 if gated else 6) * (2 if bias else 1) + (4 if bias else 2),
+                # gpt_plan: q, k, v column-parallel (weight and bias split by heads), attn.proj
+                # row-parallel (weight split, bias whole), fc (gate, up) column-parallel (by
+                # F), mlp.proj row-parallel (weight by F, bias whole); norms whole
                 tp_shards=(
-                    ((3 * C * C + 3 * C + C * C) * param_bytes, C),
-                    ((4 * C * C + 4 * C + 4 * C * C) * param_bytes, 4 * C),
-                    ((2 * C + 4 * C) * param_bytes, 1),
+                    ((col + C * C) * param_bytes, kv),
+                    ((mlp_col + mlp_w // (3 if gated else 2)) * param_bytes, F),
+                    ((layer_params - col - row - mlp_col) * param_bytes, 1),
                 ),
             )
         )
-    head_params = C * V + 2 * C
+    head_norm = 2 * C if bias else C  # final LayerNorm (weight, bias) or RMSNorm (weight)
+    head_params = C * V + head_norm
     blocks.append(
         BlockStats(
             name=f"blocks.{n_layer + 1}",
@@ -95,8 +138,8 @@ def transformer_stats(
             output_bytes=float(T * V * act_bytes),
             linears=((C, V),),
             rows_per_sample=T,
-            tensors=3,  # final LayerNorm (2) and the output layer
-            tp_shards=((C * V * param_bytes, V), (2 * C * param_bytes, 1)),
+            tensors=3 if bias else 2,  # final norm (weight, bias) and the output layer
+            tp_shards=((C * V * param_bytes, V), (head_norm * param_bytes, 1)),
         )
     )
     return ModelStats(
@@ -105,7 +148,7 @@ def transformer_stats(
         dtype_bytes=param_bytes,
         tokens_per_sample=T,
         optimizer_state_per_param=optimizer_state_per_param,
-        tp_divisor=n_head,  # heads split evenly over the tensor-parallel ranks
+        tp_divisor=kv,  # (key-value) heads split evenly over the tensor-parallel ranks
     )
 
 
