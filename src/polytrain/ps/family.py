@@ -22,10 +22,11 @@ def _checks(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
 def _tolerated(job: JobConfig) -> list[int]:
     """Asynchronous and bounded-stale workers other than rank 0 may die: rank 0 collects the
     final weights and the servers (the last ``ps.servers`` ranks) hold them. Sync and
-    hierarchical PS steps are collectives over every worker ([Note: tolerated worker deaths]
+    hierarchical PS steps are collectives over every worker, and a leaf server's group is
+    synchronous inside ([Note: tolerated worker deaths]
     in launch/tolerant.py)."""
     ps = job.ps
-    if ps.mode not in ("async", "ssp") or ps.hierarchical:
+    if ps.mode not in ("async", "ssp") or ps.hierarchical or ps.leaves:
         return []
     return list(range(1, job.world_size - ps.servers))
 
@@ -42,6 +43,11 @@ PARAMETER_SERVER = StrategyFamily(
     build=_build,
     cost_model="polytrain.planner.cost.ps",
     sections=("ps",),
-    flags={"ps_servers": "ps.servers", "ps_mode": "ps.mode", "staleness": "ps.staleness"},
+    flags={
+        "ps_servers": "ps.servers",
+        "ps_mode": "ps.mode",
+        "staleness": "ps.staleness",
+        "ps_leaves": "ps.leaves",
+    },
     tolerated_ranks=_tolerated,
 )

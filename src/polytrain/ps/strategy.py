@@ -3,7 +3,9 @@
 Ranks: the last ``ps.servers`` ranks of the world are servers, the others workers (worker id =
 rank, data replica = rank of ``num_workers``). With ``ps.hierarchical`` the workers of one host
 (``ps.ranks_per_host`` consecutive ranks) reduce their gradients first and only the lowest rank
-of each host talks to the servers (Rudra, Gupta et al., ICDM 2016). With ``ps.colocate`` there
+of each host talks to the servers (Rudra, Gupta et al., ICDM 2016). With ``ps.leaves`` each
+group of workers has a leaf server on its lowest rank between it and the servers ([Note: leaf
+servers] in polytrain.ps.leaf). With ``ps.colocate`` there
 are no server ranks: every rank is a worker and ranks ``0 .. ps.servers - 1`` also run a server
 on a thread ([Note: colocated servers] in polytrain.ps.local). In sync mode a worker pushes from
 backward hooks and pulls into forward pre-hooks ([Note: prioritised overlap] in
@@ -82,13 +84,14 @@ from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
+from polytrain.ps.leaf import LeafServer, leaf_groups
 from polytrain.ps.local import ColocatedServer
 from polytrain.ps.overlap import GradPusher, ParamFetcher
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
 from polytrain.ps.worker import PendingPull, PostedPull, WorkerClient
 
-__all__ = ["PSStrategy", "ranks_per_host", "server_ranks"]
+__all__ = ["PSStrategy", "leaf_size", "ranks_per_host", "server_ranks"]
 
 
 def server_ranks(world_size: int, num_servers: int) -> list[int]:
@@ -101,6 +104,12 @@ def ranks_per_host(job: JobConfig) -> int:
     if job.ps.ranks_per_host:
         return job.ps.ranks_per_host
     return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.num_procs))
+
+
+def leaf_size(job: JobConfig) -> int:
+    """Workers per leaf server: ``ps.leaves``, a host's for ``"host"`` (0: no leaves)."""
+    leaves = job.ps.leaves
+    return ranks_per_host(job) if leaves == "host" else leaves
 
 
 _MAX_LINK_POINTS = 32
@@ -152,6 +161,12 @@ class PSStrategy(Strategy):
         extra = f"mode={ps.mode};s={ps.staleness};workers={self.num_workers};h={ps.hierarchical}"
         link = _measured_link(rank, self.servers) if ps.chunk_kb == 0 else []
         self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra, link)
+        per_leaf = leaf_size(job)
+        # [Note: leaf servers] in polytrain.ps.leaf: a leaf's one-shard layout, its workers'
+        # view of "the servers".
+        leaf_layout = (
+            build_layout(model, 1, ps.chunk_kb, f"{extra};leaf", link) if per_leaf else None
+        )
 
         # Groups: every rank creates every group, in the same order.
         self.worker_group = new_group(sorted(workers))
@@ -163,6 +178,8 @@ class PSStrategy(Strategy):
         server_group = new_group(sorted(self.servers))
         hosts = host_groups(workers, ranks_per_host(job)) if ps.hierarchical else []
         host_pgs = [new_group(sorted(g)) for g in hosts]
+        leaves = leaf_groups(workers, per_leaf) if per_leaf else []
+        leaf_pgs = [new_group(sorted(g)) for g in leaves]
         self.host_group: Any = None
         self.leader = rank
         for g, pg in zip(hosts, host_pgs, strict=True):
@@ -172,7 +189,7 @@ class PSStrategy(Strategy):
         # The checkpointer's collectives (sync mode): a world group of their own, since the
         # default group carries the servers' point-to-point traffic on receiver threads.
         self.checkpoint_group = new_group(range(world_size))
-        pushers = [leader_of(g) for g in hosts] if ps.hierarchical else workers
+        pushers = [leader_of(g) for g in hosts or leaves] if hosts or leaves else workers
         spares = workers[self.num_workers - ps.spare_workers :] if ps.spare_workers else []
         self.num_pushers = len(pushers)
         # [Note: gradient scale] in polytrain.ps.server
@@ -180,6 +197,7 @@ class PSStrategy(Strategy):
 
         self.server: ParameterServer | None = None
         self.colocated: ColocatedServer | None = None
+        self.leaf: LeafServer | None = None
         self.client: WorkerClient | None = None
         # Push from backward hooks, pull into forward hooks: sync without host reduction.
         self.overlap = self.sync and ps.overlap and not ps.hierarchical and not self.is_server
@@ -218,6 +236,14 @@ class PSStrategy(Strategy):
         else:
             if self.sync and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
                 convert_batchnorm(model, self.worker_group)
+            names = None
+            if leaf_layout is not None:  # [Note: leaf servers]: this worker's leaf serves it
+                index = next(i for i, g in enumerate(leaves) if rank in g)
+                self.leaf = self._build_leaf(index, leaves, leaf_pgs[index], leaf_layout)
+                groups, names = [leaf_pgs[index]], [self.leaf_name(index)]
+                self.servers, self.layout = [leader_of(leaves[index])], leaf_layout
+                self.push_scale = 1.0  # the leaf scales its group's sum
+            local = self.server or self.leaf
             self.client = WorkerClient(
                 rank,
                 self.layout,
@@ -225,7 +251,8 @@ class PSStrategy(Strategy):
                 self.num_workers,
                 job.launch.timeout_s,
                 groups=groups,
-                local=self.server.link if self.server is not None else None,
+                local=local.link if local is not None else None,
+                names=names,
             )
             if job.parallel.recompute:  # [Note: recompute on workers]
                 apply_recompute(model, job.parallel.recompute_policy)
@@ -236,7 +263,13 @@ class PSStrategy(Strategy):
                 self.fetcher = ParamFetcher(model, self.layout)
             self.modules = [model]
             self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w" + (
-                "-hier" if ps.hierarchical else "-colocated" if ps.colocate else ""
+                "-hier"
+                if ps.hierarchical
+                else "-colocated"
+                if ps.colocate
+                else f"-{len(leaves)}leaves"
+                if leaves
+                else ""
             )
             if self.server is not None:  # colocated: serve on a thread of this rank
                 assert self.server.link is not None
@@ -245,7 +278,9 @@ class PSStrategy(Strategy):
                 saved = dict(model.state_dict(keep_vars=True))
                 saved.update(self.server.params)
                 self._saved_parts = [module_of(saved)]
-        self.is_pusher = rank in pushers
+            if self.leaf is not None and self.leaf.link is not None:  # serve on a thread
+                self.colocated = ColocatedServer(self.leaf, self.leaf.link, job.observe.out_dir)
+        self.is_pusher = rank in pushers or bool(leaves)
         self.joining = rank in spares
         self.straggler = rank == self.num_workers - 1 and ps.straggler_delay_s > 0
         self.clock = 0  # iterations this worker has completed
@@ -256,6 +291,44 @@ class PSStrategy(Strategy):
         self.pending_pull: PendingPull | None = None  # the pull this step's forward takes
         self.started = time.monotonic()
         self.last_metrics: dict[str, float] = {}
+
+    @staticmethod
+    def leaf_name(index: int) -> str:
+        """Leaf ``index``'s heartbeat and stats name."""
+        return f"leaf{index}"
+
+    def _build_leaf(
+        self, index: int, leaves: list[list[int]], group: Any, layout: ShardLayout
+    ) -> LeafServer | None:
+        """Leaf ``index`` if this rank leads its group ([Note: leaf servers] in ps.leaf)."""
+        members = leaves[index]
+        if self.rank != leader_of(members):
+            return None
+        job = self.job
+        root = WorkerClient(
+            self.rank, self.layout, self.servers, self.num_workers, job.launch.timeout_s
+        )
+        return LeafServer(
+            root=root,
+            root_layout=self.layout,
+            up_scale=len(leaves) / self.num_workers,
+            index=0,
+            label=self.leaf_name(index),
+            layout=layout,
+            initial=dict(self.model.named_parameters()),
+            optim=job.optim,
+            lr_at=lambda clock: 0.0,  # a leaf makes no optimizer step
+            mode="sync",
+            staleness=0,
+            workers=members,
+            spares=[],
+            num_worker_slots=self.num_workers,
+            num_pushers=len(members),
+            worker_timeout_s=job.ps.worker_timeout_s,
+            on_nonfinite=job.train.on_nonfinite,
+            group=group,
+            local=self.rank,
+        )
 
     # --- Strategy interface --------------------------------------------------------------
 
@@ -268,8 +341,9 @@ class PSStrategy(Strategy):
 
     def resume_at(self, step: int) -> None:
         """Called by the checkpointer after a restore: continue at clock ``step``."""
-        if self.server is not None:
-            self.server.resume_at(step)
+        for server in (self.server, self.leaf):
+            if server is not None:
+                server.resume_at(step)
         self.clock = step
         self.fresh = -1
         self.next_pull = None
@@ -283,8 +357,9 @@ class PSStrategy(Strategy):
         return self.modules, self.optimizer
 
     def before_save(self, step: int) -> None:
-        """A colocated server must have made ``step`` updates ([Note: colocated checkpoints])."""
-        if self.colocated is not None:
+        """A colocated server must have made ``step`` updates ([Note: colocated checkpoints]);
+        a leaf holds nothing to save and waits on the root, which is saving."""
+        if self.colocated is not None and self.server is not None:
             self.colocated.wait_applied(step)
 
     def _serve_colocated(self) -> None:
@@ -322,8 +397,9 @@ class PSStrategy(Strategy):
             drop=lambda: self._push(step, poison=True),
         )
         metrics = dict(self.last_metrics)
-        if self.colocated is not None and self.server is not None:
-            metrics.update(self.server.metrics())
+        local = self.server or self.leaf
+        if self.colocated is not None and local is not None:
+            metrics.update(local.metrics())
         return StepOutput(loss=out.loss, skipped=out.skipped, metrics=metrics)
 
     @torch.no_grad()
