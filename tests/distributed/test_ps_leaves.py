@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from polytrain.ps import check_staleness_trace
 from polytrain.testing import assert_state_close, run_job
 from tests.conftest import small_job
 
@@ -62,3 +63,31 @@ def test_sync_leaves_match_single_process(world: int, ps: dict[str, Any], tmp_pa
         leaf = _stats(out_dir, f"leaf{i}")
         assert {e[0] for e in leaf["events"]} == {leader, leader + 1}
         assert leaf["pushes"] == 2 * 3
+
+
+def test_groups_run_ahead_of_the_root_within_the_ssp_bound(tmp_path: Path) -> None:
+    """ps.mode = 'ssp' (bound 2) at the root, sync inside each group; the last worker
+    straggles, so the other group runs ahead: its workers see staleness above 0 and at most
+    2, recorded by its leaf as SSP records it; the root's own trace holds the bound."""
+    out_dir = str(tmp_path)
+    steps = 12
+    job = small_job(
+        parallel={"sync": "ps"},
+        ps={"servers": 1, **HOSTS, "mode": "ssp", "staleness": 2, "straggler_delay_s": 0.15},
+        launch={"nproc": 5},
+        train={"steps": steps, "global_batch_size": 8},
+        observe={"out_dir": out_dir},
+    )
+    out = run_job(job)
+    assert out["strategy"] == "ps-ssp-1s4w-2leaves"
+    root = _stats(out_dir, "server0")
+    assert check_staleness_trace([tuple(e) for e in root["events"]], 2) == []
+    assert root["updates"] == 2 * steps  # one update per leaf push
+    fast, slow = _stats(out_dir, "leaf0"), _stats(out_dir, "leaf1")
+    for leaf in (fast, slow):
+        assert check_staleness_trace([tuple(e) for e in leaf["events"]], 2) == []
+        assert leaf["pushes"] == 2 * steps  # both workers of the group, every step
+    # Group 0 runs ahead of the straggler's group and sees it: staleness 1..2.
+    assert max(fast["max_staleness_by_worker"].values()) >= 1
+    seen = [r["ps_staleness"] for r in out["history"] if "ps_staleness" in r]
+    assert seen and max(seen) <= 2
