@@ -91,3 +91,35 @@ def test_groups_run_ahead_of_the_root_within_the_ssp_bound(tmp_path: Path) -> No
     assert max(fast["max_staleness_by_worker"].values()) >= 1
     seen = [r["ps_staleness"] for r in out["history"] if "ps_staleness" in r]
     assert seen and max(seen) <= 2
+
+
+def test_checkpoint_holds_the_root_and_resumes_under_another_number_of_leaves(
+    tmp_path: Path,
+) -> None:
+    """Stopped after step 3 with two leaves (one per worker), resumed to step 6 with one leaf
+    of both workers: the weights of the uninterrupted one-process run. Only the root server
+    (rank 2) wrote weights; leaves hold nothing of their own."""
+    from polytrain.trainer.manifest import committed, verify
+
+    steps, stop, ckpt = 6, 3, tmp_path / "ckpt"
+
+    def job(steps: int, leaves: int, resume: bool = False) -> Any:
+        return small_job(
+            parallel={"sync": "ps"},
+            ps={"servers": 1, "leaves": leaves},
+            optim=ADAMW_CLIP,
+            train={"steps": steps, "global_batch_size": 8},
+            checkpoint={"dir": str(ckpt), "resume": resume},
+            launch={"nproc": 3},
+        )
+
+    ref = run_job(small_job(optim=ADAMW_CLIP, train={"steps": steps, "global_batch_size": 8}))
+    run_job(job(stop, leaves=1))
+    assert [s for s, _ in committed(ckpt)] == [stop]
+    manifest = verify(ckpt / f"step_{stop:09d}")
+    writers = {i["file"] for k, i in manifest.tensors.items() if not k.startswith("rng.")}
+    assert writers == {"rank_00002.safetensors"}
+    resumed = run_job(job(steps, leaves=2, resume=True))
+    assert resumed["start"] == stop and resumed["strategy"].endswith("-1leaves")
+    assert_state_close(resumed["state"], ref["state"], atol=1e-5)
+    assert resumed["losses"] == pytest.approx(ref["losses"][stop:], abs=1e-5)

@@ -10,7 +10,8 @@ from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.ps.checks import check_ps_job
-from polytrain.ps.strategy import PSStrategy
+from polytrain.ps.leaf import leaf_groups
+from polytrain.ps.strategy import PSStrategy, leaf_size
 
 __all__ = ["PARAMETER_SERVER"]
 
@@ -29,6 +30,19 @@ def _tolerated(job: JobConfig) -> list[int]:
     if ps.mode not in ("async", "ssp") or ps.hierarchical or ps.leaves:
         return []
     return list(range(1, job.world_size - ps.servers))
+
+
+def _roles(job: JobConfig) -> dict[int, str]:
+    """Leaf servers run on their group's lowest rank ([Note: leaf servers] in ps/leaf.py): its
+    death ends a sync job, and the line naming it says which group lost its server."""
+    per_leaf = leaf_size(job)
+    if not per_leaf:
+        return {}
+    groups = leaf_groups(list(range(job.num_trainers)), per_leaf)
+    return {
+        g[0]: f"leaf server {PSStrategy.leaf_name(i)} of worker ranks {g[0]}-{g[-1]}"
+        for i, g in enumerate(groups)
+    }
 
 
 def _build(job: JobConfig, ctx: DistContext, model: BlockModel, batches: Batches) -> Strategy:
@@ -50,4 +64,5 @@ PARAMETER_SERVER = StrategyFamily(
         "ps_leaves": "ps.leaves",
     },
     tolerated_ranks=_tolerated,
+    rank_roles=_roles,
 )
