@@ -304,6 +304,12 @@ class PSConfig:
                 f"hierarchical {self.hierarchical}); set ps.spare_workers = 0"
             )
 
+    def workers_per_leaf(self, ranks_per_host: int) -> int:
+        """Workers per leaf server: ``leaves``, or ``ranks_per_host`` for ``"host"``; 0 for
+        none. ``ranks_per_host``: the host size the runtime sees (``ps.ranks_per_host``, else
+        the launcher's LOCAL_WORLD_SIZE, else ``launch.nproc``)."""
+        return ranks_per_host if self.leaves == "host" else self.leaves
+
 
 # Options that combine ranks in other ways than plain data parallel, in the order a clash is
 # named: spatial parallelism takes none of them, hybrid parallelism none of the others, the

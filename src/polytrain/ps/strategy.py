@@ -108,8 +108,7 @@ def ranks_per_host(job: JobConfig) -> int:
 
 def leaf_size(job: JobConfig) -> int:
     """Workers per leaf server: ``ps.leaves``, a host's for ``"host"`` (0: no leaves)."""
-    leaves = job.ps.leaves
-    return ranks_per_host(job) if leaves == "host" else leaves
+    return job.ps.workers_per_leaf(ranks_per_host(job))
 
 
 _MAX_LINK_POINTS = 32
