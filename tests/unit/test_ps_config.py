@@ -103,8 +103,7 @@ def test_leaf_server_config() -> None:
 
 
 def test_leaf_groups_and_sizes() -> None:
-    from polytrain.ps.leaf import leaf_groups
-    from polytrain.ps.strategy import leaf_size
+    from polytrain.ps.leaf import leaf_groups, leaf_size
 
     assert leaf_groups([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
     assert leaf_groups([0, 1, 2], 2) == [[0, 1], [2]]  # hosts may be unequal

@@ -10,8 +10,8 @@ from polytrain.data.datasets import Dataset
 from polytrain.data.sampler import Batches
 from polytrain.models.base import BlockModel
 from polytrain.ps.checks import check_ps_job
-from polytrain.ps.leaf import leaf_groups
-from polytrain.ps.strategy import PSStrategy, leaf_size
+from polytrain.ps.leaf import leaf_groups, leaf_name, leaf_size
+from polytrain.ps.strategy import PSStrategy
 
 __all__ = ["PARAMETER_SERVER"]
 
@@ -40,7 +40,7 @@ def _roles(job: JobConfig) -> dict[int, str]:
         return {}
     groups = leaf_groups(list(range(job.num_trainers)), per_leaf)
     return {
-        g[0]: f"leaf server {PSStrategy.leaf_name(i)} of worker ranks {g[0]}-{g[-1]}"
+        g[0]: f"leaf server {leaf_name(i)} of worker ranks {g[0]}-{g[-1]}"
         for i, g in enumerate(groups)
     }
 

@@ -40,28 +40,94 @@ SHUTDOWN. Other leaves leave the root and stop.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from polytrain.comm import ps_wire
+from polytrain.config.job import JobConfig
 from polytrain.ps.layout import ShardLayout
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups
 from polytrain.ps.worker import WorkerClient
 
-__all__ = ["LeafServer", "leaf_groups"]
+__all__ = [
+    "LeafServer",
+    "build_leaf",
+    "leaf_groups",
+    "leaf_name",
+    "leaf_size",
+    "ranks_per_host",
+]
 
 _BEAT_S = 0.25
+
+
+def ranks_per_host(job: JobConfig) -> int:
+    """``ps.ranks_per_host``, else the launcher's LOCAL_WORLD_SIZE, else ``launch.nproc``."""
+    if job.ps.ranks_per_host:
+        return job.ps.ranks_per_host
+    return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.num_procs))
+
+
+def leaf_size(job: JobConfig) -> int:
+    """Workers per leaf server: ``ps.leaves``, a host's for ``"host"`` (0: no leaves)."""
+    return job.ps.workers_per_leaf(ranks_per_host(job))
 
 
 def leaf_groups(workers: list[int], per_leaf: int) -> list[list[int]]:
     """The workers of each leaf: ``per_leaf`` consecutive ranks (a host's, for ``"host"``)."""
     return host_groups(workers, per_leaf)
+
+
+def leaf_name(index: int) -> str:
+    """Leaf ``index``'s heartbeat and stats name."""
+    return f"leaf{index}"
+
+
+def build_leaf(
+    job: JobConfig,
+    leaves: list[list[int]],
+    groups: Sequence[ps_wire.Group],
+    layout: ShardLayout,
+    root: WorkerClient,
+    model: nn.Module,
+) -> LeafServer:
+    """The leaf of ``root.worker``'s group (of ``leaves``, the groups' ranks; ``groups``, their
+    process groups), run by that, its lowest, rank: the group's one-shard ``layout``, the root
+    shards through ``root``."""
+    index = next(i for i, g in enumerate(leaves) if root.worker in g)
+    members = leaves[index]
+    assert root.worker == min(members), "a leaf runs on its group's lowest rank"
+    num_workers = sum(len(g) for g in leaves)
+    root.reply_timeout_s = job.launch.timeout_s
+    return LeafServer(
+        root=root,
+        root_layout=root.layout,
+        up_scale=len(leaves) / num_workers,
+        index=0,
+        label=leaf_name(index),
+        layout=layout,
+        initial=dict(model.named_parameters()),
+        optim=job.optim,
+        lr_at=lambda clock: 0.0,  # a leaf makes no optimizer step
+        mode="sync",
+        staleness=0,
+        workers=members,
+        spares=[],
+        num_worker_slots=num_workers,
+        num_pushers=len(members),
+        worker_timeout_s=job.ps.worker_timeout_s,
+        on_nonfinite=job.train.on_nonfinite,
+        group=groups[index],
+        local=root.worker,
+    )
 
 
 class LeafServer(ParameterServer):

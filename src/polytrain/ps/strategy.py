@@ -60,7 +60,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -84,31 +83,26 @@ from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
-from polytrain.ps.leaf import LeafServer, leaf_groups
+from polytrain.ps.leaf import (
+    LeafServer,
+    build_leaf,
+    leaf_groups,
+    leaf_name,
+    leaf_size,
+    ranks_per_host,
+)
 from polytrain.ps.local import ColocatedServer
 from polytrain.ps.overlap import GradPusher, ParamFetcher
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
 from polytrain.ps.worker import PendingPull, PostedPull, WorkerClient
 
-__all__ = ["PSStrategy", "leaf_size", "ranks_per_host", "server_ranks"]
+__all__ = ["PSStrategy", "server_ranks"]
 
 
 def server_ranks(world_size: int, num_servers: int) -> list[int]:
     """The server ranks: the last ``num_servers`` ranks of the world."""
     return list(range(world_size - num_servers, world_size))
-
-
-def ranks_per_host(job: JobConfig) -> int:
-    """``ps.ranks_per_host``, else the launcher's LOCAL_WORLD_SIZE, else ``launch.nproc``."""
-    if job.ps.ranks_per_host:
-        return job.ps.ranks_per_host
-    return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.num_procs))
-
-
-def leaf_size(job: JobConfig) -> int:
-    """Workers per leaf server: ``ps.leaves``, a host's for ``"host"`` (0: no leaves)."""
-    return job.ps.workers_per_leaf(ranks_per_host(job))
 
 
 _MAX_LINK_POINTS = 32
@@ -161,11 +155,8 @@ class PSStrategy(Strategy):
         link = _measured_link(rank, self.servers) if ps.chunk_kb == 0 else []
         self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra, link)
         per_leaf = leaf_size(job)
-        # [Note: leaf servers] in polytrain.ps.leaf: a leaf's one-shard layout, its workers'
-        # view of "the servers".
-        leaf_layout = (
-            build_layout(model, 1, ps.chunk_kb, f"{extra};leaf", link) if per_leaf else None
-        )
+        # [Note: leaf servers] in ps.leaf: its workers see their leaf as one server of one shard
+        leaf_layout = build_layout(model, 1, ps.chunk_kb, f"{extra};l", link) if per_leaf else None
 
         # Groups: every rank creates every group, in the same order.
         self.worker_group = new_group(sorted(workers))
@@ -238,8 +229,10 @@ class PSStrategy(Strategy):
             names = None
             if leaf_layout is not None:  # [Note: leaf servers]: this worker's leaf serves it
                 index = next(i for i, g in enumerate(leaves) if rank in g)
-                self.leaf = self._build_leaf(index, leaves, leaf_pgs[index], leaf_layout)
-                groups, names = [leaf_pgs[index]], [self.leaf_name(index)]
+                if rank == leader_of(leaves[index]):
+                    root = WorkerClient(rank, self.layout, self.servers, self.num_workers)
+                    self.leaf = build_leaf(job, leaves, leaf_pgs, leaf_layout, root, model)
+                groups, names = [leaf_pgs[index]], [leaf_name(index)]
                 self.servers, self.layout = [leader_of(leaves[index])], leaf_layout
                 self.push_scale = 1.0  # the leaf scales its group's sum
             local = self.server or self.leaf
@@ -261,15 +254,9 @@ class PSStrategy(Strategy):
                 self.pusher = GradPusher(model, self.layout)
                 self.fetcher = ParamFetcher(model, self.layout)
             self.modules = [model]
-            self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w" + (
-                "-hier"
-                if ps.hierarchical
-                else "-colocated"
-                if ps.colocate
-                else f"-{len(leaves)}leaves"
-                if leaves
-                else ""
-            )
+            kind = "-hier" if ps.hierarchical else "-colocated" if ps.colocate else ""
+            kind += f"-{len(leaves)}leaves" if leaves else ""
+            self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w{kind}"
             if self.server is not None:  # colocated: serve on a thread of this rank
                 assert self.server.link is not None
                 self.colocated = ColocatedServer(self.server, self.server.link, job.observe.out_dir)
@@ -290,44 +277,6 @@ class PSStrategy(Strategy):
         self.pending_pull: PendingPull | None = None  # the pull this step's forward takes
         self.started = time.monotonic()
         self.last_metrics: dict[str, float] = {}
-
-    @staticmethod
-    def leaf_name(index: int) -> str:
-        """Leaf ``index``'s heartbeat and stats name."""
-        return f"leaf{index}"
-
-    def _build_leaf(
-        self, index: int, leaves: list[list[int]], group: Any, layout: ShardLayout
-    ) -> LeafServer | None:
-        """Leaf ``index`` if this rank leads its group ([Note: leaf servers] in ps.leaf)."""
-        members = leaves[index]
-        if self.rank != leader_of(members):
-            return None
-        job = self.job
-        root = WorkerClient(
-            self.rank, self.layout, self.servers, self.num_workers, job.launch.timeout_s
-        )
-        return LeafServer(
-            root=root,
-            root_layout=self.layout,
-            up_scale=len(leaves) / self.num_workers,
-            index=0,
-            label=self.leaf_name(index),
-            layout=layout,
-            initial=dict(self.model.named_parameters()),
-            optim=job.optim,
-            lr_at=lambda clock: 0.0,  # a leaf makes no optimizer step
-            mode="sync",
-            staleness=0,
-            workers=members,
-            spares=[],
-            num_worker_slots=self.num_workers,
-            num_pushers=len(members),
-            worker_timeout_s=job.ps.worker_timeout_s,
-            on_nonfinite=job.train.on_nonfinite,
-            group=group,
-            local=self.rank,
-        )
 
     # --- Strategy interface --------------------------------------------------------------
 
