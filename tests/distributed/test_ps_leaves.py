@@ -9,6 +9,7 @@ ranks) and one root server: world 5, leaves on ranks 0 and 2.
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 from polytrain.ps import check_staleness_trace
 from polytrain.testing import assert_state_close, run_job
 from tests.conftest import small_job
+from tests.helpers.kill_rank import train_and_kill
 
 pytestmark = pytest.mark.slow
 
@@ -123,3 +125,28 @@ def test_checkpoint_holds_the_root_and_resumes_under_another_number_of_leaves(
     assert resumed["start"] == stop and resumed["strategy"].endswith("-1leaves")
     assert_state_close(resumed["state"], ref["state"], atol=1e-5)
     assert resumed["losses"] == pytest.approx(ref["losses"][stop:], abs=1e-5)
+
+
+def test_async_group_rehomes_to_the_root_when_its_leaf_dies(tmp_path: Path) -> None:
+    """[Note: re-homed groups]: async, groups [0, 1] and [2, 3], root rank 4. SIGKILL rank 2
+    (leaf1 and a worker) mid-run: rank 3 joins the root and the run finishes; the root dropped
+    the dead leaf and kept what it had applied."""
+    out_dir, steps, world, victim = str(tmp_path / "run"), 150, 5, 2
+    job = small_job(
+        parallel={"sync": "ps"},
+        ps={"servers": 1, "leaves": 2, "mode": "async"},
+        launch={"nproc": world},
+        train={"steps": steps, "eval_batches": 2, "global_batch_size": 8},
+        observe={"out_dir": out_dir, "log_every": 1},
+    )
+    out, code = train_and_kill(job, world, victim, tmp_path, after_steps=20)
+    assert code == -signal.SIGKILL
+    assert out[0]["steps"] == steps and out[3]["steps"] == steps
+    root = _stats(out_dir, "server0")
+    removed = {w: (clock, why) for w, clock, why in root["removed"]}
+    assert victim in removed and 0 < removed[victim][0] < steps, removed
+    joined = dict(root["joined"])
+    assert joined.get(3, 0) > 0, root["joined"]  # re-homed mid-run at the root's clock
+    left = dict(root["left"])
+    assert left[1] == -1 and left[3] > 0 and 0 in left  # rank 1 never needed the root
+    assert {w for w, _, _ in root["events"]} == {0, 2, 3}  # leaf0, leaf1 before, then rank 3

@@ -23,11 +23,11 @@ def _checks(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
 def _tolerated(job: JobConfig) -> list[int]:
     """Asynchronous and bounded-stale workers other than rank 0 may die: rank 0 collects the
     final weights and the servers (the last ``ps.servers`` ranks) hold them. Sync and
-    hierarchical PS steps are collectives over every worker, and a leaf server's group is
-    synchronous inside ([Note: tolerated worker deaths]
+    hierarchical PS steps are collectives over every worker; an async leaf's workers re-home to
+    the root when it dies ([Note: re-homed groups] in ps/leaf.py) ([Note: tolerated worker deaths]
     in launch/tolerant.py)."""
     ps = job.ps
-    if ps.mode not in ("async", "ssp") or ps.hierarchical or ps.leaves:
+    if ps.mode not in ("async", "ssp") or ps.hierarchical:
         return []
     return list(range(1, job.world_size - ps.servers))
 

@@ -35,6 +35,17 @@ server] in polytrain.comm.ps_wire).
 The final weights: leaf 0 (on rank 0) is the root's coordinator; when its group has left it
 leaves the root, receives the root's final shards, hands them to rank 0 and stops at rank 0's
 SHUTDOWN. Other leaves leave the root and stop.
+
+[Note: re-homed groups] In async and ssp a group's workers do not need each other, so a dead
+leaf need not end the job: the root holds every worker that is not a leaf's as a spare
+(pending, never dropped for silence), and a worker whose leaf is lost (`PeerLost`, or its
+heartbeat stopped: `PeerHung`) joins the root (`rehome`): from then on it is a flat async worker
+of the root's layout pushing its gradient times ``num_leaves / num_workers``, as a leaf pushes
+its group's sum. The step it lost is reported skipped; the root joins it at its current
+``min_clock`` and the worker sends empty clocks up to its own next step (a push it had not
+completed was never applied: [Note: atomic pushes] in ps.server). The root drops the dead leaf
+as it drops a dead worker, with what it applied kept. Spares that never joined send the root a
+LEAVE at the end. Rank 0 (leaf 0 and the coordinator) must survive, as in a flat job.
 """
 
 from __future__ import annotations
@@ -84,6 +95,21 @@ def leaf_size(job: JobConfig) -> int:
 def leaf_groups(workers: list[int], per_leaf: int) -> list[list[int]]:
     """The workers of each leaf: ``per_leaf`` consecutive ranks (a host's, for ``"host"``)."""
     return host_groups(workers, per_leaf)
+
+
+def rehome(strategy: Any, step: int) -> int:
+    """[Note: re-homed groups]: ``strategy`` (a `PSStrategy` worker whose leaf was lost at
+    ``step``) joins the root; return its clock, that of its next step at the earliest."""
+    layout, servers, scale = strategy.root
+    client = WorkerClient(strategy.rank, layout, servers, strategy.num_workers)
+    client.reply_timeout_s = strategy.job.launch.timeout_s
+    start = client.join()
+    for clock in range(start, step + 1):  # empty clocks up to the next step
+        client.end_push(clock)
+    strategy.client, strategy.layout, strategy.servers = client, layout, servers
+    strategy.push_scale, strategy.root = scale, None
+    strategy.fresh, strategy.next_pull = -1, None
+    return max(start, step + 1)
 
 
 def leaf_name(index: int) -> str:

@@ -279,7 +279,7 @@ class ParameterServer:
             self.last_probe[w] = now
             if ps_wire.peer_is_gone(w, self.group):
                 self._drop(w, "its process is gone (connection closed)")
-            elif silent > self.worker_timeout_s:
+            elif silent > self.worker_timeout_s and self.state[w] == "live":  # spares wait
                 self._drop(w, f"silent for {silent:.0f} s > ps.worker_timeout_s")
 
     def _handle(
@@ -294,6 +294,10 @@ class ParameterServer:
             return
         if op is Op.JOIN:
             self._join(w)
+            return
+        if op is Op.LEAVE and self.state.get(w) == "pending":  # a spare that never joined
+            self.state[w] = "left"
+            self.stats.left.append((w, -1))
             return
         if self.state.get(w) != "live":
             if op is Op.PULL:  # a worker we dropped is still running: tell it to stop

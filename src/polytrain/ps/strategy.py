@@ -60,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -90,6 +91,7 @@ from polytrain.ps.leaf import (
     leaf_name,
     leaf_size,
     ranks_per_host,
+    rehome,
 )
 from polytrain.ps.local import ColocatedServer
 from polytrain.ps.overlap import GradPusher, ParamFetcher
@@ -181,6 +183,9 @@ class PSStrategy(Strategy):
         self.checkpoint_group = new_group(range(world_size))
         pushers = [leader_of(g) for g in hosts or leaves] if hosts or leaves else workers
         spares = workers[self.num_workers - ps.spare_workers :] if ps.spare_workers else []
+        # async/ssp leaves: a worker whose leaf dies joins the root itself ([Note: re-homed
+        # groups] in ps.leaf), so the root holds every other worker as a spare.
+        rehoming = [w for w in workers if w not in pushers] if leaves and not self.sync else []
         self.num_pushers = len(pushers)
         # [Note: gradient scale] in polytrain.ps.server
         self.push_scale = self.num_pushers / self.num_workers
@@ -188,6 +193,8 @@ class PSStrategy(Strategy):
         self.server: ParameterServer | None = None
         self.colocated: ColocatedServer | None = None
         self.leaf: LeafServer | None = None
+        # async/ssp leaves: the root's layout, servers and push scale, for a re-homing worker
+        self.root: tuple[ShardLayout, list[int], float] | None = None
         self.client: WorkerClient | None = None
         # Push from backward hooks, pull into forward hooks: sync without host reduction.
         self.overlap = self.sync and ps.overlap and not ps.hierarchical and not self.is_server
@@ -208,7 +215,7 @@ class PSStrategy(Strategy):
                 mode=ps.mode,
                 staleness=ps.staleness,
                 workers=[w for w in pushers if w not in spares],
-                spares=[w for w in pushers if w in spares],
+                spares=[w for w in pushers if w in spares] + rehoming,
                 num_worker_slots=self.num_workers,
                 num_pushers=self.num_pushers,
                 server_group=server_group,
@@ -233,6 +240,8 @@ class PSStrategy(Strategy):
                     root = WorkerClient(rank, self.layout, self.servers, self.num_workers)
                     self.leaf = build_leaf(job, leaves, leaf_pgs, leaf_layout, root, model)
                 groups, names = [leaf_pgs[index]], [leaf_name(index)]
+                if rank in rehoming:
+                    self.root = (self.layout, self.servers, self.push_scale)
                 self.servers, self.layout = [leader_of(leaves[index])], leaf_layout
                 self.push_scale = 1.0  # the leaf scales its group's sum
             local = self.server or self.leaf
@@ -317,6 +326,21 @@ class PSStrategy(Strategy):
             self.colocated.check()
 
     def train_step(self, step: int) -> StepOutput:
+        if self.root is None:
+            return self._train_step(step)
+        try:
+            return self._train_step(step)
+        except (ps_wire.PeerLost, ps_wire.PeerHung) as exc:  # [Note: re-homed groups]
+            print(
+                f"polytrain: worker rank {self.rank} lost its leaf server at step {step + 1} "
+                f"({exc}); it joins the root servers and training continues",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.clock = rehome(self, step)
+            return StepOutput(loss=math.nan, skipped=True)
+
+    def _train_step(self, step: int) -> StepOutput:
         if self.server is not None and self.is_server:
             with self.tracer.span("serve", cat="communication", step=step):
                 self.server.serve_until_clock(step + 1)
@@ -385,6 +409,9 @@ class PSStrategy(Strategy):
             self.next_pull.granted().wait_rest()
             self.next_pull = None
         posted = self.client.leave(self.clock) if self.is_pusher else None
+        if self.root is not None:  # a spare at the root that never joined it
+            layout, servers, _ = self.root
+            WorkerClient(self.rank, layout, servers, self.num_workers).leave(self.clock)
         state: dict[str, torch.Tensor] = {}
         if posted is not None:
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
