@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -208,16 +207,7 @@ def run_on_cluster(num_hosts: int, per_host: int, rate_mbit: float, spec: dict[s
         procs = []
         for host in cluster.hosts:
             for local in range(per_host):
-                env = {
-                    **os.environ,
-                    "PYTHONPATH": str(SRC),
-                    "MASTER_ADDR": cluster.hosts[0].addr,
-                    "MASTER_PORT": str(PORT),
-                    "RANK": str(host.index * per_host + local),
-                    "WORLD_SIZE": str(world),
-                    "GLOO_SOCKET_IFNAME": "eth0",
-                    "OMP_NUM_THREADS": "1",
-                }
+                env = cluster.rank_env(host.index * per_host + local, world, PORT, str(SRC))
                 cmd = [sys.executable, str(Path(__file__).resolve()), "worker", str(spec_path)]
                 procs.append(host.popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
         for proc in procs:

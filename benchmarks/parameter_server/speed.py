@@ -286,17 +286,8 @@ def _run_slow(model: str, sync: str, args: argparse.Namespace) -> dict[str, Any]
         spec_path.write_text(json.dumps(spec))
         procs = []
         for host in cluster.hosts:
-            env = {
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parents[1])]),
-                "MASTER_ADDR": cluster.hosts[0].addr,
-                "MASTER_PORT": str(SLOW_PORT),
-                "RANK": str(host.index),
-                "LOCAL_RANK": "0",
-                "WORLD_SIZE": str(world),
-                "GLOO_SOCKET_IFNAME": "eth0",
-                "OMP_NUM_THREADS": "1",
-            }
+            path = os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parents[1])])
+            env = cluster.rank_env(host.index, world, SLOW_PORT, path) | {"LOCAL_RANK": "0"}
             cmd = [sys.executable, str(Path(__file__).resolve()), "_node", str(spec_path)]
             procs.append(host.popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
         for proc in procs:

@@ -139,7 +139,8 @@ def run(
         job_path = run_dir / name
         save_job(job, job_path)
         try:
-            launch(job, job_path, run_dir, strategy_family(job).tolerated_ranks(job))
+            family = strategy_family(job)
+            launch(job, job_path, run_dir, family.tolerated_ranks(job), family.rank_roles(job))
         except Interrupted as exc:
             raise Interrupted(exc.signal, newest_checkpoint_note(job)) from None
     return run_dir

@@ -6,11 +6,7 @@ Servers are the last ``ps.servers`` ranks; workers the others (polytrain.ps.stra
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import queue
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +15,9 @@ import torch
 
 from polytrain.errors import ProtocolError
 from polytrain.ps import check_staleness_trace
-from polytrain.testing import assert_state_close, run_distributed, run_job, scaled
-from polytrain.testing.harness import _entry
+from polytrain.testing import assert_state_close, run_distributed, run_job
 from tests.conftest import small_job
+from tests.helpers.kill_rank import train_and_kill
 
 pytestmark = pytest.mark.slow
 
@@ -111,13 +107,6 @@ def test_async_and_ssp_reach_sync_quality_within_bound(tmp_path: Path) -> None:
         assert abs(results[name] - results["sync"]) <= 0.05 * results["sync"], results
 
 
-def _train_rank(rank: int, world_size: int, job: Any) -> dict[str, Any]:
-    from polytrain.trainer.loop import train
-
-    result = train(job)
-    return {"val_loss": result.val_loss, "steps": len(result.history)}
-
-
 def test_async_survives_killed_worker_and_admits_joiner(tmp_path: Path) -> None:
     """Kill worker 1 (SIGKILL, by pid) mid-run; worker 2 joins late; the run finishes."""
     out_dir = str(tmp_path / "run")
@@ -129,44 +118,8 @@ def test_async_survives_killed_worker_and_admits_joiner(tmp_path: Path) -> None:
         observe={"out_dir": out_dir, "log_every": 1},
     )
     world, victim = 4, 1
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_file = str(tmp_path / "rendezvous")
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(_train_rank, rank, world, init_file, 60.0, results, (job,)),
-            daemon=True,
-        )
-        for rank in range(world)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        metrics = Path(out_dir) / "metrics.jsonl"
-        deadline = time.monotonic() + scaled(90)
-        while time.monotonic() < deadline:  # kill once rank 0 has logged 40 steps
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 40:
-                break
-            time.sleep(0.05)
-        assert procs[victim].pid is not None
-        os.kill(procs[victim].pid, signal.SIGKILL)
-        out: dict[int, Any] = {}
-        while len(out) < world - 1:
-            try:
-                rank, ok, value = results.get(timeout=max(deadline - time.monotonic(), 0.1))
-            except queue.Empty:
-                raise TimeoutError(
-                    f"ranks {sorted(set(range(world)) - {victim} - set(out))} hung"
-                ) from None
-            assert ok, value
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    assert procs[victim].exitcode == -signal.SIGKILL
+    out, code = train_and_kill(job, world, victim, tmp_path, after_steps=40)
+    assert code == -signal.SIGKILL
     assert out[0]["steps"] == 400 and out[0]["val_loss"] < 4.5
     (stats,) = _server_stats(out_dir, 1)
     removed = {w: (clock, why) for w, clock, why in stats["removed"]}

@@ -2,9 +2,10 @@
 built from tiny configs with random weights, match the single-process run under each strategy,
 and their exported weights load back into the original class with no key changes (issue 12).
 
-Strategies: dp, ZeRO-3, sync parameter server, GPipe and 1F1B pipelines over the models'
-repeated layers (GPT-2's tied ``wte``/``lm_head`` on the first and last stage), and dp x pp
-(world 4), also with ZeRO-3 inside the stages. Tolerance: every parameter within 2e-5 (absolute) of the single-process run after 3
+Strategies: dp, ZeRO-3, sync parameter server (flat, and with leaf servers), GPipe and 1F1B
+pipelines over the models' repeated layers (GPT-2's tied ``wte``/``lm_head`` on the first and
+last stage), and dp x pp (world 4), also with ZeRO-3 inside the stages. Tolerance: every
+parameter within 2e-5 (absolute) of the single-process run after 3
 AdamW steps (float32 reassociation of the all-reduced means, micro-batch sums and synchronised
 BatchNorm statistics; measured differences are 0 to 2.3e-6; per-replica BatchNorm misses).
 """
@@ -36,6 +37,11 @@ STRATEGIES: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2": (2, {"parallel": {"dp": 2}}),
     "zero3-dp2": (2, {"parallel": {"dp": 2, "zero": 3}}),
     "ps-sync": (3, {"parallel": {"sync": "ps"}, "ps": {"servers": 1, "mode": "sync"}}),
+    # Leaf servers: 2 emulated hosts x 2 workers, one leaf per host ([Note: leaf servers]).
+    "ps-leaves": (
+        5,
+        {"parallel": {"sync": "ps"}, "ps": {"servers": 1, "leaves": "host", "ranks_per_host": 2}},
+    ),
     "gpipe-pp2": (2, {"parallel": PIPE, "pipeline": {"schedule": "gpipe", "microbatches": 2}}),
     "1f1b-pp2": (2, {"parallel": PIPE, "pipeline": {"schedule": "1f1b", "microbatches": 2}}),
     "dp2-pp2": (
@@ -83,8 +89,9 @@ FULL_MATRIX += [("gpt2", "1f1b-pp2-recompute"), ("llama", "1f1b-pp2-recompute")]
 # suite's budget. By default every strategy and the recomputation row run on at least two
 # models (test_the_ci_matrix_keeps_its_promise checks it) and every model under at least
 # two strategies, chosen where each model's trap is: GPT-2's tie across pipeline
-# stages (also split by tp inside them, or sharded by ZeRO-3 inside them) and under ZeRO-3, BatchNorm under dp / dp x pp / parameter servers, Llama's rotary
-# tables and masks across stages and its own tp plan, BERT's padding mask; GPT-2 under tp has
+# stages (also split by tp inside them, or sharded by ZeRO-3 inside them) and under ZeRO-3 and
+# leaf servers, BatchNorm under dp / dp x pp / parameter servers (flat and with leaves), Llama's
+# rotary tables and masks across stages and its own tp plan, BERT's padding mask; GPT-2 under tp has
 # its own test (fused qkv, tie and export in one run). POLYTRAIN_FULL_MATRIX=1 runs every pair
 # (run in full when the layer pipelines and the tp plans landed; docs/models.md).
 CI_MATRIX = [
@@ -93,6 +100,7 @@ CI_MATRIX = [
     ("gpt2", "zero3-dp2"),
     ("gpt2", "zero3-dp2-pp2"),
     ("gpt2", "1f1b-pp2-recompute"),
+    ("gpt2", "ps-leaves"),
     ("llama", "1f1b-pp2-recompute"),
     ("llama", "gpipe-pp2"),
     ("llama", "ps-sync"),
@@ -105,6 +113,7 @@ CI_MATRIX = [
     ("resnet", "dp2"),
     ("resnet", "dp2-pp2"),
     ("resnet", "ps-sync"),
+    ("resnet", "ps-leaves"),
     ("vit", "1f1b-pp2"),
     ("vit", "dp2-pp2"),
 ]

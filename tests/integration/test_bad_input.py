@@ -78,6 +78,14 @@ CASES = {
     "bad dtype": (["--dtype", "fp8"], "train.dtype = 'fp8'"),
     "negative timeout": (["--timeout", "-1"], "launch.timeout_s = -1"),
     "negative staleness": (["--staleness", "-2"], "ps.staleness = -2"),
+    "leaves not dividing the workers": (
+        ["--sync", "ps", "--nproc", "5", "--ps-leaves", "3", "--batch-size", "8"],
+        "ps.leaves = 3 does not divide the 4 workers",
+    ),
+    "leaves without parameter servers": (
+        ["--nproc", "4", "--ps-leaves", "host"],
+        "ps.leaves = 'host' with parallel.sync = 'allreduce'",
+    ),
     "bad partition": (["--partition", "first"], "--partition 'first'"),
     "missing config": (["--config", "/no/such.toml"], "does not exist"),
 }

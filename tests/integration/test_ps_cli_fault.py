@@ -80,3 +80,42 @@ def test_async_run_fails_when_server_is_killed(tmp_path: Path) -> None:
     assert run.returncode == 1, stderr
     assert "polytrain: error: worker rank 3 failed: exit: killed by SIGKILL" in stderr, stderr
     assert "training continues" not in stderr
+
+
+def test_leaf_roles_are_named_for_the_launcher() -> None:
+    """[Note: leaf servers]: each leaf runs on its group's lowest rank."""
+    job = job_from_dict(
+        {
+            "parallel": {"sync": "ps"},
+            "ps": {"servers": 1, "leaves": 2},
+            "launch": {"nproc": 5},
+            "train": {"global_batch_size": 8},
+        }
+    )
+    assert PARAMETER_SERVER.rank_roles(job) == {
+        0: "leaf server leaf0 of worker ranks 0-1",
+        2: "leaf server leaf1 of worker ranks 2-3",
+    }
+    assert PARAMETER_SERVER.tolerated_ranks(job) == []
+
+
+def test_killed_leaf_ends_the_sync_job_in_one_line_naming_it(tmp_path: Path) -> None:
+    """Sync leaves (groups [0, 1] and [2, 3], root rank 4): SIGKILL rank 2, leaf1's rank."""
+    out = tmp_path / "run"
+    run = train_and_signal(
+        [
+            *("--model", "mlp", "--sync", "ps", "--ps-servers", "1", "--ps-leaves", "2"),
+            *("--nproc", "5", "--steps", str(STEPS), "--batch-size", "8", "--no-progress"),
+            *("--out-dir", str(out), "--set", "observe.log_every=1"),
+        ],
+        tmp_path,
+        out / "metrics.jsonl",
+        rank=2,
+    )
+    assert run.returncode == 1, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("polytrain: error:")]
+    assert len(errors) == 1, run.stderr
+    assert errors[0].startswith(
+        "polytrain: error: worker rank 2 (leaf server leaf1 of worker ranks 2-3) failed: exit: "
+        "killed by SIGKILL"
+    ), run.stderr

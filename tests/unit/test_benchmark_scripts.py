@@ -105,3 +105,16 @@ def test_our_gpt_is_counted_as_the_textbook_mfu(monkeypatch: pytest.MonkeyPatch)
     )
     hf = gpu.cases()[3]
     assert (hf.dim("n_layer"), hf.dim("n_embd")) == (12, 768)
+
+
+def test_the_leaf_server_benchmark_runs_three_valid_layouts() -> None:
+    """benchmarks/parameter_server/leaves.py: flat, per-host all-reduce + push, leaves."""
+    from benchmarks.parameter_server import leaves
+
+    spec = {"hosts": 4, "per_host": 2, "per_worker": 2, "steps": 8, "lr": 1e-3, "mode": "sync"}
+    jobs = {kind: leaves._job(kind, spec, "") for kind in leaves.KINDS}
+    assert all((j.world_size, j.num_trainers) == (9, 8) for j in jobs.values())
+    assert (jobs["flat"].ps.hierarchical, jobs["flat"].ps.leaves) == (False, 0)
+    assert jobs["allreduce-push"].ps.hierarchical and jobs["leaves"].ps.leaves == "host"
+    assert leaves.time_to([(5, 1.0, 3.0), (10, 2.0, 2.5)], 2.6) == 2.0
+    assert leaves.time_to([(5, 1.0, 3.0)], 2.6) is None

@@ -35,7 +35,7 @@ def test_every_flag_documents_its_field() -> None:
 def test_flags_keep_their_names_and_set_their_fields() -> None:
     argv = ["--nproc", "2", "--dp", "2", "--batch-size", "64", "--grad-accum", "2",
             "--timeout", "12.5", "--no-progress", "--partition", "3,5", "--ps-mode", "ssp",
-            "--staleness", "1", "--recompute", "--sync", "allreduce"]  # fmt: skip
+            "--staleness", "1", "--recompute", "--sync", "allreduce", "--ps-leaves", "0"]  # fmt: skip
     ctx = _train().make_context("train", argv)
     flags = {k: v for k, v in ctx.params.items() if k in FLAG_FIELDS}
     assert set(flags) == set(FLAG_FIELDS)  # every flag exists under its old name
@@ -45,6 +45,10 @@ def test_flags_keep_their_names_and_set_their_fields() -> None:
     assert job.observe.progress is False and job.parallel.recompute is True
     assert job.pipeline.partition == [3, 5] and (job.ps.mode, job.ps.staleness) == ("ssp", 1)
     assert job.optim == JobConfig().optim  # flags left out keep the defaults
+
+    for text, value in [("host", "host"), ("2", 2)]:  # a count or a word
+        job = resolve_job(None, {"sync": "ps", "nproc": "5", "ps_leaves": text}, [])
+        assert job.ps.leaves == value
 
 
 def test_a_bad_choice_is_the_configs_one_line_error() -> None:

@@ -619,3 +619,24 @@ def test_each_synchronization_priced_apart_pays_the_calibrated_wait() -> None:
     assert syncs(Layout(dp=2, zero=3), clip=True) == pytest.approx(1)
     assert syncs(Layout(pp=2, microbatches=2)) == 0.0
     assert syncs(Layout(dp=2, sync="ps", ps_servers=1, ps_mode="sync")) == 0.0
+
+
+def test_leaf_servers_divide_the_roots_traffic_by_the_group_size() -> None:
+    """15 workers in groups of 4 (one leaf per host): the root level is a flat exchange with 4
+    pushers over the inter-host link, after each group's exchange with its leaf inside its host."""
+    env = Env(parse_cluster("4x4xcpu:eth10"))
+    g = 1e8
+    _step, comm = ps_step(env, "sync", 15, 1, 0.5, g, g / 4, 2, 4, per_leaf=4)
+    _flat_step, flat_comm = ps_step(env, "sync", 15, 1, 0.5, g, g / 4, 2, 4)
+    group = env.link(1, 4)
+    in_group = 4 * g / group.bandwidth + 2 * group.latency + group.base
+    # the root's level: 4 leaves push and pull, as 4 workers of a flat job on the same link
+    inter = env.link(1, 16)
+    root = 4 * g / inter.bandwidth + 2 * inter.latency + inter.base
+    assert comm == pytest.approx(in_group + root, rel=1e-6)
+    assert flat_comm == pytest.approx(15 * g / inter.bandwidth + 2 * inter.latency + inter.base)
+    assert comm < flat_comm
+    # async: groups are sync inside; the root absorbs 4 pushes per global step, not 15
+    a_step, _ = ps_step(env, "async", 15, 1, 0.01, g, g / 4, 2, 4, per_leaf=4)
+    a_flat, _ = ps_step(env, "async", 15, 1, 0.01, g, g / 4, 2, 4)
+    assert a_step < a_flat

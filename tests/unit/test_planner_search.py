@@ -168,3 +168,22 @@ def test_the_searched_pipeline_runs_the_partition_it_was_priced_with() -> None:
     pred = predict(Layout(pp=2, microbatches=2), stats, Env(parse_cluster("1x2xA100-40GB")), 8)
     assert pred.layout.partition == tuple(len(s) for s in balanced_stages(stats.blocks, 2))
     assert pred.layout.partition == (1, 3)
+
+
+def test_leaf_servers_are_offered_across_hosts_and_win_on_a_slow_inter_host_link() -> None:
+    """[Note: leaf servers] in ps/leaf.py: one leaf per host when the workers span hosts; the
+    root then meets 4 leaves instead of 15 workers, which a 10 Gb/s link between hosts of a
+    fast intra-host link rewards."""
+    one_host = parse_cluster("1x8xcpu")
+    assert not any(lay.ps_leaves for lay in enumerate_layouts(8, SMALL, one_host, 42))
+    cluster = parse_cluster("4x4xcpu:eth10")
+    layouts = [lay for lay in enumerate_layouts(16, SMALL, cluster, 210) if lay.sync == "ps"]
+    leaves = [lay for lay in layouts if lay.ps_leaves]
+    assert {(lay.dp, lay.ps_leaves) for lay in leaves} == {(15, 4), (14, 4)}
+    env = Env(cluster)
+    flat = Layout(dp=15, sync="ps", ps_servers=1, ps_mode="sync")
+    leafy = Layout(dp=15, sync="ps", ps_servers=1, ps_mode="sync", ps_leaves=4)
+    assert predict(leafy, SMALL, env, 210).step_s < predict(flat, SMALL, env, 210).step_s
+    assert leafy.describe() == "ps-sync-w15-s1-l4"
+    assert leafy.overrides(per_host=4)["ps.leaves"] == "host"  # 15 workers: hosts of 4, 4, 4, 3
+    assert Layout(dp=8, sync="ps", ps_servers=1, ps_leaves=4).overrides()["ps.leaves"] == 4

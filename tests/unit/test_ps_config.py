@@ -79,3 +79,35 @@ def test_colocated_servers_config() -> None:
     )
     assert checkpoint_refusal(saved) == ""
     preflight(saved)
+
+
+def test_leaf_server_config() -> None:
+    """ps.leaves: 'host' or a group size that divides the workers, parameter servers only."""
+    ps = {"sync": "ps"}
+    job = small_job(parallel=ps, ps={"leaves": 2}, launch={"nproc": 5})
+    assert job.ps.leaves == 2 and job.num_trainers == 4
+    assert small_job(parallel=ps, ps={"leaves": "host"}, launch={"nproc": 3}).ps.leaves == "host"
+    with pytest.raises(ConfigError, match="ps.leaves = 3 does not divide the 4 workers"):
+        small_job(parallel=ps, ps={"leaves": 3}, launch={"nproc": 5})
+    with pytest.raises(ConfigError, match="ps.leaves = 2 with parallel.sync = 'allreduce'"):
+        small_job(ps={"leaves": 2}, launch={"nproc": 4})
+    with pytest.raises(ConfigError, match="ps.leaves = -1: expected 'host'"):
+        small_job(parallel=ps, ps={"leaves": -1}, launch={"nproc": 3})
+    with pytest.raises(
+        ConfigError, match="ps.leaves = 'rack' has the wrong type: expected int or 'host'"
+    ):
+        small_job(parallel=ps, ps={"leaves": "rack"}, launch={"nproc": 3})
+    for other in ({"colocate": True}, {"hierarchical": True}):
+        with pytest.raises(ConfigError, match="leaf servers replace the per-host reduction"):
+            small_job(parallel=ps, ps={"leaves": 2, **other}, launch={"nproc": 3})
+
+
+def test_leaf_groups_and_sizes() -> None:
+    from polytrain.ps.leaf import leaf_groups, leaf_size
+
+    assert leaf_groups([0, 1, 2, 3], 2) == [[0, 1], [2, 3]]
+    assert leaf_groups([0, 1, 2], 2) == [[0, 1], [2]]  # hosts may be unequal
+    ps, launch = {"sync": "ps"}, {"nproc": 3}
+    host = small_job(parallel=ps, ps={"leaves": "host", "ranks_per_host": 2}, launch=launch)
+    assert leaf_size(host) == 2
+    assert leaf_size(small_job(parallel=ps, ps={"leaves": 0}, launch=launch)) == 0

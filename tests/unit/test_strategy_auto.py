@@ -21,6 +21,11 @@ def test_apply_layout_writes_the_plan_into_the_job() -> None:
     assert (out.pipeline.schedule, out.pipeline.microbatches) == ("gpipe", 4)
     ps = apply_layout(job, Layout(dp=2, sync="ps", ps_servers=1, ps_mode="async"))
     assert (ps.launch.nproc, ps.num_trainers, ps.ps.mode) == (3, 2, "async")
+    # leaf servers round-trip: the layout of the job the plan wrote is the plan
+    leafy = Layout(dp=4, sync="ps", ps_servers=1, ps_mode="sync", ps_leaves=2)
+    out = apply_layout(job, leafy)
+    assert (out.launch.nproc, out.ps.leaves) == (5, 2)
+    assert layout_of(out) == leafy
 
 
 def test_layout_of_inverts_apply_layout_recompute_included() -> None:

@@ -98,9 +98,21 @@ def _names_value(text: str) -> list[str]:
 
 
 def _count_value(text: str) -> Any:
-    """``--nproc 4`` is a count; a word (``gpu``, ``auto``) stays text for the config to check."""
+    """``--nproc 4`` is a count; a word (``gpu``, ``auto``, ``host``) stays text for the config
+    to check."""
     stripped = text.strip()
     return int(stripped) if stripped.isdigit() else stripped
+
+
+def _is_count_or_word(path: str) -> bool:
+    """A field typed ``int | Literal[...]`` (``launch.nproc``, ``ps.leaves``): its flag's text
+    is a count when it is digits, else a word."""
+    tp = describe_field(JobConfig, path).type
+    args = get_args(tp) if get_origin(tp) in (Union, types.UnionType) else ()
+    return int in args and any(get_origin(a) is Literal for a in args)
+
+
+_COUNT_OR_WORD = {name for name, path in FLAG_FIELDS.items() if _is_count_or_word(path)}
 
 
 def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]) -> JobConfig:
@@ -116,7 +128,7 @@ def resolve_job(config: Path | None, flags: dict[str, Any], overrides: list[str]
             continue
         if name == "partition":
             value = _partition_value(value)
-        elif name == "nproc":
+        elif name in _COUNT_OR_WORD:
             value = _count_value(value)
         elif name == "trackers":
             value = _names_value(value)

@@ -350,6 +350,17 @@ class JobConfig:
                 f"ps.servers = {self.ps.servers} leaves no worker among {self.world_size} "
                 f"ranks: use at most {self.world_size - 1} servers or launch more processes"
             )
+        if self.ps.leaves and self.parallel.sync != "ps":
+            raise ConfigError(
+                f"ps.leaves = {self.ps.leaves!r} with parallel.sync = {self.parallel.sync!r}: "
+                f"leaf servers belong to parameter-server jobs; set --sync ps, or ps.leaves = 0"
+            )
+        leaves = self.ps.leaves
+        if self.parallel.sync == "ps" and isinstance(leaves, int) and trainers % max(leaves, 1):
+            raise ConfigError(
+                f"ps.leaves = {leaves} does not divide the {trainers} workers into groups of "
+                f"{leaves}: use a divisor of {trainers}, or ps.leaves = 'host'"
+            )
         if self.parallel.sync == "ps" and self.ps.spare_workers >= trainers:
             raise ConfigError(
                 f"ps.spare_workers = {self.ps.spare_workers} leaves no worker to start the job "

@@ -235,6 +235,9 @@ class PSConfig:
     mode: Literal["sync", "async", "ssp"] = option("sync", "consistency model")
     staleness: int = option(0, "ssp: how many clocks a worker may run ahead of the slowest")
     hierarchical: bool = option(False, "reduce within a host first; one worker per host talks")
+    leaves: int | Literal["host"] = option(
+        0, "leaf servers: 'host' (one per host) or workers per leaf (0 = none)"
+    )
     chunk_kb: int = option(
         0, "chunk size of pipelined pushes and pulls in KiB (0 = auto: from the shard size)"
     )
@@ -276,6 +279,18 @@ class PSConfig:
                 f"ps.staleness = {self.staleness} has no effect with ps.mode = {self.mode!r}: "
                 f"set ps.mode = 'ssp' to bound staleness, or remove ps.staleness"
             )
+        if self.leaves != "host" and (isinstance(self.leaves, bool) or self.leaves < 0):
+            raise ConfigError(
+                f"ps.leaves = {self.leaves!r}: expected 'host', a number of workers per leaf, "
+                f"or 0 for no leaf servers"
+            )
+        if self.leaves and (self.colocate or self.hierarchical or self.spare_workers):
+            raise ConfigError(
+                f"ps.leaves = {self.leaves!r} with ps.colocate = {self.colocate}, hierarchical = "
+                f"{self.hierarchical}, spare_workers = {self.spare_workers}: leaf servers replace "
+                f"the per-host reduction and serve fixed groups of workers; set those to "
+                f"false / 0, or ps.leaves = 0"
+            )
         if self.colocate and (self.mode != "sync" or self.hierarchical):
             raise ConfigError(
                 f"ps.colocate = true with ps.mode = {self.mode!r}, hierarchical = "
@@ -288,6 +303,12 @@ class PSConfig:
                 f"'async' or 'ssp' without ps.hierarchical (got mode {self.mode!r}, "
                 f"hierarchical {self.hierarchical}); set ps.spare_workers = 0"
             )
+
+    def workers_per_leaf(self, ranks_per_host: int) -> int:
+        """Workers per leaf server: ``leaves``, or ``ranks_per_host`` for ``"host"``; 0 for
+        none. ``ranks_per_host``: the host size the runtime sees (``ps.ranks_per_host``, else
+        the launcher's LOCAL_WORLD_SIZE, else ``launch.nproc``)."""
+        return ranks_per_host if self.leaves == "host" else self.leaves
 
 
 # Options that combine ranks in other ways than plain data parallel, in the order a clash is

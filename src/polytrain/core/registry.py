@@ -3,7 +3,8 @@
 Each strategy package (``parallel/``, ``pipeline/``, ``ps/``, ``gossip/``) describes itself with
 one `StrategyFamily`: which jobs it runs, its pre-flight checks (no processes, on the model
 built on the meta device), its builder (inside a worker), its own command-line flags (views of
-its config sections' fields), which ranks may die without ending the job, and the pure module
+its config sections' fields), which ranks may die without ending the job, what a rank serves
+besides training (named when it fails), and the pure module
 under ``planner/cost/`` that prices it. The trainer keeps the table of families
 (`trainer.build.FAMILIES`); the CLI, the launcher's caller and the planner's tests read it, so
 none of them names a family. Adding a family is one package plus one row in that table.
@@ -22,7 +23,7 @@ from polytrain.data.sampler import Batches
 from polytrain.errors import ConfigError
 from polytrain.models.base import BlockModel
 
-__all__ = ["Builder", "Checks", "StrategyFamily", "family_for", "no_rank_may_die"]
+__all__ = ["Builder", "Checks", "StrategyFamily", "family_for", "no_rank_may_die", "no_roles"]
 
 # Inside a worker: the strategy of this rank (builds its mesh or groups, wraps the model).
 Builder = Callable[[JobConfig, DistContext, BlockModel, Batches], Strategy]
@@ -31,11 +32,19 @@ Checks = Callable[[JobConfig, BlockModel, Dataset], None]
 # In the launching process: the ranks whose death the job survives ([Note: tolerated worker
 # deaths] in launch/tolerant.py); every other rank's death ends the job in one line.
 ToleratedRanks = Callable[[JobConfig], list[int]]
+# In the launching process: what a rank does besides training, where that is worth naming when
+# it fails (a leaf server on a worker's rank); the launcher's failure line carries it.
+RankRoles = Callable[[JobConfig], dict[int, str]]
 
 
 def no_rank_may_die(job: JobConfig) -> list[int]:
     """Synchronous families: every step is a collective, so every rank is needed."""
     return []
+
+
+def no_roles(job: JobConfig) -> dict[int, str]:
+    """Every rank only trains (or its family names it in its own errors)."""
+    return {}
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class StrategyFamily:
     sections: tuple[str, ...] = ()
     flags: Mapping[str, str] = field(default_factory=dict)
     tolerated_ranks: ToleratedRanks = no_rank_may_die
+    rank_roles: RankRoles = no_roles
 
 
 def family_for(job: JobConfig, families: tuple[StrategyFamily, ...]) -> StrategyFamily:

@@ -22,7 +22,7 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,9 +79,11 @@ class WorkerFailure(Exception):
     exc_type: str
     message: str
     log_dir: str
+    role: str = ""  # what the rank serves besides training (`StrategyFamily.rank_roles`)
 
     def __str__(self) -> str:
-        return f"worker rank {self.rank} failed: {self.exc_type}: {self.message}"
+        role = f" ({self.role})" if self.role else ""
+        return f"worker rank {self.rank}{role} failed: {self.exc_type}: {self.message}"
 
 
 def _failure_of(err: ChildFailedError, log_dir: Path) -> WorkerFailure:
@@ -120,11 +122,18 @@ def loopback_port(endpoint: str) -> int | None:
     return None
 
 
-def launch(job: JobConfig, job_path: Path, run_dir: Path, tolerated: Sequence[int] = ()) -> None:
+def launch(
+    job: JobConfig,
+    job_path: Path,
+    run_dir: Path,
+    tolerated: Sequence[int] = (),
+    roles: Mapping[int, str] | None = None,
+) -> None:
     """Start ``job.launch.nproc`` workers on this node running ``job_path``; wait for them.
 
     ``tolerated``: the ranks whose death the job survives (its strategy family declares them,
-    `core.registry.StrategyFamily.tolerated_ranks`; [Note: tolerated worker deaths])."""
+    `core.registry.StrategyFamily.tolerated_ranks`; [Note: tolerated worker deaths]);
+    ``roles``: what a rank serves besides training, named when it fails (``rank_roles``)."""
     lc = job.launch
     port = 0 if not lc.rdzv_endpoint else loopback_port(lc.rdzv_endpoint)
     local = lc.nnodes == 1 and port is not None
@@ -174,6 +183,7 @@ def launch(job: JobConfig, job_path: Path, run_dir: Path, tolerated: Sequence[in
         raise Interrupted(exc.sigval.name) from None
     except ChildFailedError as err:
         failure = _failure_of(err, log_dir)
+        failure.role = (roles or {}).get(failure.rank, "")
         if failure.exc_type == "KeyboardInterrupt" or failure.message in {
             f"killed by {name}" for name in _STOP_SIGNALS
         }:  # Ctrl-C reached the workers first (the whole process group gets it)

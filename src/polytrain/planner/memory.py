@@ -269,4 +269,8 @@ def _stage(
         buffers += (in_degree + 2) * p_bytes
     if layout.sync == "localsgd":
         buffers += p_bytes  # torch's averager all-reduces one flat copy of the parameters
+    if layout.sync == "ps" and layout.ps_leaves:
+        # a leaf's rank (ps/leaf.py): its whole copy, gradient and sum buffers, a staging
+        # buffer per remote worker of its group
+        buffers += (2 + layout.ps_leaves) * p_bytes
     return MemoryEstimate(weights, grads, optimizer, activations, buffers)

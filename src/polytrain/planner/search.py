@@ -199,8 +199,14 @@ def enumerate_layouts(
     for servers in (1, 2):
         workers = n - servers
         if workers >= 1 and global_batch % workers == 0:
+            # one leaf server per host where the workers span hosts (ps.leaves = "host")
+            per_host = cluster.per_host
+            leaves = (0, per_host) if workers > per_host > 1 else (0,)
             for mode in ("sync", "async", "ssp"):
-                yield Layout(dp=workers, sync="ps", ps_servers=servers, ps_mode=mode)
+                for g in leaves:
+                    yield Layout(
+                        dp=workers, sync="ps", ps_servers=servers, ps_mode=mode, ps_leaves=g
+                    )
 
 
 def _with_accumulation(layout: Layout, pred: Prediction, req: PlanRequest, env: Env) -> Prediction:

@@ -378,6 +378,7 @@ class Layout:
     grad_accum: int = 1
     ps_servers: int = 0
     ps_mode: str = "sync"
+    ps_leaves: int = 0  # workers per leaf server (ps.leaves; 0 = none): cost/ps.py
     sufficient_factor: bool = False  # late multiply for Linear layers (plain data parallel)
     # blocks per pipeline stage the cost model priced (set by `cost.predict`), one count per
     # virtual stage in model order where a rank holds several (p x v); () = uniform
@@ -387,9 +388,10 @@ class Layout:
 
     def describe(self) -> str:
         """Short name, e.g. ``dp4``, ``dp2-tp2-zero3``, ``pp4-1f1b-m8-dp2``,
-        ``pp4-interleaved-1f1b-v2-m8``, ``ps-async-w3-s1``."""
+        ``pp4-interleaved-1f1b-v2-m8``, ``ps-async-w3-s1``, ``ps-sync-w8-s1-l4`` (leaves of 4)."""
         if self.sync == "ps":
-            return f"ps-{self.ps_mode}-w{self.dp}-s{self.ps_servers}"
+            leaves = f"-l{self.ps_leaves}" if self.ps_leaves else ""
+            return f"ps-{self.ps_mode}-w{self.dp}-s{self.ps_servers}{leaves}"
         if self.sync == "gossip":
             return f"gossip-{self.topology}-w{self.dp}"
         if self.sync == "localsgd":
@@ -463,6 +465,9 @@ class Layout:
         if self.sync == "ps":
             out["ps.servers"] = self.ps_servers
             out["ps.mode"] = self.ps_mode
+            if self.ps_leaves:  # a host's workers, or groups of ps_leaves that divide them
+                host = self.ps_leaves == per_host or self.dp % self.ps_leaves
+                out["ps.leaves"] = "host" if host else self.ps_leaves
         if self.sync == "gossip":
             out["gossip.topology"] = self.topology
         if self.sync == "localsgd":

@@ -109,7 +109,10 @@ class ParameterServer:
         on_nonfinite: Literal["stop", "skip"] = "stop",
         group: ps_wire.Group = None,
         local: int | None = None,
+        label: str = "",
     ) -> None:
+        """``label``: the name of its heartbeat and stats file (default ``server<index>``)."""
+        self.label = label or f"server{index}"
         self.index, self.layout, self.mode, self.staleness = index, layout, mode, staleness
         self.lr_at, self.optim_cfg = lr_at, optim
         self.num_worker_slots, self.num_pushers = num_worker_slots, num_pushers
@@ -201,7 +204,7 @@ class ParameterServer:
         self._serve(lambda: self.shutdown_received)
         self.receivers.join(timeout_s=1)  # a dropped worker that is still alive keeps its thread
         if out_dir:
-            self.write_stats(Path(out_dir) / "ps" / f"server{self.index}.json")
+            self.write_stats(Path(out_dir) / "ps" / f"{self.label}.json")
 
     def metrics(self) -> dict[str, float]:
         wall = max(time.perf_counter() - self.started, 1e-9)
@@ -246,7 +249,7 @@ class ParameterServer:
 
     def _serve(self, done: Callable[[], bool]) -> None:
         while not done():
-            ps_wire.heartbeat(f"server{self.index}")  # [Note: hung server] in comm.ps_wire
+            ps_wire.heartbeat(self.label)  # [Note: hung server] in comm.ps_wire
             try:
                 kind, src, a, b, when = self._inbox.get(timeout=_POLL_S)
             except queue.Empty:
@@ -276,7 +279,7 @@ class ParameterServer:
             self.last_probe[w] = now
             if ps_wire.peer_is_gone(w, self.group):
                 self._drop(w, "its process is gone (connection closed)")
-            elif silent > self.worker_timeout_s:
+            elif silent > self.worker_timeout_s and self.state[w] == "live":  # spares wait
                 self._drop(w, f"silent for {silent:.0f} s > ps.worker_timeout_s")
 
     def _handle(
@@ -291,6 +294,10 @@ class ParameterServer:
             return
         if op is Op.JOIN:
             self._join(w)
+            return
+        if op is Op.LEAVE and self.state.get(w) == "pending":  # a spare that never joined
+            self.state[w] = "left"
+            self.stats.left.append((w, -1))
             return
         if self.state.get(w) != "live":
             if op is Op.PULL:  # a worker we dropped is still running: tell it to stop
@@ -423,6 +430,7 @@ class ParameterServer:
         """
         while True:
             floor = self.table.min_clock()
+            shown = self._grant_floor(floor)
             ready = [
                 (w, c) for w, c in self.deferred if may_proceed(self.mode, self.staleness, c, floor)
             ]
@@ -434,7 +442,7 @@ class ParameterServer:
             for w, clock in ready:
                 window = self.stats.window(clock)
                 window.pull_start = min(window.pull_start, time.perf_counter())
-                ack = Header(Op.ACK, w, floor, self.layout.job_id, shard=self.index)
+                ack = Header(Op.ACK, w, shown, self.layout.job_id, shard=self.index)
                 try:
                     if self.link is not None and w == self.link.worker:
                         self.link.send(ack, self.flat)  # [Note: colocated servers]
@@ -456,8 +464,13 @@ class ParameterServer:
                 window = self.stats.window(clock)
                 window.pull_end = max(window.pull_end, time.perf_counter())
                 window.pull_bytes += shard_bytes
-                self.stats.events.append((w, clock, floor))
+                self.stats.events.append((w, clock, shown))
                 self.stats.grants += 1
+
+    def _grant_floor(self, floor: int) -> int:
+        """The slowest clock a grant reports (ACK, events): this server's ``min_clock``; a
+        leaf reports its root's ([Note: leaf servers] in polytrain.ps.leaf)."""
+        return floor
 
     def _send_header(self, header: Header) -> Any:
         return ps_wire.post_send(header.encode(), header.worker, ps_wire.TAG_REPLY, self.group)

@@ -3,7 +3,9 @@
 Ranks: the last ``ps.servers`` ranks of the world are servers, the others workers (worker id =
 rank, data replica = rank of ``num_workers``). With ``ps.hierarchical`` the workers of one host
 (``ps.ranks_per_host`` consecutive ranks) reduce their gradients first and only the lowest rank
-of each host talks to the servers (Rudra, Gupta et al., ICDM 2016). With ``ps.colocate`` there
+of each host talks to the servers (Rudra, Gupta et al., ICDM 2016). With ``ps.leaves`` each
+group of workers has a leaf server on its lowest rank between it and the servers ([Note: leaf
+servers] in polytrain.ps.leaf). With ``ps.colocate`` there
 are no server ranks: every rank is a worker and ranks ``0 .. ps.servers - 1`` also run a server
 on a thread ([Note: colocated servers] in polytrain.ps.local). In sync mode a worker pushes from
 backward hooks and pulls into forward pre-hooks ([Note: prioritised overlap] in
@@ -58,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -82,25 +84,27 @@ from polytrain.models.base import BlockModel
 from polytrain.observe.trace import Tracer
 from polytrain.ps.checks import checkpoint_refusal
 from polytrain.ps.layout import ShardLayout, build_layout
+from polytrain.ps.leaf import (
+    LeafServer,
+    build_leaf,
+    leaf_groups,
+    leaf_name,
+    leaf_size,
+    ranks_per_host,
+    rehome,
+)
 from polytrain.ps.local import ColocatedServer
 from polytrain.ps.overlap import GradPusher, ParamFetcher
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
 from polytrain.ps.worker import PendingPull, PostedPull, WorkerClient
 
-__all__ = ["PSStrategy", "ranks_per_host", "server_ranks"]
+__all__ = ["PSStrategy", "server_ranks"]
 
 
 def server_ranks(world_size: int, num_servers: int) -> list[int]:
     """The server ranks: the last ``num_servers`` ranks of the world."""
     return list(range(world_size - num_servers, world_size))
-
-
-def ranks_per_host(job: JobConfig) -> int:
-    """``ps.ranks_per_host``, else the launcher's LOCAL_WORLD_SIZE, else ``launch.nproc``."""
-    if job.ps.ranks_per_host:
-        return job.ps.ranks_per_host
-    return int(os.environ.get("LOCAL_WORLD_SIZE", job.launch.num_procs))
 
 
 _MAX_LINK_POINTS = 32
@@ -152,6 +156,9 @@ class PSStrategy(Strategy):
         extra = f"mode={ps.mode};s={ps.staleness};workers={self.num_workers};h={ps.hierarchical}"
         link = _measured_link(rank, self.servers) if ps.chunk_kb == 0 else []
         self.layout: ShardLayout = build_layout(model, ps.servers, ps.chunk_kb, extra, link)
+        per_leaf = leaf_size(job)
+        # [Note: leaf servers] in ps.leaf: its workers see their leaf as one server of one shard
+        leaf_layout = build_layout(model, 1, ps.chunk_kb, f"{extra};l", link) if per_leaf else None
 
         # Groups: every rank creates every group, in the same order.
         self.worker_group = new_group(sorted(workers))
@@ -163,6 +170,8 @@ class PSStrategy(Strategy):
         server_group = new_group(sorted(self.servers))
         hosts = host_groups(workers, ranks_per_host(job)) if ps.hierarchical else []
         host_pgs = [new_group(sorted(g)) for g in hosts]
+        leaves = leaf_groups(workers, per_leaf) if per_leaf else []
+        leaf_pgs = [new_group(sorted(g)) for g in leaves]
         self.host_group: Any = None
         self.leader = rank
         for g, pg in zip(hosts, host_pgs, strict=True):
@@ -172,14 +181,20 @@ class PSStrategy(Strategy):
         # The checkpointer's collectives (sync mode): a world group of their own, since the
         # default group carries the servers' point-to-point traffic on receiver threads.
         self.checkpoint_group = new_group(range(world_size))
-        pushers = [leader_of(g) for g in hosts] if ps.hierarchical else workers
+        pushers = [leader_of(g) for g in hosts or leaves] if hosts or leaves else workers
         spares = workers[self.num_workers - ps.spare_workers :] if ps.spare_workers else []
+        # async/ssp leaves: a worker whose leaf dies joins the root itself ([Note: re-homed
+        # groups] in ps.leaf), so the root holds every other worker as a spare.
+        rehoming = [w for w in workers if w not in pushers] if leaves and not self.sync else []
         self.num_pushers = len(pushers)
         # [Note: gradient scale] in polytrain.ps.server
         self.push_scale = self.num_pushers / self.num_workers
 
         self.server: ParameterServer | None = None
         self.colocated: ColocatedServer | None = None
+        self.leaf: LeafServer | None = None
+        # async/ssp leaves: the root's layout, servers and push scale, for a re-homing worker
+        self.root: tuple[ShardLayout, list[int], float] | None = None
         self.client: WorkerClient | None = None
         # Push from backward hooks, pull into forward hooks: sync without host reduction.
         self.overlap = self.sync and ps.overlap and not ps.hierarchical and not self.is_server
@@ -200,7 +215,7 @@ class PSStrategy(Strategy):
                 mode=ps.mode,
                 staleness=ps.staleness,
                 workers=[w for w in pushers if w not in spares],
-                spares=[w for w in pushers if w in spares],
+                spares=[w for w in pushers if w in spares] + rehoming,
                 num_worker_slots=self.num_workers,
                 num_pushers=self.num_pushers,
                 server_group=server_group,
@@ -218,6 +233,18 @@ class PSStrategy(Strategy):
         else:
             if self.sync and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
                 convert_batchnorm(model, self.worker_group)
+            names = None
+            if leaf_layout is not None:  # [Note: leaf servers]: this worker's leaf serves it
+                index = next(i for i, g in enumerate(leaves) if rank in g)
+                if rank == leader_of(leaves[index]):
+                    root = WorkerClient(rank, self.layout, self.servers, self.num_workers)
+                    self.leaf = build_leaf(job, leaves, leaf_pgs, leaf_layout, root, model)
+                groups, names = [leaf_pgs[index]], [leaf_name(index)]
+                if rank in rehoming:
+                    self.root = (self.layout, self.servers, self.push_scale)
+                self.servers, self.layout = [leader_of(leaves[index])], leaf_layout
+                self.push_scale = 1.0  # the leaf scales its group's sum
+            local = self.server or self.leaf
             self.client = WorkerClient(
                 rank,
                 self.layout,
@@ -225,7 +252,8 @@ class PSStrategy(Strategy):
                 self.num_workers,
                 job.launch.timeout_s,
                 groups=groups,
-                local=self.server.link if self.server is not None else None,
+                local=local.link if local is not None else None,
+                names=names,
             )
             if job.parallel.recompute:  # [Note: recompute on workers]
                 apply_recompute(model, job.parallel.recompute_policy)
@@ -235,9 +263,9 @@ class PSStrategy(Strategy):
                 self.pusher = GradPusher(model, self.layout)
                 self.fetcher = ParamFetcher(model, self.layout)
             self.modules = [model]
-            self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w" + (
-                "-hier" if ps.hierarchical else "-colocated" if ps.colocate else ""
-            )
+            kind = "-hier" if ps.hierarchical else "-colocated" if ps.colocate else ""
+            kind += f"-{len(leaves)}leaves" if leaves else ""
+            self.name = f"ps-{ps.mode}-{ps.servers}s{self.num_workers}w{kind}"
             if self.server is not None:  # colocated: serve on a thread of this rank
                 assert self.server.link is not None
                 self.colocated = ColocatedServer(self.server, self.server.link, job.observe.out_dir)
@@ -245,7 +273,9 @@ class PSStrategy(Strategy):
                 saved = dict(model.state_dict(keep_vars=True))
                 saved.update(self.server.params)
                 self._saved_parts = [module_of(saved)]
-        self.is_pusher = rank in pushers
+            if self.leaf is not None and self.leaf.link is not None:  # serve on a thread
+                self.colocated = ColocatedServer(self.leaf, self.leaf.link, job.observe.out_dir)
+        self.is_pusher = rank in pushers or bool(leaves)
         self.joining = rank in spares
         self.straggler = rank == self.num_workers - 1 and ps.straggler_delay_s > 0
         self.clock = 0  # iterations this worker has completed
@@ -268,8 +298,9 @@ class PSStrategy(Strategy):
 
     def resume_at(self, step: int) -> None:
         """Called by the checkpointer after a restore: continue at clock ``step``."""
-        if self.server is not None:
-            self.server.resume_at(step)
+        for server in (self.server, self.leaf):
+            if server is not None:
+                server.resume_at(step)
         self.clock = step
         self.fresh = -1
         self.next_pull = None
@@ -283,8 +314,9 @@ class PSStrategy(Strategy):
         return self.modules, self.optimizer
 
     def before_save(self, step: int) -> None:
-        """A colocated server must have made ``step`` updates ([Note: colocated checkpoints])."""
-        if self.colocated is not None:
+        """A colocated server must have made ``step`` updates ([Note: colocated checkpoints]);
+        a leaf holds nothing to save and waits on the root, which is saving."""
+        if self.colocated is not None and self.server is not None:
             self.colocated.wait_applied(step)
 
     def _serve_colocated(self) -> None:
@@ -294,6 +326,21 @@ class PSStrategy(Strategy):
             self.colocated.check()
 
     def train_step(self, step: int) -> StepOutput:
+        if self.root is None:
+            return self._train_step(step)
+        try:
+            return self._train_step(step)
+        except (ps_wire.PeerLost, ps_wire.PeerHung) as exc:  # [Note: re-homed groups]
+            print(
+                f"polytrain: worker rank {self.rank} lost its leaf server at step {step + 1} "
+                f"({exc}); it joins the root servers and training continues",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.clock = rehome(self, step)
+            return StepOutput(loss=math.nan, skipped=True)
+
+    def _train_step(self, step: int) -> StepOutput:
         if self.server is not None and self.is_server:
             with self.tracer.span("serve", cat="communication", step=step):
                 self.server.serve_until_clock(step + 1)
@@ -322,8 +369,9 @@ class PSStrategy(Strategy):
             drop=lambda: self._push(step, poison=True),
         )
         metrics = dict(self.last_metrics)
-        if self.colocated is not None and self.server is not None:
-            metrics.update(self.server.metrics())
+        local = self.server or self.leaf
+        if self.colocated is not None and local is not None:
+            metrics.update(local.metrics())
         return StepOutput(loss=out.loss, skipped=out.skipped, metrics=metrics)
 
     @torch.no_grad()
@@ -361,6 +409,9 @@ class PSStrategy(Strategy):
             self.next_pull.granted().wait_rest()
             self.next_pull = None
         posted = self.client.leave(self.clock) if self.is_pusher else None
+        if self.root is not None:  # a spare at the root that never joined it
+            layout, servers, _ = self.root
+            WorkerClient(self.rank, layout, servers, self.num_workers).leave(self.clock)
         state: dict[str, torch.Tensor] = {}
         if posted is not None:
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}

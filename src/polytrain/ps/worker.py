@@ -37,9 +37,12 @@ class WorkerClient:
         reply_timeout_s: float = 300.0,
         groups: list[ps_wire.Group] | None = None,
         local: LocalLink | None = None,
+        names: list[str] | None = None,
     ) -> None:
         """``groups[s]``: the group server ``s`` talks over (default: the world);
-        ``local``: the link to the server on this rank ([Note: colocated servers])."""
+        ``local``: the link to the server on this rank ([Note: colocated servers]);
+        ``names[s]``: server ``s``'s heartbeat name (default ``server<s>``)."""
+        self.names = names or [f"server{s}" for s in range(len(servers))]
         self.worker, self.layout, self.servers = worker, layout, servers
         self.groups: list[ps_wire.Group] = groups or [None] * len(servers)
         self.local = local
@@ -107,7 +110,7 @@ class WorkerClient:
         before the request, so the order delays nothing."""
         for s, rank in enumerate(self.servers):
             mine = [op for op in ops if op.peer == rank]
-            ps_wire.wait_all_watched(mine, rank, f"server{s}", self.reply_timeout_s, what)
+            ps_wire.wait_all_watched(mine, rank, self.names[s], self.reply_timeout_s, what)
 
     def _check_acks(self, wires: list[torch.Tensor]) -> list[int]:
         """The clock field of every server's ACK (in server order)."""
@@ -364,7 +367,7 @@ class PendingPull:
             rank = self.client.servers[s]
             ops = self.ops[(s, k)]
             ps_wire.wait_all_watched(
-                ops, rank, f"server{s}", self.client.reply_timeout_s, self.what
+                ops, rank, self.client.names[s], self.client.reply_timeout_s, self.what
             )
             self.client.check_chunk(s, k, self.wires[(s, k)], self.flats[s].element_size())
             self.arrived.add((s, k))
@@ -379,7 +382,7 @@ class PendingPull:
                 continue
             ops = [op for key in keys for op in self.ops[key]]
             ps_wire.wait_all_watched(
-                ops, rank, f"server{s}", self.client.reply_timeout_s, self.what
+                ops, rank, self.client.names[s], self.client.reply_timeout_s, self.what
             )
             for key in keys:
                 self.client.check_chunk(*key, self.wires[key], self.flats[s].element_size())

@@ -186,6 +186,20 @@ class Cluster:
         _netns(self.switch, "ip", "link", "set", host.switch_port, "up")
         self.shape(host.index, self.link)
 
+    def rank_env(self, rank: int, world: int, port: int, pythonpath: str) -> dict[str, str]:
+        """The environment of torch.distributed rank ``rank`` of ``world`` on this cluster:
+        ``env://`` rendezvous at host 0's address, gloo on each host's ``eth0``, one thread."""
+        return {
+            **os.environ,
+            "PYTHONPATH": pythonpath,
+            "MASTER_ADDR": self.hosts[0].addr,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "OMP_NUM_THREADS": "1",
+        }
+
     def shape(self, index: int, link: LinkSpec, *, loss_pct: float = 0.0) -> None:
         """Set host ``index``'s link (both directions); ``loss_pct=100`` cuts it."""
         host = self.hosts[index]

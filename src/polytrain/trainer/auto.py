@@ -123,6 +123,9 @@ def layout_of(job: JobConfig) -> Layout | None:
         grad_accum=job.train.grad_accum,
         ps_servers=ps.servers if p.sync == "ps" else 0,
         ps_mode=ps.mode,
+        ps_leaves=ps.workers_per_leaf(ps.ranks_per_host or job.launch.num_procs)
+        if p.sync == "ps"
+        else 0,
         sufficient_factor=p.sufficient_factor == "on",
         partition=tuple(pipe.partition) if isinstance(pipe.partition, list) else (),
         topology=job.gossip.topology,

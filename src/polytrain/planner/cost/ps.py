@@ -15,6 +15,11 @@ Derivation: docs/planner.md "Parameter servers".
   larger of one worker's cycle and the servers' time to absorb N pushes and apply N updates.
   The slowest worker slows only its own share (``straggler_s / N``). With equal workers SSP's
   bound is never reached, so it costs what async costs.
+* leaf servers (``ps.leaves``, Rudra; Gupta et al. ICDM 2016): groups of ``g`` workers exchange
+  with their leaf over the group's link, and the root exchanges with ``L = N / g`` leaves over
+  the world's: the root's traffic falls by ``g``. One level after the other in sync (the leaf
+  pushes up only when its group is in, and grants only what it pulled); async and SSP groups are
+  sync inside, and the root absorbs ``L`` pushes per global step.
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ def ps_step(
     *,
     tensors: float = 0.0,
     optimizer: str = "adamw",
+    per_leaf: int = 0,
 ) -> tuple[float, float]:
-    """(seconds per global step, seconds of it spent on communication)."""
+    """(seconds per global step, seconds of it spent on communication); ``per_leaf``: workers
+    per leaf server (0: the workers push to the servers themselves)."""
     world = workers + servers
     link = env.link(1, world)
     # Chunks are pipelined (a chunk is on the wire while the next is packed), so latency is
@@ -54,6 +61,21 @@ def ps_step(
     worker_s = param_bytes / link.bandwidth + latency
     server_s = workers * param_bytes / (servers * link.bandwidth) + latency
     exchange = max(worker_s, server_s)
+    pushers = workers
+    if per_leaf:
+        pushers = -(-workers // per_leaf)  # L leaves
+        group = env.link(1, per_leaf)
+        fixed_group = env.ps_exchange_s("sync", per_leaf)
+        group_latency = 2 * group.latency + group.base if fixed_group is None else fixed_group
+        fixed = env.ps_exchange_s(mode, pushers)
+        latency = 2 * servers * link.latency + link.base if fixed is None else fixed
+        # level 1: a worker and its leaf (the leaf's link carries its group's g pushes)
+        in_group = per_leaf * param_bytes / group.bandwidth + group_latency
+        # level 2: a leaf (one push) and the root servers (L pushes over K)
+        worker_s = param_bytes / link.bandwidth + latency
+        server_s = pushers * param_bytes / (servers * link.bandwidth) + latency
+        exchange = in_group + max(worker_s, server_s)
+        worker_s += in_group  # a group's round trip to the root
     update = env.optimizer_s(
         params / servers,
         state_per_param,
@@ -65,8 +87,8 @@ def ps_step(
     if mode == "sync":
         step = compute_s + env.straggler_s + exchange + update
         return step, exchange
-    cycle = compute_s + env.straggler_s / workers + worker_s
-    absorb = server_s + workers * update
+    cycle = compute_s + env.straggler_s / pushers + worker_s
+    absorb = server_s + pushers * update
     if absorb > cycle:  # server-bound
         return absorb, absorb - compute_s
     return cycle, worker_s
@@ -104,6 +126,7 @@ def ps_layout_step(
         stats.dtype_bytes,
         tensors=tensors,
         optimizer=stats.optimizer,
+        per_leaf=layout.ps_leaves,
     )
     return step, {
         "compute": compute - loop - skew,
