@@ -9,11 +9,9 @@ blocks. FLOPs come from torch's `FlopCounterMode`; activation bytes from `saved_
 On the ``meta`` device (the default) nothing is allocated, so a model of any size is measured
 without its memory. `measure=True` also times forward and backward per block on a real device.
 
-[Note: meta and real saved bytes] Some kernels save different things on different devices:
-scaled-dot-product attention on meta takes the math path and saves the (T x T) score matrix,
-while CPU and CUDA run a fused kernel that saves only q, k, v, the output and a log-sum-exp.
-Pass ``device="cpu"`` (or ``"cuda"``) when the model fits and the saved bytes must match what
-the run will hold; meta is an upper bound for attention models and exact for the rest.
+Attention is counted as the kernel the job runs keeps it, O(T) on meta too ([Note: fused
+attention's saved tensors] in measure/kernels.py); the rest of a block saves the same on every
+device.
 """
 
 from __future__ import annotations
@@ -247,7 +245,7 @@ def stats_of(
         fwd_ops, bwd_ops = OpCounter(), OpCounter()
         try:
             with _counting(exclude, split) as (flops, saved), fwd_ops:
-                with AttentionCounter(flops, fwd_ops) as attention:
+                with AttentionCounter(flops, fwd_ops, saved) as attention:
                     y = _call(block, h)
                 result = model.loss(y, targets) if index == last else y
         finally:
@@ -471,8 +469,9 @@ def model_stats(
     threads: int | None = 1,
     imports: bool = True,
 ) -> ModelStats:
-    """`ModelStats` of ``job``'s model: counted on ``device`` (see `[Note: meta and real saved
-    bytes]`); with ``measure``, forward/backward seconds per sample from a batch of ``batch`` on
+    """`ModelStats` of ``job``'s model: counted on ``device`` (attention as the job's kernel
+    keeps it on every device: [Note: fused attention's saved tensors] in measure/kernels.py);
+    with ``measure``, forward/backward seconds per sample from a batch of ``batch`` on
     ``measure_device`` with ``threads`` intra-op threads (workers run one each). For a user's
     model factory, ``imports`` also reads what it adds to a worker's memory in a fresh
     interpreter (`ModelStats.import_bytes`, a few seconds)."""

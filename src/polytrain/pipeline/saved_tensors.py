@@ -23,9 +23,32 @@ __all__ = ["SavedBytes", "count_saved_bytes", "storage_keys"]
 class SavedBytes:
     """Running total of one `count_saved_bytes` block."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, exclude: set[int] | None = None, split: Callable[[torch.Tensor], bool] | None = None
+    ) -> None:
         self.bytes = 0
         self.split_bytes = 0  # of ``bytes``, the storages ``split`` said a tp plan splits
+        self._exclude = exclude or set()
+        self._split = split
+        self._seen: set[int] = set()
+
+    def add(self, tensor: torch.Tensor, split: bool | None = None) -> None:
+        """Count ``tensor``'s storage once unless excluded (``split``: whether a tp plan splits
+        it, when the caller knows better than the block's ``split`` test)."""
+        key = storage_key(tensor)
+        if key in self._exclude or key in self._seen:
+            return
+        self._seen.add(key)
+        nbytes = tensor.untyped_storage().nbytes()
+        self.bytes += nbytes
+        if split is None:
+            split = self._split is not None and self._split(tensor)
+        if split:
+            self.split_bytes += nbytes
+
+    def is_split(self, tensor: torch.Tensor) -> bool:
+        """Whether the block's ``split`` test says a tp plan splits ``tensor``."""
+        return self._split is not None and self._split(tensor)
 
 
 def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -39,17 +62,10 @@ def count_saved_bytes(
 ) -> Iterator[SavedBytes]:
     """Count the bytes of the distinct storages autograd saves while the block runs (and, with
     ``split``, those of them it says a tensor-parallel plan splits: `measure.stats`)."""
-    total = SavedBytes()
-    seen: set[int] = set()
+    total = SavedBytes(exclude, split)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = storage_key(tensor)
-        if key not in exclude and key not in seen:
-            seen.add(key)
-            nbytes = tensor.untyped_storage().nbytes()
-            total.bytes += nbytes
-            if split is not None and split(tensor):
-                total.split_bytes += nbytes
+        total.add(tensor)
         return tensor
 
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
