@@ -53,3 +53,25 @@ def test_meta_counts_attention_as_the_fused_kernel_saves_it(tmp_path: Path) -> N
     assert meta.blocks[0].saved_bytes == pytest.approx(cpu.blocks[0].saved_bytes, rel=0.10)
     for m, c in zip(meta.layer_blocks, cpu.layer_blocks, strict=True):
         assert m.saved_bytes == pytest.approx(c.saved_bytes, rel=0.10)
+
+
+def test_a_bf16_job_counted_on_meta_saves_and_sends_what_autocast_makes(tmp_path: Path) -> None:
+    """[Note: autocast on meta]: meta has no autocast, so a bf16 job's statistics counted there
+    had fp32 bytes everywhere; with autocast's operator lists applied, the saved bytes (per
+    sample and the per-pass weight copies) are CPU autocast's within 10%, and what a
+    tensor-parallel module sends (a Linear's output) is half of the fp32 job's."""
+    fp32 = model_stats(llama_job(tmp_path), imports=False)
+    bf16 = model_stats(llama_job(tmp_path, dtype="bf16"), imports=False)
+    cpu = model_stats(llama_job(tmp_path, dtype="bf16"), device="cpu", imports=False)
+    pairs = zip((*bf16.blocks, *bf16.layer_blocks), (*cpu.blocks, *cpu.layer_blocks), strict=True)
+    for m, c in pairs:  # the fixed part is per pass: compare one pass of two samples
+        assert 2 * m.saved_bytes + m.saved_fixed_bytes == pytest.approx(
+            2 * c.saved_bytes + c.saved_fixed_bytes, rel=0.10
+        )
+    # Llama under autocast keeps its residual stream, norms and rotated q, k in fp32
+    assert bf16.blocks[0].saved_bytes < 0.9 * fp32.blocks[0].saved_bytes
+    (whole_bf16,), (whole_fp32,) = bf16.blocks, fp32.blocks
+    assert whole_bf16.tp_modules and whole_fp32.tp_modules
+    for half, full in zip(whole_bf16.tp_modules, whole_fp32.tp_modules, strict=True):
+        if full.linear != (0, 0):  # a Linear's output: its tensor-parallel message
+            assert half.out_bytes == full.out_bytes / 2

@@ -110,6 +110,8 @@ class AttentionCounter(TorchFunctionMode):
         self.saved = saved
         self.calls: list[tuple[int, int, int, float]] = []
         self.counted = 0.0
+        # the log-sum-exps counted on meta, kept alive: a freed storage's identity is reused
+        self._lse: list[torch.Tensor] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -157,6 +159,7 @@ class AttentionCounter(TorchFunctionMode):
                 self.saved.add(tensor)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # (B, H, T)
         self.saved.add(lse, split=self.saved.is_split(q))
+        self._lse.append(lse)
 
 
 def gemm_rates(

@@ -32,11 +32,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from polytrain._torch_private import TorchDispatchMode, storage_key
 from polytrain.config.io import save_job
 from polytrain.config.job import JobConfig
-from polytrain.core.step import autocast
+from polytrain.core.step import AUTOCAST_DTYPES, autocast
 from polytrain.data.datasets import Dataset, DataSpec, TokenDataset, build_datasets
 from polytrain.data.masking import MaskedTokenDataset
 from polytrain.measure.kernels import AttentionCounter, OpCounter
 from polytrain.measure.layer_stats import fsdp_units, layer_view
+from polytrain.measure.meta_autocast import MetaAutocast
 from polytrain.measure.tp_stats import TPModules, plan_styles, tp_shards
 from polytrain.models.base import BlockModel, Inputs, inputs_to
 from polytrain.models.registry import BUILTINS, block_size_of, build_model
@@ -224,13 +225,15 @@ def stats_of(
     shards: list[tuple[tuple[float, int], ...]] | None = None,
     data_bytes: int = 0,
     tp_styles: dict[str, str] | None = None,
+    low_precision: torch.dtype | None = None,
 ) -> ModelStats:
     """Per-block statistics from one forward pass over ``inputs`` (B samples, any device).
 
     The loss is charged to the last block (it runs on the last pipeline stage). Each block gets
     a fresh input that requires grad, so a block's saved input counts toward that block only.
     ``tp_styles`` (module path -> tensor-parallel style) also counts what of the saved bytes
-    every tensor-parallel rank holds whole (`SplitActivations`).
+    every tensor-parallel rank holds whole (`SplitActivations`). ``low_precision``: the job's
+    autocast dtype, applied to meta tensors ([Note: autocast on meta] in measure/meta_autocast.py).
     """
     batch = _rows(inputs)
     exclude = storage_keys(model.parameters())
@@ -243,11 +246,14 @@ def stats_of(
         split = SplitActivations(block, f"blocks.{index}", tp_styles) if tp_styles else None
         planned = TPModules(block, f"blocks.{index}", tp_styles or {}, batch)
         fwd_ops, bwd_ops = OpCounter(), OpCounter()
+        # innermost, so the attention counter sees the cast q, k, v a kernel would save
+        cast = MetaAutocast(low_precision) if low_precision is not None else nullcontext()
         try:
             with _counting(exclude, split) as (flops, saved), fwd_ops:
-                with AttentionCounter(flops, fwd_ops, saved) as attention:
+                with AttentionCounter(flops, fwd_ops, saved) as attention, cast:
                     y = _call(block, h)
-                result = model.loss(y, targets) if index == last else y
+                with cast:
+                    result = model.loss(y, targets) if index == last else y
         finally:
             linears.close()
             planned.close()
@@ -401,12 +407,14 @@ def _counted(
         model = build_model(job.model, spec, job.train.seed)
     # [Note: counted under autocast] On a real device the block passes run in the job's
     # autocast region, as the trainer runs them: a bf16 job saves bf16 matmul inputs and moves
-    # half the bytes (the meta device has no autocast: it counts the fp32 bytes). Autocast also
+    # half the bytes (on meta, which has no autocast, `MetaAutocast` applies its rules). Autocast also
     # saves a low-precision copy of each weight it casts, once per pass whatever the batch: the
     # count runs at two batch sizes and splits each block's saved bytes into a per-sample slope
     # (`saved_bytes`) and a fixed part (`saved_fixed_bytes`). Counted at one batch of 2, gpt
     # medium in bf16 showed 65 MiB per sample against 47 at a batch of 8.
     autocasts = device != "meta" and job.train.dtype != "fp32"
+    # [Note: autocast on meta]: meta has no autocast; its operator lists are applied there
+    low = AUTOCAST_DTYPES.get(job.train.dtype) if device == "meta" else None
     styles = plan_styles(model, job.model.name, list(job.parallel.tp_plan))
     shards = tp_shards(model, styles)
     data_bytes = held_data_bytes(train_set, val_set)
@@ -426,17 +434,19 @@ def _counted(
         inputs, targets = inputs_to(x, torch.device(device)), y.to(device)
         region = autocast(torch.device(device), job.train.dtype) if autocasts else nullcontext()
         with region:
-            stats = stats_of(model, inputs, targets, shards=shards, tp_styles=styles, **common)
+            stats = stats_of(
+                model, inputs, targets, shards=shards, tp_styles=styles, low_precision=low, **common
+            )
             view = layer_view(job, spec, model, inputs)  # [Note: layer view]
             if view is None:
                 return stats
             # the first stage runs from its context (the inputs), not from this argument
             first = torch.zeros(batch, dtype=torch.long, device=device)
-            layers = stats_of(view, first, targets, **common)
+            layers = stats_of(view, first, targets, low_precision=low, **common)
         return replace(stats, layer_blocks=layers.blocks)
 
     stats = count(_PROBE_BATCH)
-    if autocasts:
+    if autocasts or low is not None:
         stats = _split_fixed_saved(stats, count(2 * _PROBE_BATCH), _PROBE_BATCH)
     return replace(stats, fsdp_units=fsdp_units(model))
 
