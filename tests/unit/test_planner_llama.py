@@ -68,6 +68,13 @@ def test_a_bf16_job_counted_on_meta_saves_and_sends_what_autocast_makes(tmp_path
         assert 2 * m.saved_bytes + m.saved_fixed_bytes == pytest.approx(
             2 * c.saved_bytes + c.saved_fixed_bytes, rel=0.10
         )
+    # a layer's per-pass part is its Linears' bf16 weight copies and the rotary cos and sin
+    # (T x head size, fp32, whatever the batch); a storage freed while counting had read as one
+    # seen before, and the split into per-sample and per-pass bytes drifted
+    middle = bf16.layer_blocks[1]
+    rotary = 2 * 256 * (TINY["hidden_size"] // TINY["num_attention_heads"]) * 4
+    weights = 2 * sum(i * o for i, o in middle.linears)
+    assert middle.saved_fixed_bytes == weights + rotary
     # Llama under autocast keeps its residual stream, norms and rotated q, k in fp32
     assert bf16.blocks[0].saved_bytes < 0.9 * fp32.blocks[0].saved_bytes
     (whole_bf16,), (whole_fp32,) = bf16.blocks, fp32.blocks

@@ -142,7 +142,7 @@ def _counting(
     is_split = split.is_split if split is not None else None
     with (
         FlopCounterMode(display=False) as flops,
-        count_saved_bytes(exclude, is_split) as saved,
+        count_saved_bytes(exclude, is_split, keep=True) as saved,
         tagging,
     ):
         yield flops, saved
