@@ -12,6 +12,8 @@ import pytest
 from polytrain.config.io import job_from_dict
 from polytrain.config.job import JobConfig
 from polytrain.measure.stats import model_stats
+from polytrain.planner.memory import memory_per_rank
+from polytrain.planner.types import Layout
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 400
 _LLAMA = "tests.helpers.hf_models:make_llama"
@@ -82,3 +84,23 @@ def test_a_bf16_job_counted_on_meta_saves_and_sends_what_autocast_makes(tmp_path
     for half, full in zip(whole_bf16.tp_modules, whole_fp32.tp_modules, strict=True):
         if full.linear != (0, 0):  # a Linear's output: its tensor-parallel message
             assert half.out_bytes == full.out_bytes / 2
+
+
+def test_a_recomputing_rank_keeps_each_layers_input_and_rebuilds_one_layer(
+    tmp_path: Path,
+) -> None:
+    """[Note: recomputed layers of a user's model]: the runtime recomputes a transformers
+    model one decoder layer at a time, so its activations under recomputation are counted on
+    the layer view (one block per layer), not on the one block the trainer sees, whose rebuild
+    had been the whole model's activations (recomputation saved nothing)."""
+    stats = model_stats(llama_job(tmp_path, num_hidden_layers=6), imports=False)
+    assert len(stats.blocks) == 1 and len(stats.layer_blocks) == 6
+    layers = stats.layer_blocks
+    assert len({b.params for b in layers[1:-1]}) == 1  # the repeated layers, one each
+    plain = memory_per_rank(stats, Layout(), [stats.blocks], 4.0)
+    recomputed = memory_per_rank(stats, Layout(recompute=True), [stats.blocks], 4.0)
+    kept = sum(b.output_bytes for b in layers) * 4.0
+    rebuilt = max(b.saved_bytes * 4.0 + b.saved_fixed_bytes for b in layers)
+    assert recomputed.activations == pytest.approx(kept + rebuilt)
+    assert recomputed.activations < 0.5 * plain.activations
+    assert recomputed.model_states == plain.model_states  # the whole model's, a tie once

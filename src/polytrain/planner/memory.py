@@ -76,7 +76,9 @@ def memory_per_rank(
     starts = _starts(stage_blocks)
     best: MemoryEstimate | None = None
     for s, blocks in enumerate(stage_blocks):
-        act, rebuilt = _activation_sizes(layout, blocks, microbatch_samples, starts[s])
+        act, rebuilt = _activation_sizes(
+            layout, _recomputed(stats, layout, blocks), microbatch_samples, starts[s]
+        )
         est = _stage(
             stats, layout, blocks, microbatch_samples, act * in_flight[s] + rebuilt, in_flight[s], s
         )
@@ -187,6 +189,24 @@ def _starts(stage_blocks: Sequence[Sequence[BlockStats]]) -> list[int]:
         starts.append(at)
         at += len(blocks)
     return starts
+
+
+def _recomputed(
+    stats: ModelStats, layout: Layout, blocks: Sequence[BlockStats]
+) -> Sequence[BlockStats]:
+    """The units whose activations ``blocks`` keep: [Note: recomputed layers of a user's model]
+    The runtime recomputes a model's units (`models.base.BlockModel.units`), which for a user's
+    one-module model are its repeated layers, not the one block the trainer sees: a recomputing
+    rank keeps each layer's input and rebuilds one layer at a time. Without a pipeline its
+    activations are counted on the layer view (`ModelStats.layer_blocks`, [Note: layer view] in
+    measure/layer_stats.py), whose first and last blocks also hold what comes before and after
+    the layers (embeddings; final norm, head and loss: the largest block rebuilt, as the head's
+    saves are kept); its model states stay the whole model's (the view holds a tie twice).
+    Counted as one block, a recomputing Llama-3-8B kept every activation (recomputation saved
+    nothing) and no layout of it fitted."""
+    if layout.pp == 1 and layout.recompute and stats.layer_blocks:
+        return stats.layer_blocks
+    return blocks
 
 
 def _activation_sizes(
