@@ -12,7 +12,10 @@ import pytest
 from polytrain.config.io import job_from_dict
 from polytrain.config.job import JobConfig
 from polytrain.measure.stats import model_stats
+from polytrain.planner.cluster import parse_cluster
+from polytrain.planner.cost import Env, predict
 from polytrain.planner.memory import memory_per_rank
+from polytrain.planner.search import PlanRequest, search
 from polytrain.planner.types import Layout
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 400
@@ -27,11 +30,22 @@ TINY = dict(
     vocab_size=300,
 )
 
+# Llama 3 8B's shape (Meta's config.json for Meta-Llama-3-8B; 3.1 differs in RoPE scaling only)
+LLAMA3_8B = dict(
+    num_hidden_layers=32,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    rope_theta=500000.0,
+)
+
 
 def llama_job(tmp_path: Path, seq: int = 256, dtype: str = "fp32", **args: Any) -> JobConfig:
     """A job of `make_llama` over a byte-tokenized corpus in windows of ``seq`` tokens."""
     path = tmp_path / "corpus.txt"
-    path.write_text(TEXT)
+    path.write_text(TEXT * (1 + 8 * seq // len(TEXT)))  # a few windows of seq tokens
     return job_from_dict(
         {
             "model": {
@@ -104,3 +118,26 @@ def test_a_recomputing_rank_keeps_each_layers_input_and_rebuilds_one_layer(
     assert recomputed.activations == pytest.approx(kept + rebuilt)
     assert recomputed.activations < 0.5 * plain.activations
     assert recomputed.model_states == plain.model_states  # the whole model's, a tie once
+
+
+@pytest.mark.slow
+def test_llama3_8b_with_fsdp_at_8192_tokens_fits_eight_h100s(tmp_path: Path) -> None:
+    """Llama 3 8B at T = 8192 in bf16 on 8 x H100 80 GB, ZeRO-3 (FSDP) over all eight, one
+    sequence per GPU: counted on meta it was 441 GiB per rank and every layout was refused
+    (one block, T x T scores, fp32 bytes). Recomputed per layer it fits; without
+    recomputation it needs more than a GPU, as polytrain runs it: autocast over fp32 weights
+    keeps the residual stream, norms and rotated q, k in fp32 (~245 KB per token and layer)
+    and a bf16 copy of every weight (14 GiB) until backward."""
+    stats = model_stats(llama_job(tmp_path, seq=8192, dtype="bf16", **LLAMA3_8B), imports=False)
+    assert len(stats.layer_blocks) == 32
+    assert stats.params == pytest.approx(8.03e9, rel=0.01)
+    cluster = parse_cluster("1x8xH100")
+    env = Env(cluster, "bf16")
+    gib = 2**30
+    recomputed = predict(Layout(dp=8, zero=3, recompute=True), stats, env, 8)
+    assert recomputed.fits and recomputed.memory_per_rank < 50 * gib
+    plain = predict(Layout(dp=8, zero=3), stats, env, 8)
+    assert 90 * gib < plain.memory_per_rank < 130 * gib
+    request = PlanRequest(stats, cluster, 8, 100, min_devices=8, max_devices=8, dtype="bf16")
+    best = search(request).plans[0]
+    assert best.prediction.fits, best.why
