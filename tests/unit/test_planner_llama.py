@@ -45,7 +45,7 @@ LLAMA3_8B = dict(
 def llama_job(tmp_path: Path, seq: int = 256, dtype: str = "fp32", **args: Any) -> JobConfig:
     """A job of `make_llama` over a byte-tokenized corpus in windows of ``seq`` tokens."""
     path = tmp_path / "corpus.txt"
-    path.write_text(TEXT * (1 + 8 * seq // len(TEXT)))  # a few windows of seq tokens
+    path.write_text(TEXT * (1 + 20 * seq // len(TEXT)))  # validation (a tenth) holds a window
     return job_from_dict(
         {
             "model": {
