@@ -90,3 +90,30 @@ def test_cluster_toml(tmp_path: Path) -> None:
     path.write_text('[cluster]\ndevice = "H100"\ncolour = "red"\n')
     with pytest.raises(PlanError, match="unknown key 'colour'"):
         parse_cluster(str(path))
+
+
+def test_a_cluster_toml_overrides_the_catalogs_figures(tmp_path: Path) -> None:
+    """[Note: cluster overrides]: memory, peak (per dtype, the rest kept), efficiency, memory
+    bandwidth and each link's bandwidth and latency, in the catalog's units."""
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[cluster]\nhosts = 2\ndevices_per_host = 8\ndevice = "H100"\ninter_link = "ib400"\n'
+        "memory_gib = 96\nmem_bw_gbs = 2400\nefficiency = 0.4\npeak_tflops = { bf16 = 800 }\n"
+        "intra_bandwidth_gbs = 300\ninter_latency_us = 20\n"
+    )
+    c = parse_cluster(str(path))
+    catalog = parse_cluster("2x8xH100:ib400")
+    assert c.device.memory == 96 * 2**30 and c.device.mem_bw == 2.4e12
+    assert c.device.efficiency == 0.4
+    assert c.device.flops("bf16") == 800e12
+    assert c.device.flops("fp32") == catalog.device.flops("fp32")
+    assert c.intra.bandwidth == 300e9 and c.intra.latency == catalog.intra.latency
+    assert c.inter is not None and catalog.inter is not None
+    assert c.inter.latency == pytest.approx(20e-6)
+    assert c.inter.bandwidth == catalog.inter.bandwidth
+    path.write_text('[cluster]\ndevice = "H100"\nmemory_gib = -1\n')
+    with pytest.raises(PlanError, match="memory_gib = -1: expected a positive number"):
+        parse_cluster(str(path))
+    path.write_text('[cluster]\ndevice = "H100"\ninter_bandwidth_gbs = 50\n')
+    with pytest.raises(PlanError, match="no inter_link"):
+        parse_cluster(str(path))

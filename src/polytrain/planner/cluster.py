@@ -7,7 +7,7 @@ TOML file (see `load_cluster`). Pure Python, no torch.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,13 @@ def load_cluster(path: Path) -> Cluster:
     nic = "device"              # optional: "device" (one NIC per device) or "host" (one shared);
                                 # default "host" for cpu, "device" otherwise ([Note: one NIC per
                                 # device])
+    # optional, each replacing the catalog's figure ([Note: cluster overrides]), in its units:
+    memory_gib = 94             # the device's memory
+    peak_tflops = { bf16 = 835.5 }  # dense peak per dtype (the others stay the catalog's)
+    mem_bw_gbs = 3900           # memory bandwidth
+    efficiency = 0.4            # achieved / peak of a step without a calibrated profile
+    intra_bandwidth_gbs = 300   # a link, per direction; also inter_bandwidth_gbs
+    intra_latency_us = 3.4      # per hop; also inter_latency_us
     """
     if not path.is_file():
         raise PlanError(
@@ -146,6 +153,8 @@ def load_cluster(path: Path) -> Cluster:
         "intra_link",
         "price_per_device_hour",
         "nic",
+        *_DEVICE_FIGURES,
+        *_LINK_FIGURES,
     }
     unknown = sorted(set(data) - known)
     if unknown:
@@ -157,7 +166,7 @@ def load_cluster(path: Path) -> Cluster:
             f"cluster file {str(path)!r} names no device: add device = one of {', '.join(device_names())}"
         )
     price_in = data.get("price_per_device_hour")
-    return _build(
+    cluster = _build(
         int(data.get("hosts", 1)),
         int(data.get("devices_per_host", 1)),
         str(data["device"]),
@@ -166,6 +175,68 @@ def load_cluster(path: Path) -> Cluster:
         float(price_in) if price_in is not None else None,
         str(data["nic"]) if "nic" in data else None,
         origin=str(path),
+    )
+    return _overridden(cluster, data, str(path))
+
+
+# [Note: cluster overrides] A cluster TOML may replace any catalog figure of its device or
+# links, for hardware the catalog lacks or that runs off its datasheet (a power cap, a
+# different memory size, a measured link): key -> (unit to SI, the field it sets)
+_DEVICE_FIGURES = {
+    "memory_gib": (float(2**30), "memory"),
+    "mem_bw_gbs": (1e9, "mem_bw"),
+    "efficiency": (1.0, "efficiency"),
+    "peak_tflops": (1e12, "peak_flops"),
+}
+_LINK_FIGURES = {
+    f"{side}_{figure}": (unit, side, field)
+    for side in ("intra", "inter")
+    for figure, unit, field in (
+        ("bandwidth_gbs", 1e9, "bandwidth"),
+        ("latency_us", 1e-6, "latency"),
+    )
+}
+
+
+def _overridden(cluster: Cluster, data: dict[str, Any], origin: str) -> Cluster:
+    """``cluster`` with the figures ``data`` gives in place of the catalog's."""
+
+    def positive(key: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise PlanError(f"cluster {origin!r}: {key} = {value!r}: expected a positive number")
+        return float(value)
+
+    device_fields: dict[str, Any] = {}
+    for key, (unit, name) in _DEVICE_FIGURES.items():
+        if key not in data:
+            continue
+        if key == "peak_tflops":
+            if not isinstance(data[key], dict):
+                raise PlanError(
+                    f"cluster {origin!r}: peak_tflops = {data[key]!r}: expected a table such "
+                    "as { bf16 = 835.5, fp32 = 60 }"
+                )
+            peaks = {k: positive(f"peak_tflops.{k}", v) * unit for k, v in data[key].items()}
+            device_fields[name] = {**cluster.device.peak_flops, **peaks}
+        else:
+            device_fields[name] = positive(key, data[key]) * unit
+    links = {"intra": cluster.intra, "inter": cluster.inter}
+    for key, (unit, side, name) in _LINK_FIGURES.items():
+        if key not in data:
+            continue
+        current = links[side]
+        if current is None:
+            raise PlanError(f"cluster {origin!r}: {key} is set but the cluster has no inter_link")
+        figure = positive(key, data[key]) * unit
+        if name == "bandwidth":
+            links[side] = replace(current, bandwidth=figure)
+        else:
+            links[side] = replace(current, latency=figure)
+    return replace(
+        cluster,
+        device=replace(cluster.device, **device_fields),
+        intra=links["intra"] or cluster.intra,
+        inter=links["inter"],
     )
 
 
