@@ -9,7 +9,7 @@ import pytest
 import tomllib
 
 from polytrain.errors import PlanError
-from polytrain.planner.catalog import device, device_names, link, link_names, price
+from polytrain.planner.catalog import device, device_key_of, device_names, link, link_names, price
 from polytrain.planner.cluster import parse_cluster
 
 REQUIRED_DEVICES = {"M40", "V100", "A100-40GB", "A100-80GB", "H100", "H200", "L4", "cpu"}
@@ -117,3 +117,24 @@ def test_a_cluster_toml_overrides_the_catalogs_figures(tmp_path: Path) -> None:
     path.write_text('[cluster]\ndevice = "H100"\ninter_bandwidth_gbs = 50\n')
     with pytest.raises(PlanError, match="no inter_link"):
         parse_cluster(str(path))
+
+
+def test_device_variants_by_memory_and_form() -> None:
+    """The variants published runs used: V100 16 GB, P100 (SXM2 on NVLink 1, PCIe), H100 NVL 94
+    GB and torchtitan's H100 96 GB, each found from torch's name for it."""
+    assert device("V100-16GB").memory == 16 * 2**30
+    assert device("V100-16GB").flops("fp16") == device("V100").flops("fp16")
+    assert device("P100").intra_link == "nvlink1" and link("nvlink1").bandwidth == 80e9
+    assert device("P100-PCIE").flops("fp32") == pytest.approx(9.3e12)
+    assert device("H100-NVL").memory == 94 * 2**30
+    assert device("H100-96GB").memory == 96 * 2**30
+    names = {
+        "Tesla V100-SXM2-16GB": "V100-16GB",
+        "Tesla V100-SXM2-32GB": "V100",
+        "Tesla P100-SXM2-16GB": "P100",
+        "Tesla P100-PCIE-16GB": "P100-PCIE",
+        "NVIDIA H100 NVL": "H100-NVL",
+        "NVIDIA H100 80GB HBM3": "H100",
+    }
+    for name, key in names.items():
+        assert device_key_of(name) == key, name
