@@ -161,3 +161,17 @@ def test_llama3_8b_with_fsdp_and_recompute_at_32k_tokens_peaks_as_published(
     layout = Layout(dp=8, zero=3, recompute=True)
     pred = predict(layout, stats, Env(parse_cluster("1x8xH100"), "bf16"), 8)
     assert pred.memory_per_rank / 2**30 == pytest.approx(TORCHTITAN_8B_32K_GIB, rel=0.25)
+
+
+def test_every_other_layer_recomputed_costs_half_a_forward_more(tmp_path: Path) -> None:
+    """``recompute = "every:2"`` on a user's model reruns every other layer's forward (the
+    runtime's units), so its step costs half the extra forward of full recomputation, not all
+    of it (the one block at index 0 had read as every layer); its memory lies between."""
+    stats = model_stats(llama_job(tmp_path, num_hidden_layers=6), imports=False)
+    env = Env(parse_cluster("1x1xH100"), "fp32")
+    plain, every2, full = (
+        predict(Layout(recompute=r, recompute_every=k), stats, env, 8)
+        for r, k in ((False, 1), (True, 2), (True, 1))
+    )
+    assert every2.step_s - plain.step_s == pytest.approx((full.step_s - plain.step_s) / 2)
+    assert full.memory_per_rank < every2.memory_per_rank < plain.memory_per_rank

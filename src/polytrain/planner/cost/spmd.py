@@ -40,6 +40,13 @@ def spmd_step(
     fwd, bwd, tp_s = block_times(
         env, blocks, mb_samples, layout.tp, layout.recomputes, first=0, last=n - 1
     )
+    share = _recomputed_share(stats, layout)
+    if share < 1.0:  # the one block recomputes this share of its layers' forward
+        _, plain, plain_tp = block_times(
+            env, blocks, mb_samples, layout.tp, lambda _: False, first=0, last=n - 1
+        )
+        bwd = [p + share * (b - p) for p, b in zip(plain, bwd, strict=True)]
+        tp_s = plain_tp + share * (tp_s - plain_tp)
     compute = (sum(fwd) + sum(bwd)) * layout.grad_accum
     tp_s *= layout.grad_accum
     grad_bytes = [b.bytes_per_tp_rank(layout.tp) for b in blocks]
@@ -149,3 +156,14 @@ def _fsdp_unit_split(
         [sum(bwd) * x for x in share],
         [per_rank * x for x in share],
     )
+
+
+def _recomputed_share(stats: ModelStats, layout: Layout) -> float:
+    """Of a user's one-block model, the share of its repeated layers ``layout`` recomputes:
+    the runtime recomputes per layer ([Note: recomputed layers of a user's model] in
+    planner/memory.py), so ``every:K`` reruns one layer in K, not the whole model's forward
+    (the one block's index 0 alone would say all). 1 for every other model and layout."""
+    if not (layout.every_k and len(stats.blocks) == 1 and stats.layer_blocks):
+        return 1.0
+    layers = len(stats.layer_blocks)
+    return sum(layout.recomputes(i) for i in range(layers)) / layers
