@@ -269,12 +269,16 @@ def _stage(
     # are views into its buckets, so its buckets cost nothing beyond `grads`.
     buffers = 0.0
     if layout.zero == 3:
-        # the gathered parameters of the current and the prefetched block (a user's model: its
-        # largest FSDP unit, [Note: FSDP units of a user's model] in measure/layer_stats.py)
-        largest = max(b.bytes_per_tp_rank(tp) for b in blocks)
+        # the gathered parameters of the current and the prefetched block; a user's model
+        # ([Note: FSDP units of a user's model] in measure/layer_stats.py): its root unit, gathered
+        # from the root's forward to its post-forward (the whole forward) and again through the
+        # whole backward, beside the current and the prefetched layer
+        gathered = 2 * max(b.bytes_per_tp_rank(tp) for b in blocks)
         if stats.fsdp_units and layout.pp == 1:
-            largest *= max(b for b, _ in stats.fsdp_units) / max(stats.param_bytes, 1)
-        buffers += 2 * largest
+            (root, _), *layers = stats.fsdp_units
+            units = root + 2 * max((b for b, _ in layers), default=0.0)
+            gathered = p_bytes * min(units / max(stats.param_bytes, 1), 1.0)
+        buffers += gathered
     if layout.zero == 2:
         buffers += p_bytes  # all blocks' gathered parameters, kept from forward to backward
     if layout.pp > 1:
