@@ -28,8 +28,8 @@ from polytrain.planner.cluster import parse_cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.memory import memory_per_rank, process_bytes
 from polytrain.planner.search import enumerate_layouts
-from polytrain.planner.types import HostProfile, Layout
-from polytrain.planner.validate import TrialSpec, held_state_bytes, run_trials
+from polytrain.planner.types import HostProfile, Layout, ModelStats
+from polytrain.planner.validate import Trial, TrialSpec, held_state_bytes, run_trials
 from polytrain.planner.worker_memory import fresh_worker_memory
 from tests.helpers import hf_models
 from tests.helpers.cli import run_main
@@ -53,6 +53,22 @@ def _job(fields: dict[str, object]) -> JobConfig:
         section, _, field = key.partition(".")
         sections.setdefault(section, {})[field] = value
     return job_from_dict(sections)
+
+
+def _peak_against_a_run(
+    stats: ModelStats, layout: Layout, fields: dict[str, object], tmp_path: Path
+) -> tuple[float, Trial]:
+    """A one-rank ``layout`` of ``fields`` run for three steps of 8 samples: its model states
+    are the planner's, its peak the planner's within 10% (returned: predicted peak, the run)."""
+    (trial,) = run_trials([TrialSpec(layout, 0.01)], fields, tmp_path / "runs", steps=3)
+    assert trial.ok, trial.error
+    estimate = memory_per_rank(stats, layout, [stats.blocks], 8.0)
+    assert estimate.model_states == trial.state_bytes
+    baseline, runtime, _ = fresh_worker_memory()
+    profile = HostProfile("x", "cpu", {}, 1.0, baseline_bytes=baseline, runtime_bytes=runtime)
+    predicted = estimate.total + process_bytes(stats, profile)
+    assert abs(predicted / trial.peak_bytes - 1) < 0.10, (predicted / 2**20, trial.peak_bytes)
+    return predicted, trial
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
@@ -87,15 +103,7 @@ def test_one_rank_states_and_peak_match_a_run(tmp_path: Path) -> None:
     fields = _fields("gpt2", tmp_path / "gpt2.safetensors")
     stats = model_stats(_job(fields))
     assert stats.import_bytes > 50 * 2**20  # transformers and its GPT-2 in each worker
-    (trial,) = run_trials([TrialSpec(Layout(dp=1), 0.01)], fields, tmp_path / "runs", steps=3)
-    assert trial.ok, trial.error
-    layout = Layout(dp=1)
-    estimate = memory_per_rank(stats, layout, [stats.blocks], 8.0)
-    assert estimate.model_states == trial.state_bytes
-    baseline, runtime, _ = fresh_worker_memory()
-    profile = HostProfile("x", "cpu", {}, 1.0, baseline_bytes=baseline, runtime_bytes=runtime)
-    predicted = estimate.total + process_bytes(stats, profile)
-    assert abs(predicted / trial.peak_bytes - 1) < 0.10, (predicted / 2**20, trial.peak_bytes)
+    predicted, trial = _peak_against_a_run(stats, Layout(dp=1), fields, tmp_path)
     # without the factory's imports the worker's own memory is short by a fifth and more
     assert (predicted - stats.import_bytes) / trial.peak_bytes < 0.85
 
@@ -213,12 +221,4 @@ def test_a_llama_at_a_long_context_peaks_as_predicted(tmp_path: Path, recompute:
         "train.global_batch_size": 8,
     }
     stats = model_stats(_job(fields))
-    layout = Layout(dp=1, recompute=recompute)
-    (trial,) = run_trials([TrialSpec(layout, 0.01)], fields, tmp_path / "runs", steps=3)
-    assert trial.ok, trial.error
-    estimate = memory_per_rank(stats, layout, [stats.blocks], 8.0)
-    assert estimate.model_states == trial.state_bytes
-    baseline, runtime, _ = fresh_worker_memory()
-    profile = HostProfile("x", "cpu", {}, 1.0, baseline_bytes=baseline, runtime_bytes=runtime)
-    predicted = estimate.total + process_bytes(stats, profile)
-    assert abs(predicted / trial.peak_bytes - 1) < 0.10, (predicted / 2**20, trial.peak_bytes)
+    _peak_against_a_run(stats, Layout(dp=1, recompute=recompute), fields, tmp_path)

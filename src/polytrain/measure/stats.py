@@ -29,7 +29,6 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from polytrain._torch_private import TorchDispatchMode, storage_key
 from polytrain.config.io import save_job
 from polytrain.config.job import JobConfig
 from polytrain.core.step import AUTOCAST_DTYPES, autocast
@@ -38,7 +37,13 @@ from polytrain.data.masking import MaskedTokenDataset
 from polytrain.measure.kernels import AttentionCounter, OpCounter
 from polytrain.measure.layer_stats import fsdp_units, layer_view
 from polytrain.measure.meta_autocast import MetaAutocast
-from polytrain.measure.tp_stats import TPModules, plan_styles, tp_shards
+from polytrain.measure.tp_stats import (
+    SplitActivations,
+    TPModules,
+    plan_styles,
+    tensors_in,
+    tp_shards,
+)
 from polytrain.models.base import BlockModel, Inputs, inputs_to
 from polytrain.models.registry import BUILTINS, block_size_of, build_model
 from polytrain.pipeline.saved_tensors import SavedBytes, count_saved_bytes, storage_keys
@@ -54,72 +59,6 @@ __all__ = [
     "stats_of",
     "train_flops_per_sample",
 ]
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``value`` (an operator's arguments or results: tensors, lists, tuples,
-    dicts)."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item)
-
-
-class SplitActivations(TorchDispatchMode):
-    """[Note: tensor-parallel activations] Which of a block's tensors a tensor-parallel plan
-    splits. Megatron's plan (Korthikanti et al. 2022, sec. 4.1, eq. 2: ``sbh (10 + 24/t +
-    5as/(ht))`` per layer) splits what lies between a column-parallel output and a
-    row-parallel input (q, k, v, the attention's output, the MLP's hidden activations) and
-    leaves whole what every rank computes in full: the layer norms' inputs and outputs (the
-    column-parallel layers' inputs), the residual stream, the loss. The runtime's plan (``styles``:
-    module path -> style, `core.tensor_parallel.resolve_tp_plan`) names the modules: the
-    output of a ``colwise``/``qkv`` module is split, the output of any other planned module
-    (``rowwise`` after its all-reduce, ``colwise_gather`` after its gather, ``vocab``) is
-    whole, and every operator's result is split iff one of its tensor arguments is. Tensors are
-    told apart by storage (`storage_key`: views share it); the tagged ones are kept referenced
-    so no storage is freed and its identity reused while the block runs. A
-    ``rowwise_split`` module slices a whole input inside itself: its saved input counts whole
-    (a little high)."""
-
-    def __init__(self, block: nn.Module, prefix: str, styles: dict[str, str]) -> None:
-        super().__init__()
-        self.split: set[int] = set()
-        self.kept: list[torch.Tensor] = []
-        self.handles = []
-        for sub, module in block.named_modules():
-            style = styles.get(prefix + (f".{sub}" if sub else ""))
-            if style is not None:
-                hook = self._mark if style in ("colwise", "qkv") else self._unmark
-                self.handles.append(module.register_forward_hook(hook))
-
-    def _mark(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        for t in _tensors(output):
-            self.split.add(storage_key(t))
-            self.kept.append(t)
-
-    def _unmark(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        for t in _tensors(output):
-            self.split.discard(storage_key(t))
-
-    def is_split(self, tensor: torch.Tensor) -> bool:
-        return storage_key(tensor) in self.split
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if any(self.is_split(t) for t in _tensors((args, kwargs or {}))):
-            for t in _tensors(out):
-                self.split.add(storage_key(t))
-                self.kept.append(t)
-        return out
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.kept.clear()
 
 
 _PROBE_BATCH = 2  # samples in the counting pass; per-sample figures divide by it
@@ -203,7 +142,7 @@ def _call(block: nn.Module, h: Inputs) -> Any:
 def _output_bytes(output: Any) -> int:
     """Bytes of the tensors in a block's output: a tensor, or a user model's ``ModelOutput``
     (a dict) or tuple."""
-    return sum(t.numel() * t.element_size() for t in _tensors(output))
+    return sum(t.numel() * t.element_size() for t in tensors_in(output))
 
 
 def _params_and_bytes(block: nn.Module) -> tuple[int, int]:

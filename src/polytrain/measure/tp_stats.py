@@ -9,18 +9,20 @@ divides a dimension (the vocabulary rows) carries that dimension as its divisor.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from polytrain._torch_private import TorchDispatchMode, storage_key
 from polytrain.core.tensor_parallel import module_infos, resolve_tp_plan
 from polytrain.core.tp_plans import ModuleInfo
 from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel
 from polytrain.planner.types import TPModule, splits_inputs
 
-__all__ = ["TPModules", "plan_styles", "tp_shards"]
+__all__ = ["SplitActivations", "TPModules", "plan_styles", "tensors_in", "tp_shards"]
 
 
 def plan_styles(model: BlockModel, model_name: str, plan_rows: list[str]) -> dict[str, str] | None:
@@ -137,3 +139,69 @@ class TPModules:
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (an operator's arguments or results: tensors, lists, tuples,
+    dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+
+
+class SplitActivations(TorchDispatchMode):
+    """[Note: tensor-parallel activations] Which of a block's tensors a tensor-parallel plan
+    splits. Megatron's plan (Korthikanti et al. 2022, sec. 4.1, eq. 2: ``sbh (10 + 24/t +
+    5as/(ht))`` per layer) splits what lies between a column-parallel output and a
+    row-parallel input (q, k, v, the attention's output, the MLP's hidden activations) and
+    leaves whole what every rank computes in full: the layer norms' inputs and outputs (the
+    column-parallel layers' inputs), the residual stream, the loss. The runtime's plan (``styles``:
+    module path -> style, `core.tensor_parallel.resolve_tp_plan`) names the modules: the
+    output of a ``colwise``/``qkv`` module is split, the output of any other planned module
+    (``rowwise`` after its all-reduce, ``colwise_gather`` after its gather, ``vocab``) is
+    whole, and every operator's result is split iff one of its tensor arguments is. Tensors are
+    told apart by storage (`storage_key`: views share it); the tagged ones are kept referenced
+    so no storage is freed and its identity reused while the block runs. A
+    ``rowwise_split`` module slices a whole input inside itself: its saved input counts whole
+    (a little high)."""
+
+    def __init__(self, block: nn.Module, prefix: str, styles: dict[str, str]) -> None:
+        super().__init__()
+        self.split: set[int] = set()
+        self.kept: list[torch.Tensor] = []
+        self.handles = []
+        for sub, module in block.named_modules():
+            style = styles.get(prefix + (f".{sub}" if sub else ""))
+            if style is not None:
+                hook = self._mark if style in ("colwise", "qkv") else self._unmark
+                self.handles.append(module.register_forward_hook(hook))
+
+    def _mark(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        for t in tensors_in(output):
+            self.split.add(storage_key(t))
+            self.kept.append(t)
+
+    def _unmark(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        for t in tensors_in(output):
+            self.split.discard(storage_key(t))
+
+    def is_split(self, tensor: torch.Tensor) -> bool:
+        return storage_key(tensor) in self.split
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if any(self.is_split(t) for t in tensors_in((args, kwargs or {}))):
+            for t in tensors_in(out):
+                self.split.add(storage_key(t))
+                self.kept.append(t)
+        return out
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.kept.clear()

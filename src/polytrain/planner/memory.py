@@ -218,7 +218,7 @@ def _activation_sizes(
     tp = layout.tp
     # Activations: tensor parallel splits the saved tensors between a column-parallel output and
     # a row-parallel input; the rest every rank holds whole ([Note: tensor-parallel activations]
-    # in measure/stats.py). Those scale with the samples; on top, what a pass saves whatever its
+    # in measure/tp_stats.py). Those scale with the samples; on top, what a pass saves whatever its
     # batch (autocast's weight copies, this rank's shard of them; [Note: counted under autocast])
     saved = sum(b.saved_per_tp_rank(tp) for b in blocks) * mb_samples
     fixed = [b.saved_fixed_bytes * b.bytes_per_tp_rank(tp) / max(b.param_bytes, 1) for b in blocks]
