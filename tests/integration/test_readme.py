@@ -102,6 +102,8 @@ def test_readme_example_validates(argv: list[str], user_dir: Path) -> None:
     assert proc.returncode == 0, f"polytrain {_id(argv)}\n{proc.stderr}"
     if argv[0] == "train":
         assert "[parallel]" in proc.stdout  # the resolved job, printed as TOML
+    elif argv[0] == "plan" and "--layout" in argv:
+        assert "ms/step" in proc.stdout and "memory: total" in proc.stdout  # its parts
     elif argv[0] == "plan":
         assert "plan:" in proc.stdout  # the chosen layout, then the table
     else:
