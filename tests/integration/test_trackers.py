@@ -4,6 +4,7 @@ with each package's own reader; a tracker whose package is missing is refused be
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -43,7 +44,8 @@ def tracker_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         "WANDB_PROJECT",
     ):
         monkeypatch.delenv(name, raising=False)
-    # MLflow 3 opens a file store only with this set; the tracker sets it for its own default.
+    # MLflow 3 opens a file store only with this set (the tests read the stores back with it);
+    # the tracker sets it only while its client builds its own default store.
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
@@ -228,6 +230,22 @@ def test_a_restarted_rank_continues_its_trackers_runs(tmp_path: Path, tracker_en
     run_id = (run_dir / "wandb_run_id").read_text().strip()
     opened = [path.name for path in (run_dir / "wandb").glob("offline-run-*")]
     assert opened and all(f"-{run_id}" in name for name in opened), opened
+
+
+def test_mlflows_file_store_opt_in_is_not_left_in_the_process(
+    tmp_path: Path, tracker_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default store needs ``MLFLOW_ALLOW_FILE_STORE`` only while the client builds it: a
+    user's process that calls ``polytrain.train`` keeps its environment as it was."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    tracker = MLflowTracker(tmp_path, {"train": {"steps": 2}})
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    tracker.log({"loss": 1.5}, 1)  # the store the client built is still the one it uses
+    tracker.close()
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client, run = _mlflow_run(tmp_path / "mlruns")
+    assert _mlflow(client, run, ["loss"]) == {"loss": [(1, 1.5)]}
 
 
 @pytest.mark.parametrize(

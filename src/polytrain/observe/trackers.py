@@ -28,7 +28,8 @@ import importlib
 import os
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, get_args
@@ -109,6 +110,19 @@ def flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def _env_default(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name]`` defaults to ``value`` inside the block only."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
 def _read_id(path: Path) -> str:
     return path.read_text().strip() if path.is_file() else ""
 
@@ -142,7 +156,8 @@ class MLflowTracker:
     The store is ``MLFLOW_TRACKING_URI`` when set (a server, a database), else a file store in
     ``<run dir>/mlruns`` (``mlflow ui --backend-store-uri <run dir>/mlruns``). MLflow 3 keeps the
     file store in maintenance mode and refuses it unless ``MLFLOW_ALLOW_FILE_STORE`` is set,
-    so it is set for that default; its database store needs SQLAlchemy, which the light
+    so it is set while the client builds that default store (MLflow caches a store per URI),
+    never left set in the process; its database store needs SQLAlchemy, which the light
     ``mlflow-skinny`` distribution leaves out. The experiment is ``MLFLOW_EXPERIMENT_NAME``
     (created if missing), else ``MLFLOW_EXPERIMENT_ID``, else MLflow's default one.
     """
@@ -151,10 +166,14 @@ class MLflowTracker:
         mlflow = import_tracker("mlflow")
         self._entities = mlflow.entities
         uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:
+        if uri:
+            self._client = mlflow.MlflowClient(tracking_uri=uri)
+        else:
             uri = (run_dir / "mlruns").resolve().as_uri()
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self._client = mlflow.MlflowClient(tracking_uri=uri)
+            # the client builds its store once (MLflow caches it per URI): the opt-in is needed
+            # only while it does, and is not left set in the caller's process
+            with _env_default("MLFLOW_ALLOW_FILE_STORE", "true"):
+                self._client = mlflow.MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
         if name:
             found = self._client.get_experiment_by_name(name)
