@@ -83,6 +83,18 @@ def _rank(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     names = ("1f1b", *args["schedules"])
     strategies = {name: ours(name) for name in names}
     steppers: dict[str, Any] = {"ours_1f1b": strategies["1f1b"].train_step}
+    # torch's 1F1B on the same stages too: the best schedule of each runtime is compared
+    one_f_one_b = torch_stepper(
+        pipelining.Schedule1F1B,
+        build_model(base.model, spec, base.train.seed),
+        strategies["1f1b"].ranges,
+        strategies["1f1b"].stage_indices,
+        batches,
+        m,
+        base.optim,
+        ctx.device,
+    )
+    steppers["torch_1f1b"] = one_f_one_b.step
     refused: dict[str, str] = {}
     same_order: dict[str, bool] = {}
     torch_times: dict[str, dict[str, dict[str, list[float]]]] = {}
@@ -401,6 +413,8 @@ def main() -> None:
                     "torch_last_loss": r0["last_loss"][theirs],
                 }
         rows[name] = row
+    ours_best = min((k for k in step_s if k.startswith("ours_")), key=step_s.__getitem__)
+    torch_best = min((k for k in step_s if k.startswith("torch_")), key=step_s.__getitem__)
     out = {
         "ranks": p,
         "virtual_stages_interleaved": v,
@@ -415,6 +429,14 @@ def main() -> None:
         "load_average_after": os.getloadavg(),
         "torch": torch_version(),
         "schedules": rows,
+        "torch_1f1b_median_step_s": step_s["torch_1f1b"],
+        "torch_1f1b_last_loss": r0["last_loss"]["torch_1f1b"],
+        # each runtime's fastest schedule on this model and world, by median step
+        "best_against_best": {
+            "ours": ours_best.removeprefix("ours_"),
+            "torch": torch_best.removeprefix("torch_"),
+            "throughput_ratio_ours_vs_torch": step_s[torch_best] / step_s[ours_best],
+        },
     }
     text = json.dumps(out, indent=2)
     print(text)
