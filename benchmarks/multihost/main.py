@@ -14,7 +14,6 @@ import argparse
 import functools
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -203,17 +202,14 @@ def run_on_cluster(num_hosts: int, per_host: int, rate_mbit: float, spec: dict[s
         out = Path(tmp) / "result.json"
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps({**spec, "out": str(out), "per_host": per_host}))
-        world = num_hosts * per_host
-        procs = []
-        for host in cluster.hosts:
-            for local in range(per_host):
-                env = cluster.rank_env(host.index * per_host + local, world, PORT, str(SRC))
-                cmd = [sys.executable, str(Path(__file__).resolve()), "worker", str(spec_path)]
-                procs.append(host.popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-        for proc in procs:
-            _, err = proc.communicate(timeout=600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"rank failed: {err[-2000:]}")
+        cluster.run_ranks(
+            [rank // per_host for rank in range(num_hosts * per_host)],
+            [sys.executable, str(Path(__file__).resolve()), "worker", str(spec_path)],
+            port=PORT,
+            pythonpath=str(SRC),
+            timeout_s=600,
+            what=f"a {spec['experiment']} rank",
+        )
         return json.loads(out.read_text())
 
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -112,17 +111,14 @@ def run(kind: str, args: argparse.Namespace, mode: str = "sync") -> dict[str, An
         }
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
-        procs = []
-        for rank in range(world):
-            host = c.hosts[min(rank // per_host, hosts)]  # the root server: the last host
-            path = os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parents[1])])
-            env = c.rank_env(rank, world, PORT, path) | {"LOCAL_RANK": str(rank % per_host)}
-            cmd = [sys.executable, str(Path(__file__).resolve()), "_node", str(spec_path)]
-            procs.append(host.popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-        for proc in procs:
-            _, err = proc.communicate(timeout=3600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"a {kind} rank failed on the emulated cluster: {err[-3000:]}")
+        c.run_ranks(
+            [min(rank // per_host, hosts) for rank in range(world)],  # the root: the last host
+            [sys.executable, str(Path(__file__).resolve()), "_node", str(spec_path)],
+            port=PORT,
+            pythonpath=os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parents[1])]),
+            timeout_s=3600,
+            what=f"a {kind} rank",
+        )
         history = json.loads(Path(spec["out"]).read_text())
         root = _root_bytes(spec["out_dir"])
     times = [r["step_time_s"] for r in history][1:]

@@ -273,8 +273,6 @@ def _node(spec_path: str) -> None:
 def _run_slow(model: str, sync: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run with every rank on its own emulated host, each host's link shaped to
     ``--slow-mbit`` (tbf on veth between network namespaces: `polytrain.testing.cluster`)."""
-    import subprocess
-
     from polytrain.testing.cluster import Cluster, LinkSpec
 
     world = _world(sync)
@@ -284,16 +282,14 @@ def _run_slow(model: str, sync: str, args: argparse.Namespace) -> dict[str, Any]
         spec = {"model": model, "sync": sync, "steps": args.steps, "out": str(out)}
         spec.update(bw_mb=max(1, args.bw_mb // 8), overlap=True)
         spec_path.write_text(json.dumps(spec))
-        procs = []
-        for host in cluster.hosts:
-            path = os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parents[1])])
-            env = cluster.rank_env(host.index, world, SLOW_PORT, path) | {"LOCAL_RANK": "0"}
-            cmd = [sys.executable, str(Path(__file__).resolve()), "_node", str(spec_path)]
-            procs.append(host.popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
-        for proc in procs:
-            _, err = proc.communicate(timeout=1800)
-            if proc.returncode != 0:
-                raise RuntimeError(f"a {sync} rank failed on the emulated cluster: {err[-3000:]}")
+        cluster.run_ranks(
+            range(world),  # one rank per host
+            [sys.executable, str(Path(__file__).resolve()), "_node", str(spec_path)],
+            port=SLOW_PORT,
+            pythonpath=os.pathsep.join([str(HERE.parents[1] / "src"), str(HERE.parents[1])]),
+            timeout_s=1800,
+            what=f"a {sync} rank",
+        )
         result = json.loads(out.read_text())
         server_out = Path(str(out) + ".server")
         window = json.loads(server_out.read_text()) if server_out.exists() else None

@@ -4,7 +4,7 @@ Runs ``--steps`` steps of ``--model`` (``default``: gpt tiny; ``gpt11m``) with 2
 1 dedicated server (sync, ``ps.overlap`` on), recording `time.perf_counter` (one monotonic clock
 for every process of the host) at each phase of both workers' steps (wrapping `PSStrategy`
 and `WorkerClient` methods) and reading the server's `TransferWindow`s ([Note: transfer windows]
-in polytrain.ps.server) plus the arrival of every CLOCK and PULL. Prints, per step after the
+in polytrain.ps.stats) plus the arrival of every CLOCK and PULL. Prints, per step after the
 first, the phases of worker 0 and the server as milliseconds from worker 0's step start, then
 the mean of each phase over those steps.
 

@@ -64,3 +64,32 @@ def test_cleanup_even_when_the_body_raises() -> None:
     assert not cluster.exists()
     time.sleep(0.1)
     assert all(p.poll() is not None for h in cluster.hosts for p in h.procs)
+
+
+RANK = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} local {os.environ['LOCAL_RANK']} on {sys.argv[1]}", file=sys.stderr)
+if rank == int(sys.argv[1]):
+    sys.exit(3)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_run_ranks_waits_for_all_and_raises_on_the_first_failure() -> None:
+    """Every rank gets its place (LOCAL_RANK counts per host); a failing rank raises with its
+    stderr at once, while the others would still be running for a minute."""
+    with Cluster(2) as cluster:
+        args = [sys.executable, "-c", RANK]
+        cluster.run_ranks([0, 0, 1], [*args, "-1", "0"], port=29999, pythonpath="", timeout_s=60)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"a toy rank failed .*rank 2 of 3, host 1, exit 3"):
+            cluster.run_ranks(
+                [0, 0, 1], [*args, "2", "60"], port=29999, pythonpath="", timeout_s=120,
+                what="a toy rank",
+            )  # fmt: skip
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(RuntimeError, match=r"rank 1 local 1 on 1"):  # second on host 0
+            cluster.run_ranks([0, 0, 1], [*args, "1", "0"], port=29999, pythonpath="", timeout_s=60)
+        with pytest.raises(TimeoutError, match=r"rank\(s\) \[0, 1\] still running after 1"):
+            cluster.run_ranks([0, 1], [*args, "-1", "60"], port=29999, pythonpath="", timeout_s=1)

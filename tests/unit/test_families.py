@@ -4,19 +4,23 @@ ranks it lets die are what its runtime survives (tested end to end in tests/inte
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from polytrain.cli.train import FLAG_FIELDS
-from polytrain.config.base import describe_field
+from polytrain.config.base import describe_field, to_dict
 from polytrain.config.io import job_from_dict, merge
 from polytrain.config.job import JobConfig
+from polytrain.errors import CheckpointError
 from polytrain.gossip.family import DECENTRALIZED
 from polytrain.planner.cost.hybrid import step_model
 from polytrain.planner.types import Layout
 from polytrain.trainer.build import FAMILIES, strategy_family
+from polytrain.trainer.checkpoint import _check_state_carries_over
 
 # One layout of every family (and of each ``sync`` a family runs).
 LAYOUTS = [
@@ -73,3 +77,52 @@ def test_only_asynchronous_families_let_ranks_die() -> None:
         {"parallel": {"sync": "gossip"}, "gossip": {"mode": "async"}, "launch": {"nproc": 4}}
     )
     assert DECENTRALIZED.tolerated_ranks(job) == [1, 2, 3]
+
+
+def _localsgd(outer: str) -> JobConfig:
+    return job_from_dict(
+        {"parallel": {"sync": "localsgd"}, "localsgd": {"outer": outer}, "launch": {"nproc": 2}}
+    )
+
+
+def test_state_settings_are_fields_the_family_owns() -> None:
+    for family in FAMILIES:
+        for path in family.state_settings:
+            assert path.split(".")[0] in family.sections, f"{family.name}: {path}"
+            describe_field(JobConfig, path)  # raises for a field that does not exist
+
+
+def test_a_resume_compares_the_settings_a_family_row_declares(tmp_path: Path) -> None:
+    """The checkpoint refuses a change of what the job's family row declares, and only that:
+    a toy family declaring ``train.seed`` is refused on a new seed and not on a new
+    ``localsgd.outer`` (the setting the decentralized row declares)."""
+    toy = dataclasses.replace(
+        DECENTRALIZED, name="toy", selects=lambda job: True, state_settings={"train.seed": "X"}
+    )
+    seed1 = to_dict(job_from_dict({"train": {"seed": 1}}))
+    with pytest.raises(
+        CheckpointError,
+        match=r"saved with train.seed = 1 and this job has 2: X cannot carry over; "
+        r"resume with --set train.seed=1 or start from another --checkpoint-dir",
+    ):
+        _check_state_carries_over(
+            seed1, "toy", job_from_dict({"train": {"seed": 2}}), tmp_path, (toy,)
+        )
+    _check_state_carries_over(
+        to_dict(_localsgd("nesterov")), "toy", _localsgd("none"), tmp_path, (toy,)
+    )
+
+
+def test_the_decentralized_row_guards_diloco_state(tmp_path: Path) -> None:
+    """With the real table: DiLoCo's outer step may not be dropped, added, or left behind by a
+    resume under another family (whose jobs count as the setting's default, 'none')."""
+    nesterov = to_dict(_localsgd("nesterov"))
+    for saved, family, job in [
+        (nesterov, "decentralized", _localsgd("none")),
+        (to_dict(_localsgd("none")), "decentralized", _localsgd("nesterov")),
+        (nesterov, "decentralized", job_from_dict({"launch": {"nproc": 2}})),
+    ]:
+        with pytest.raises(CheckpointError, match=r"localsgd.outer = .*--set localsgd.outer="):
+            _check_state_carries_over(saved, family, job, tmp_path)
+    _check_state_carries_over(nesterov, "decentralized", _localsgd("nesterov"), tmp_path)
+    _check_state_carries_over(nesterov, None, _localsgd("nesterov"), tmp_path)  # older manifest

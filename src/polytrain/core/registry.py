@@ -4,8 +4,8 @@ Each strategy package (``parallel/``, ``pipeline/``, ``ps/``, ``gossip/``) descr
 one `StrategyFamily`: which jobs it runs, its pre-flight checks (no processes, on the model
 built on the meta device), its builder (inside a worker), its own command-line flags (views of
 its config sections' fields), which ranks may die without ending the job, what a rank serves
-besides training (named when it fails), and the pure module
-under ``planner/cost/`` that prices it. The trainer keeps the table of families
+besides training (named when it fails), the settings its saved state depends on, and the
+pure module under ``planner/cost/`` that prices it. The trainer keeps the table of families
 (`trainer.build.FAMILIES`); the CLI, the launcher's caller and the planner's tests read it, so
 none of them names a family. Adding a family is one package plus one row in that table.
 """
@@ -54,7 +54,10 @@ class StrategyFamily:
     ``flags`` maps a ``polytrain train`` option name to a field of the family's own config
     sections (``sections``); the option's help is that field's. ``cost_model`` names the pure
     module under ``polytrain.planner.cost`` whose formulas price the family's step (the planner
-    never imports a family; tests/unit/test_families.py checks both ends agree)."""
+    never imports a family; tests/unit/test_families.py checks both ends agree).
+    ``state_settings`` maps a dotted config key to the state the family saves, beyond the model
+    and its optimizer, that depends on it (DiLoCo's anchor and outer momentum on
+    ``localsgd.outer``): a resume that changes one is refused (trainer/checkpoint.py)."""
 
     name: str
     selects: Callable[[JobConfig], bool]
@@ -65,6 +68,7 @@ class StrategyFamily:
     flags: Mapping[str, str] = field(default_factory=dict)
     tolerated_ranks: ToleratedRanks = no_rank_may_die
     rank_roles: RankRoles = no_roles
+    state_settings: Mapping[str, str] = field(default_factory=dict)
 
 
 def family_for(job: JobConfig, families: tuple[StrategyFamily, ...]) -> StrategyFamily:

@@ -62,4 +62,6 @@ DECENTRALIZED = StrategyFamily(
         "period": "localsgd.period",
     },
     tolerated_ranks=_tolerated,
+    # [Note: DiLoCo state] in gossip/localsgd.py
+    state_settings={"localsgd.outer": "DiLoCo's anchor and outer momentum"},
 )

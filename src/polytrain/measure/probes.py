@@ -103,7 +103,7 @@ def step_costs(
     parameter's values (and its gradient's) into what the strategy holds (a DTensor), ``norm``
     is the clip's norm (the SPMD strategies' `parallel.grad_norm`). ``fused`` adds torch's fused
     AdamW and SGD (``"adamw_fused"``, ``"sgd_fused"``), which a parameter server runs ([Note:
-    fused server optimizer] in ps/server.py). ``only``: those parts alone (default: all)."""
+    fused server optimizer] in ps/shard.py). ``only``: those parts alone (default: all)."""
     names = only or STEP_PARTS + (FUSED_PARTS if fused else ())
     points: dict[str, list[tuple[float, float, float]]] = {part: [] for part in names}
     wrap = make or (lambda t: t)

@@ -14,7 +14,7 @@ group, talking over a process group of its group's ranks; its leader's messages 
 link. What differs is its update: where a root server steps its optimizer, a leaf
 
 1. pushes its group's sum times ``num_leaves / num_workers`` to the root shards as one pusher
-   ([Note: gradient scale] in polytrain.ps.server: the root's sync mean over leaves is then the
+   ([Note: gradient scale] in polytrain.ps.shard: the root's sync mean over leaves is then the
    global-batch mean, with unequal groups too), through an ordinary `WorkerClient` whose worker
    id is the leader's rank;
 2. pulls the next clock from the root (which grants it per ``ps.mode``), copies it into its own

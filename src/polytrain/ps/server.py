@@ -2,7 +2,8 @@
 
 The sharded server of DistBelief (Dean et al., NIPS 2012) and Li et al. (OSDI 2014) with the
 consistency models of `polytrain.ps.consistency` (sync, async / Downpour, SSP of Ho et al.,
-NIPS 2013). Shapes: P = elements of this server's shard.
+NIPS 2013). The shard, its optimizer and the update made from the pushes are `ServerShard`'s
+(`polytrain.ps.shard`); this module receives, answers and keeps track of the workers.
 
 [Note: server threads] One receiver thread per worker blocks on that worker's next header and,
 for a PUSH, on its payload; it decodes and validates every message ([Note: validate before use] in
@@ -22,23 +23,6 @@ final shards before its LEAVE. So a server's blocking wait on its reply sends on
 the transfer itself, never for a worker that is busy waiting on another server (which would
 be a cycle: two servers each granting one of two workers that waits for the other server).
 
-[Note: gradient scale] Every pusher sends the sum of its workers' mean gradients times
-``num_pushers / num_workers`` (a worker alone: its own gradient). sync sums one clock's pushes
-and divides by their number: the global-batch mean, as in the single-process run. async and
-ssp apply each push divided by ``num_pushers``: for SGD that is lr / num_workers per worker
-gradient, so one round of pushes moves the weights as far as one synchronous step (Downpour
-with a scaled learning rate); Adam normalizes the scale away and takes one full step per push.
-
-[Note: fused server optimizer] A sync server's update sits on every step's critical path: the
-workers wait for it between their last push and their first pull. torch's default AdamW on the
-CPU loops over the shard's tensors in Python, about ten kernels each; the fused kernel makes
-one pass over every tensor. On the default job's shard (69 tensors, 0.83M elements, 2-core VM,
-one thread) the step took 3.3 ms looped, 2.3 ms with foreach, 0.64 ms fused. The fused kernel
-is the same AdamW (or SGD) with a different order of float operations, so a server's
-parameters match the single-process run's to rounding, like any change of summation order (the
-parity tests compare at 1e-5). The parameters stay views of the flat buffer, so the
-optimizer's state and checkpoints are per parameter as before.
-
 Per clock a server also records its transfer windows (`polytrain.ps.stats`, [Note: transfer
 windows]).
 """
@@ -53,28 +37,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from polytrain.comm import ps_wire
 from polytrain.comm.ps_wire import PeerLost
 from polytrain.config.job import OptimConfig
-from polytrain.core.optim import build_optimizer
-from polytrain.core.step import all_finite, clip_coefficient, norm_and_finite
-from polytrain.core.strategy import NonFiniteLossError
 from polytrain.errors import ProtocolError
-from polytrain.ps.consistency import (
-    ApplyRule,
-    ClockTable,
-    Mode,
-    SyncAggregator,
-    apply_rule,
-    may_proceed,
-)
+from polytrain.ps.consistency import ClockTable, Mode, SyncAggregator, may_proceed
 from polytrain.ps.layout import ShardLayout
 from polytrain.ps.local import LocalLink
 from polytrain.ps.protocol import Header, Op
 from polytrain.ps.receive import Inbox, Receivers
-from polytrain.ps.stats import ServerStats
+from polytrain.ps.shard import ServerShard
 
 __all__ = ["ParameterServer"]
 
@@ -82,11 +55,11 @@ _POLL_S = 0.2
 _PROBE_AFTER_S = 1.0
 
 
-class ParameterServer:
+class ParameterServer(ServerShard):
     """Server ``index`` of the job; talks to worker ranks ``workers`` (the pushers).
 
-    ``spares`` are worker ranks that are not live at the start and may JOIN later.
-    ``lr_at(clock)`` gives the learning rate of an update made from clock ``clock``.
+    ``spares`` are worker ranks that are not live at the start and may JOIN later. The shard
+    arguments are `ServerShard`'s.
     """
 
     def __init__(
@@ -112,32 +85,22 @@ class ParameterServer:
         label: str = "",
     ) -> None:
         """``label``: the name of its heartbeat and stats file (default ``server<index>``)."""
+        super().__init__(
+            index=index,
+            layout=layout,
+            initial=initial,
+            optim=optim,
+            lr_at=lr_at,
+            mode=mode,
+            staleness=staleness,
+            workers=workers,
+            num_pushers=num_pushers,
+            server_group=server_group,
+            on_nonfinite=on_nonfinite,
+        )
         self.label = label or f"server{index}"
-        self.index, self.layout, self.mode, self.staleness = index, layout, mode, staleness
-        self.lr_at, self.optim_cfg = lr_at, optim
-        self.num_worker_slots, self.num_pushers = num_worker_slots, num_pushers
-        self.coordinator, self.server_group = coordinator, server_group
-        self.worker_timeout_s, self.on_nonfinite = worker_timeout_s, on_nonfinite
-        self.spans = layout.spans(index)
-        numel = layout.numel(index)
-        # Parameters are views of one flat buffer, so a pull sends slices of it without a copy.
-        self.flat = layout.flatten(initial, index).clone()
-        self.grad_flat = torch.zeros_like(self.flat)
-        views = layout.unflatten(self.flat, index)
-        grads = layout.unflatten(self.grad_flat, index)
-        self.params: dict[str, nn.Parameter] = {}
-        for name, view in views.items():
-            param = nn.Parameter(view)
-            param.grad = grads[name]
-            self.params[name] = param
-        self.optimizer = build_optimizer(self.params.values(), optim, fused=True)
-        self.rule = apply_rule(mode, staleness)
-        self.table = ClockTable(workers)
-        self.aggregator = SyncAggregator(workers) if self.rule is ApplyRule.SUM_THEN_APPLY else None
-        # sync: clocks whose update is made (or dropped); set after the optimizer step, so a
-        # colocated rank's checkpointer waits on it ([Note: colocated checkpoints]).
-        self.applied = 0
-        self.sum_flat = torch.zeros(numel, dtype=self.flat.dtype)
+        self.num_worker_slots, self.coordinator = num_worker_slots, coordinator
+        self.worker_timeout_s = worker_timeout_s
         self.staging: dict[int, torch.Tensor] = {}
         self.chunks_in: dict[int, set[int]] = {}
         self.state: dict[int, str] = {w: "live" for w in workers}
@@ -147,7 +110,6 @@ class ParameterServer:
         self.last_probe = dict.fromkeys(self.state, now)
         self.deferred: list[tuple[int, int]] = []  # (worker, clock) pulls not yet granted
         self.granted: dict[int, int] = {}  # worker -> clock of its latest granted pull
-        self.stats = ServerStats()
         self.shutdown_received = False
         self.started = time.perf_counter()
         self._inbox: Inbox = queue.Queue()
@@ -219,30 +181,12 @@ class ParameterServer:
 
     def write_stats(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        s = self.stats
         record = {
             "server": self.index,
             "mode": self.mode,
             "staleness": self.staleness,
             "wall_s": time.perf_counter() - self.started,
-            "updates": s.updates,
-            "pushes": s.pushes,
-            "grants": s.grants,
-            "bytes_in": s.bytes_in,
-            "bytes_out": s.bytes_out,
-            "events": s.events,
-            "max_staleness_by_worker": {
-                str(w): max(c - m for v, c, m in s.events if v == w)
-                for w in sorted({v for v, _, _ in s.events})
-            },
-            "joined": s.joined,
-            "removed": s.removed,
-            "left": s.left,
-            "skipped": s.skipped,
-            "windows": {str(c): w.record() for c, w in sorted(s.windows.items())},
-            "window_bytes_per_s": s.window_bytes_per_s(),
-            "push_window_bytes_per_s": s.window_bytes_per_s(which="push"),
-            "pull_window_bytes_per_s": s.window_bytes_per_s(which="pull"),
+            **self.stats.record(),
             **self.metrics(),
         }
         path.write_text(json.dumps(record))
@@ -346,50 +290,6 @@ class ParameterServer:
         elif chunks:
             self.grad_flat.copy_(self.staging[w]).div_(self.num_pushers)
             self._step(clock)
-
-    def _apply_sum(self) -> None:
-        assert self.aggregator is not None
-        clock = self.aggregator.clock
-        window = self.stats.window(clock)
-        window.apply_start = time.perf_counter()
-        count = self.aggregator.finish()
-        torch.div(self.sum_flat, count, out=self.grad_flat)
-        finite = None
-        if self.optim_cfg.grad_clip > 0:
-            # Clip by the norm of the whole gradient, summed over every server's shard
-            # ([Note: the server's clip norm]).
-            norm, finite = norm_and_finite(self.grad_flat)
-            square = norm.to(torch.float64).square().reshape(1)
-            if self.server_group is not None:
-                ps_wire.all_reduce_sum(square, self.server_group)
-            coef = clip_coefficient(self.optim_cfg.grad_clip, square.sqrt()[0])
-            finite = finite and bool(torch.isfinite(coef))  # another server's NaN
-            if not bool(coef == 1.0):  # x * 1.0 == x exactly: skip a pass, same bits
-                self.grad_flat.mul_(coef.to(self.grad_flat.dtype))
-        self._step(clock, finite)
-        window.apply_end = time.perf_counter()
-        self.sum_flat.zero_()  # for the next step's pushes, after the update is made
-        self.applied = clock + 1
-
-    def _step(self, clock: int, finite: bool | None = None) -> None:
-        """The optimizer step on this shard's gradient; ``finite``: known already (the clip
-        norm's pass), else checked here."""
-        if not (all_finite(self.grad_flat) if finite is None else finite):
-            self._nonfinite(clock)
-            return
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(clock)
-        self.optimizer.step()
-        self.stats.updates += 1
-
-    def _nonfinite(self, clock: int) -> None:
-        """[Note: parameter-server NaN] in `polytrain.ps.strategy`: stop, or drop and count."""
-        if self.on_nonfinite == "stop":
-            raise NonFiniteLossError(
-                f"server {self.index}: the update of step {clock + 1} is NaN/Inf: lower "
-                "optim.lr, enable optim.grad_clip, or set train.on_nonfinite = 'skip'"
-            )
-        self.stats.skipped.append(clock)
 
     def _join(self, w: int) -> None:
         if self.state.get(w) != "pending":

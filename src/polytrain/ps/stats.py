@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["ServerStats", "TransferWindow"]
 
@@ -84,3 +84,26 @@ class ServerStats:
         seconds = sum(w.seconds(which) for w in chosen)
         moved = sum(w.moved(which) for w in chosen)
         return moved / seconds if seconds > 0 else math.nan
+
+    def record(self) -> dict[str, Any]:
+        """JSON-ready counts, events and windows (the body of the server's stats file)."""
+        return {
+            "updates": self.updates,
+            "pushes": self.pushes,
+            "grants": self.grants,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "events": self.events,
+            "max_staleness_by_worker": {
+                str(w): max(c - m for v, c, m in self.events if v == w)
+                for w in sorted({v for v, _, _ in self.events})
+            },
+            "joined": self.joined,
+            "removed": self.removed,
+            "left": self.left,
+            "skipped": self.skipped,
+            "windows": {str(c): w.record() for c, w in sorted(self.windows.items())},
+            "window_bytes_per_s": self.window_bytes_per_s(),
+            "push_window_bytes_per_s": self.window_bytes_per_s(which="push"),
+            "pull_window_bytes_per_s": self.window_bytes_per_s(which="pull"),
+        }

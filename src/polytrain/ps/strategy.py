@@ -9,7 +9,8 @@ servers] in polytrain.ps.leaf). With ``ps.colocate`` there
 are no server ranks: every rank is a worker and ranks ``0 .. ps.servers - 1`` also run a server
 on a thread ([Note: colocated servers] in polytrain.ps.local). In sync mode a worker pushes from
 backward hooks and pulls into forward pre-hooks ([Note: prioritised overlap] in
-polytrain.ps.overlap). See docs/parameter_server.md.
+polytrain.ps.overlap). A worker's pull, compute and push are `polytrain.ps.worker_step`'s; this
+module sets up the ranks and runs the loop's `Strategy` calls. See docs/parameter_server.md.
 
 [Note: server ranks in the loop] The loop calls ``train_step(step)`` on every rank. On a server
 it serves pushes and pulls until every live worker has completed ``step + 1`` clocks (workers
@@ -57,12 +58,9 @@ NaN is NaN on every server): [Note: pull with the clock] in polytrain.ps.overlap
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -73,8 +71,7 @@ from polytrain.comm.init import new_group
 from polytrain.config.job import JobConfig
 from polytrain.core.batchnorm import convert_batchnorm
 from polytrain.core.compile import apply_compile
-from polytrain.core.microbatch import forward_backward
-from polytrain.core.modules import module_of, train_mode
+from polytrain.core.modules import module_of
 from polytrain.core.optim import lr_at
 from polytrain.core.recompute import apply_recompute
 from polytrain.core.step import StepRules, autocast, finish_step, mean_over
@@ -98,6 +95,7 @@ from polytrain.ps.overlap import GradPusher, ParamFetcher
 from polytrain.ps.server import ParameterServer
 from polytrain.ps.sharding import host_groups, leader_of
 from polytrain.ps.worker import PendingPull, PostedPull, WorkerClient
+from polytrain.ps.worker_step import WorkerSteps
 
 __all__ = ["PSStrategy", "server_ranks"]
 
@@ -125,7 +123,7 @@ def _measured_link(rank: int, servers: list[int]) -> list[tuple[float, float]]:
     return [(float(b), float(t)) for b, t in table.tolist() if b > 0]
 
 
-class PSStrategy(Strategy):
+class PSStrategy(WorkerSteps, Strategy):
     """One rank of a parameter-server job: a worker or a server (see the module notes)."""
 
     def __init__(
@@ -187,7 +185,7 @@ class PSStrategy(Strategy):
         # groups] in ps.leaf), so the root holds every other worker as a spare.
         rehoming = [w for w in workers if w not in pushers] if leaves and not self.sync else []
         self.num_pushers = len(pushers)
-        # [Note: gradient scale] in polytrain.ps.server
+        # [Note: gradient scale] in polytrain.ps.shard
         self.push_scale = self.num_pushers / self.num_workers
 
         self.server: ParameterServer | None = None
@@ -291,10 +289,6 @@ class PSStrategy(Strategy):
 
     def set_lr(self, lr: float) -> None:
         """Servers compute each update's learning rate from its clock; nothing to do here."""
-
-    def _params(self) -> dict[str, nn.Parameter]:
-        """The worker replica's parameters under the model's (layout's) names."""
-        return dict(self.model.named_parameters())
 
     def resume_at(self, step: int) -> None:
         """Called by the checkpointer after a restore: continue at clock ``step``."""
@@ -421,156 +415,3 @@ class PSStrategy(Strategy):
         if self.colocated is not None:  # the server stops at the coordinator's SHUTDOWN
             self.colocated.join()
         return state
-
-    # --- worker internals ----------------------------------------------------------------
-
-    def _join(self) -> None:
-        assert self.client is not None
-        time.sleep(max(0.0, self.job.ps.join_delay_s - (time.monotonic() - self.started)))
-        self.clock = self.client.join()
-        self.joining = False
-
-    def _ensure_params(self, clock: int, lazy: bool = False) -> None:
-        """Hold the parameters for running ``clock`` (a pull, unless we already have them).
-
-        ``lazy``: return once every server granted the pull; the forward pre-hooks of the
-        `ParamFetcher` wait for each module's chunks ([Note: prioritised overlap])."""
-        if self.fresh == clock:
-            return
-        t0 = time.perf_counter()
-        if lazy:
-            assert self.client is not None and self.fetcher is not None
-            with self.tracer.span("pull-grant", cat="communication", step=clock):
-                posted = self._posted_pull(clock) or self.client.post_pull(clock)
-                # The ACKs come with the first chunk ([Note: pull with the clock]).
-                pending = posted.granted(wait_acks=False)
-            self.fetcher.start(pending.wait_chunk)
-            self.fresh = clock
-            self.pending_pull = pending
-            self.last_metrics = {"ps_wait_s": time.perf_counter() - t0}
-            return
-        with self.tracer.span("pull", cat="communication", step=clock):
-            flats: list[torch.Tensor] = []
-            staleness = 0
-            if self.is_pusher:
-                assert self.client is not None
-                # the pull posted with the last CLOCK, if any, else a new one; every chunk
-                posted = self._posted_pull(clock) or self.client.post_pull(clock)
-                granted = posted.granted()
-                granted.wait_rest()
-                flats, floors = granted.flats, granted.floors
-                staleness = max(clock - f for f in floors)
-            if self.host_group is not None:
-                whole = torch.cat(flats) if flats else self._empty_whole()
-                ps_wire.broadcast(whole, self.leader, self.host_group)
-                flats = list(whole.split([self.layout.numel(s) for s in range(len(self.servers))]))
-            params = self._params()
-            with torch.no_grad():
-                for s, flat in enumerate(flats):
-                    for name, view in self.layout.unflatten(flat, s).items():
-                        params[name].copy_(view)
-        self.fresh = clock
-        self.last_metrics = {
-            "ps_staleness": float(staleness),
-            "ps_wait_s": time.perf_counter() - t0,
-        }
-
-    def _posted_pull(self, clock: int) -> PostedPull | None:
-        """The pull of ``clock`` posted with the last CLOCK, if any (taken)."""
-        posted, self.next_pull = self.next_pull, None
-        assert posted is None or posted.clock == clock, (posted and posted.clock, clock)
-        return posted
-
-    def _post_clock(self, step: int, loss: torch.Tensor) -> None:
-        """End the push of ``step`` before the loss all-reduce: a NaN push if this worker's
-        own loss or gradient is non-finite, then the CLOCK ([Note: pull with the clock] in
-        polytrain.ps.overlap); `_push` posts the next pull and waits for the sends."""
-        assert self.client is not None and self.pusher is not None
-        with self.tracer.span("push-clock", cat="communication", step=step):
-            if not self.pusher.finite(loss):  # [Note: parameter-server NaN]
-                self.client.wait_chunks()
-                self.pusher.repost(functools.partial(self.client.post_chunk, step), math.nan)
-            self.client.post_clock(step)
-
-    def _empty_whole(self) -> torch.Tensor:
-        total = sum(self.layout.numel(s) for s in range(len(self.servers)))
-        return torch.empty(total, dtype=self.layout.dtype)
-
-    def _forward_backward(self, step: int) -> torch.Tensor:
-        """This worker's mean loss of step ``step``; leaves its gradient in the replica."""
-        accum = self.job.train.grad_accum
-        train_mode(self.model)
-        self.model.zero_grad(set_to_none=True)
-        total = forward_backward(
-            self.model,
-            self.model.loss,
-            lambda micro: self.batches.train(step, self.rank, self.num_workers, micro, accum),
-            step=step,
-            num_microbatches=accum,
-            device=torch.device("cpu"),
-            dtype=self.job.train.dtype,
-            tracer=self.tracer,
-            around=functools.partial(self._arm_pushes, step),
-        )
-        if self.fetcher is not None and self.pusher is not None:
-            if self.fetcher.pending:  # this step pulled (not evaluate before it)
-                self.fetcher.finish()  # parameters forward did not reach
-                self.last_metrics["ps_wait_s"] += self.fetcher.wait_s
-                assert self.pending_pull is not None
-                floors = self.pending_pull.floors
-                self.last_metrics["ps_staleness"] = float(max(step - f for f in floors))
-                self.pending_pull = None
-            self.pusher.flush()  # chunks of parameters without a gradient
-            self.last_metrics["ps_early_chunks"] = self.pusher.early / max(
-                1, len(self.pusher.order)
-            )
-        return total
-
-    @contextlib.contextmanager
-    def _arm_pushes(self, step: int, last: bool) -> Iterator[None]:
-        """Overlapped pushes: the last micro-batch's backward posts each gradient chunk once
-        it is final ([Note: prioritised overlap] in `ps.overlap`)."""
-        if self.pusher is not None and last:
-            assert self.client is not None
-            self.pusher.arm(functools.partial(self.client.post_chunk, step))
-        yield
-
-    def _push(self, step: int, poison: bool = False) -> None:
-        """Push this replica's gradient of ``step``; ``poison``: a NaN one instead (a dropped
-        step the servers must see, [Note: parameter-server NaN])."""
-        with self.tracer.span("push", cat="communication", step=step):
-            if self.pusher is not None:  # chunks and CLOCK are posted (`_post_clock`)
-                assert self.client is not None
-                self._post_next_pull(step, poison)
-                self.client.wait_chunks()
-            else:
-                grads = {
-                    n: (p.grad if p.grad is not None else torch.zeros_like(p))
-                    for n, p in self._params().items()
-                }
-                flats = [self.layout.flatten(grads, s) for s in range(len(self.servers))]
-                if poison:
-                    flats = [torch.full_like(f, math.nan) for f in flats]
-                self._send(step, flats)
-                if not self.sync and self.is_pusher:  # [Note: pull with the clock], async/ssp
-                    self._post_next_pull(step, poison)
-            if poison and self.colocated is not None:
-                self.colocated.wait_handled(step)  # see ColocatedServer.wait_handled
-
-    def _post_next_pull(self, step: int, poison: bool) -> None:
-        """Post the next step's pull with this push ([Note: pull with the clock]), unless this
-        is the last step or a stop is coming."""
-        stopping = poison and self.rules.on_nonfinite == "stop"
-        if step + 1 < self.job.train.steps and not stopping:
-            assert self.client is not None
-            self.next_pull = self.client.post_pull(step + 1)
-
-    def _send(self, step: int, flats: list[torch.Tensor]) -> None:
-        if self.host_group is not None:
-            whole = torch.cat(flats)
-            ps_wire.all_reduce_sum(whole, self.host_group)
-            flats = list(whole.split([f.numel() for f in flats]))
-        if self.is_pusher:
-            assert self.client is not None
-            scaled = [f * self.push_scale for f in flats] if self.push_scale != 1 else flats
-            self.client.push(step, scaled)

@@ -23,10 +23,12 @@ Needs root and iproute2 (``ip``, ``tc``); `unavailable_reason` says why not, for
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -199,6 +201,51 @@ class Cluster:
             "GLOO_SOCKET_IFNAME": "eth0",
             "OMP_NUM_THREADS": "1",
         }
+
+    def run_ranks(
+        self,
+        placement: Sequence[int],
+        args: Sequence[str],
+        *,
+        port: int,
+        pythonpath: str,
+        timeout_s: float,
+        what: str = "a rank",
+    ) -> None:
+        """Run rank ``r`` of ``len(placement)`` as ``args`` on host ``placement[r]`` (its
+        `rank_env`, with ``LOCAL_RANK`` its index among that host's ranks) and wait for all.
+
+        The first rank to exit non-zero raises `RuntimeError` with ``what``, the rank and the
+        tail of its stderr, without waiting on the others (which may be blocked on it; leaving
+        the cluster kills them). Each stderr goes to a file, so no rank blocks on a full pipe.
+        """
+        world, local = len(placement), dict.fromkeys(placement, 0)
+        with contextlib.ExitStack() as files:
+            running = []
+            for rank, index in enumerate(placement):
+                env = self.rank_env(rank, world, port, pythonpath)
+                env["LOCAL_RANK"] = str(local[index])
+                local[index] += 1
+                err = files.enter_context(tempfile.TemporaryFile())
+                running.append((rank, self.hosts[index].popen(args, env=env, stderr=err), err))
+            deadline = time.monotonic() + timeout_s
+            while running:
+                for rank, proc, err in list(running):
+                    code = proc.poll()
+                    if code is None:
+                        continue
+                    running.remove((rank, proc, err))
+                    if code != 0:
+                        err.seek(0)
+                        tail = err.read()[-3000:].decode(errors="replace")
+                        raise RuntimeError(
+                            f"{what} failed on the emulated cluster (rank {rank} of {world}, "
+                            f"host {placement[rank]}, exit {code}): {tail}"
+                        )
+                if running and time.monotonic() > deadline:
+                    ranks = [rank for rank, _, _ in running]
+                    raise TimeoutError(f"{what}: rank(s) {ranks} still running after {timeout_s} s")
+                time.sleep(0.05)
 
     def shape(self, index: int, link: LinkSpec, *, loss_pct: float = 0.0) -> None:
         """Set host ``index``'s link (both directions); ``loss_pct=100`` cuts it."""

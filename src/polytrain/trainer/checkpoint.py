@@ -50,12 +50,14 @@ from torch.distributed.checkpoint.state_dict import (
 import polytrain
 from polytrain.comm.agree import all_gather_ints, broadcast_int, differing_ranks, fingerprint
 from polytrain.comm.kv import collect, publish
-from polytrain.config.base import to_dict
+from polytrain.config.base import describe_field, to_dict
 from polytrain.config.job import JobConfig
 from polytrain.core.cadence import checkpoint_due
 from polytrain.core.optim import lr_at
+from polytrain.core.registry import StrategyFamily, family_for
 from polytrain.core.strategy import NonFiniteLossError, Strategy
 from polytrain.errors import CheckpointError, ConfigError
+from polytrain.trainer.build import FAMILIES, strategy_family
 from polytrain.trainer.manifest import (
     MANIFEST,
     Manifest,
@@ -350,6 +352,7 @@ class Checkpointer:
             step=step,
             layout={
                 "strategy": self.strategy.name,
+                "family": strategy_family(job).name,
                 "dp": p.dp,
                 "tp": p.tp,
                 "pp": p.pp,
@@ -432,7 +435,7 @@ class Checkpointer:
             return 0
         path = step_dir(self.root, step)
         manifest = Manifest.from_json((path / MANIFEST).read_text(), str(path / MANIFEST))
-        _check_state_carries_over(manifest.job, to_dict(self.job), path)
+        _check_state_carries_over(manifest.job, manifest.layout.get("family"), self.job, path)
         with _Files(path) as files:
 
             def fetch(key: str, live: Any) -> Any:
@@ -498,25 +501,43 @@ def _like(tensor: torch.Tensor, live: Any, key: str, path: Path) -> Any:
 _TRAJECTORY = ("model", "data", "optim", "train")  # what a resumed run's trajectory depends on
 
 
-def _outer_step(job: dict[str, Any]) -> str:
-    """The job's DiLoCo outer optimizer ("none" unless it averages with local SGD)."""
-    if job.get("parallel", {}).get("sync") != "localsgd":
-        return "none"
-    return str(job.get("localsgd", {}).get("outer", "none"))
-
-
-def _check_state_carries_over(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
+def _check_state_carries_over(
+    saved: dict[str, Any],
+    saved_family: str | None,
+    job: JobConfig,
+    path: Path,
+    families: tuple[StrategyFamily, ...] = FAMILIES,
+) -> None:
     """Refuse a resume that would drop state the checkpoint holds beyond the model and its
-    optimizer, or start that state afresh as if it had been saved: DiLoCo's anchor and outer
-    momentum ([Note: DiLoCo state] in gossip/localsgd.py). Every rank reads the same manifest,
-    so every rank refuses alike."""
-    old, new = _outer_step(saved), _outer_step(current)
-    if old != new:
-        raise CheckpointError(
-            f"{path} was saved with localsgd.outer = {old!r} and this job has {new!r}: DiLoCo's "
-            f"anchor and outer momentum cannot carry over; resume with --set localsgd.outer={old}"
-            " or start from another --checkpoint-dir"
-        )
+    optimizer, or start that state afresh as if it had been saved: each family declares the
+    settings that state depends on (``StrategyFamily.state_settings``), and those of the saving
+    and the resuming job's families are compared. A job of another family holds no such state,
+    so counts as the setting's default. Every rank reads the same manifest, so every rank
+    refuses alike. ``saved_family`` is None for a checkpoint that did not record it."""
+    current = family_for(job, families)
+    saved_family = saved_family or current.name  # unrecorded: assume the job's own
+    now = to_dict(job)
+    for family in families:
+        for key, state in family.state_settings.items():
+            default = describe_field(JobConfig, key).default
+            old = _lookup(saved, key, default) if family.name == saved_family else default
+            new = _lookup(now, key, default) if family is current else default
+            if old != new:
+                raise CheckpointError(
+                    f"{path} was saved with {key} = {old!r} and this job has {new!r}: {state} "
+                    f"cannot carry over; resume with --set {key}={old} or start from another "
+                    "--checkpoint-dir"
+                )
+
+
+def _lookup(job: dict[str, Any], key: str, default: Any) -> Any:
+    """The value at dotted ``key`` of a job's plain dict (``default`` where it is absent)."""
+    value: Any = job
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return default
+        value = value[part]
+    return value
 
 
 def _job_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -48,7 +48,7 @@ _PREFIX = "step_"
 @dataclass
 class Manifest:
     step: int  # optimizer steps completed; the next step to run (0-based) is this number
-    layout: dict[str, Any]  # strategy, dp, tp, pp, zero, world_size
+    layout: dict[str, Any]  # strategy, family, dp, tp, pp, zero, sync, world_size
     data: dict[str, Any]  # position (= step), seed, global_batch_size, source
     lr_schedule: dict[str, Any]  # schedule, step, total_steps, next lr
     optimizer: dict[str, Any]  # name and rank 0's hyperparameters

@@ -82,7 +82,7 @@ def ps_step(
         dtype_bytes,
         tensors=tensors / servers,
         optimizer=optimizer,
-        fused=True,  # [Note: fused server optimizer] in ps/server.py
+        fused=True,  # [Note: fused server optimizer] in ps/shard.py
     )
     if mode == "sync":
         step = compute_s + env.straggler_s + exchange + update
