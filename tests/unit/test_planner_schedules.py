@@ -304,6 +304,17 @@ def test_the_search_offers_the_new_schedules_only_when_asked_and_runnable() -> N
     two_per_rank = [lay for lay in ten if lay.schedule in ("interleaved-1f1b", "zbv")]
     assert two_per_rank and all(lay.pp <= 4 for lay in two_per_rank)
     assert [lay for lay in ten if lay.schedule == "zb-h1" and lay.pp == 8]
+    # a user's one-module model (its layer pipeline, pipeline.layer_stage): the same offer,
+    # cut from its layers (here 10 of them, the whole model one block)
+    layered = replace(EQUAL, blocks=EQUAL.blocks[:1], layer_blocks=equal_blocks(10).blocks)
+    offered = list(enumerate_layouts(8, layered, cluster, 64, next_schedules=True))
+    assert {(lay.schedule, lay.pp) for lay in offered if lay.schedule == "zbv"} == {
+        ("zbv", 2),
+        ("zbv", 4),
+    }
+    for lay in offered:
+        if lay.schedule == "zbv":
+            predict(lay, layered, Env(cluster.with_size(8)), 64)  # priced on the layers
 
 
 # --- the schedules priced before virtual stages keep their figures ----------------------------

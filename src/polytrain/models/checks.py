@@ -15,7 +15,6 @@ from torch import nn
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError, PolytrainError
 from polytrain.models.base import BlockModel
-from polytrain.models.split import counts_from_split_points
 
 __all__ = ["BATCHNORMS", "check_model", "has_batchnorm", "tied_parameters"]
 
@@ -90,19 +89,14 @@ def _check_layout(job: JobConfig, model: BlockModel, named_inputs: bool) -> None
 
 def _check_layer_pipeline(job: JobConfig, model: BlockModel) -> None:
     """What a pipeline over a user model's layers does not offer yet (one line each)."""
-    p, pl = job.parallel, job.pipeline
+    pl = job.pipeline
     if pl.schedule == "pipedream":  # weight stashing swaps whole blocks' weights (LayerStage)
         raise ConfigError(
             f"pipeline.schedule = 'pipedream' with a pipeline over the layers of model.name = "
             f"{job.model.name!r}: not supported for a user's model yet; use gpipe or 1f1b"
         )
-    if p.pp > len(model.layers):
-        raise ConfigError(
-            f"parallel.pp = {p.pp} stages but the model has {len(model.layers)} repeated layers "
-            f"({model.layers[0].rpartition('.')[0]!r}): use at most {len(model.layers)} stages"
-        )
-    if pl.split_points:
-        counts_from_split_points(model.blocks[0], model.layers, pl.split_points, p.pp)
+    # The stage count and split points are checked with the pipeline (pipeline.family): the
+    # stages are pp x the schedule's stages per rank.
 
 
 def _check_output(job: JobConfig, model: BlockModel, sample: tuple[Any, torch.Tensor]) -> None:

@@ -6,8 +6,9 @@ first layer (embeddings, masks, rotary tables) belongs to the first stage, what 
 last (final norm, pooler, head) to the last. "Before" and "after" are measured, not guessed:
 one forward with hooks records when each module with parameters runs relative to the layers
 (`trace_sides`). A tensor used on both sides (GPT-2's ``wte`` is also its ``lm_head``) is owned
-by both end stages: a tie, whose gradients the pipeline sums across those stages before the
-update, as Megatron does for its embeddings, so the copies stay equal.
+by both end stages: a tie, whose gradients the pipeline sums across those stages' ranks before
+the update, as Megatron does for its embeddings, so the copies stay equal (on one rank both
+stages use one Parameter: [Note: several layer stages per rank] in pipeline.layer_stage).
 
 Every rank holds the whole model (built from the seed); a stage keeps as parameters and
 buffers only the entries it owns and turns the others into plain attributes
@@ -17,7 +18,7 @@ own names.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -119,20 +120,21 @@ def trace_sides(user: nn.Module, list_path: str, run: Callable[[], Any]) -> Laye
 
 
 def keep_owned(
-    user: nn.Module, split: LayerSplit, ranges: list[tuple[int, int]], stage: int
+    user: nn.Module, split: LayerSplit, ranges: list[tuple[int, int]], stages: Collection[int]
 ) -> None:
-    """Demote every parameter / buffer entry ``stage`` does not own to a plain attribute.
+    """Demote every parameter / buffer entry none of ``stages`` owns to a plain attribute.
 
-    An entry whose tensor the stage owns under another name (a tie) keeps the same Parameter
-    object, so the module that uses it still trains it; any other becomes a frozen detached copy
-    (used only by the forward's discarded part, [Note: layer pipeline]).
+    ``stages`` are the stages one rank holds (several under interleaved 1F1B and ZBV, all over
+    the one model). An entry whose tensor they own under another name (a tie) keeps the same
+    Parameter object, so the module that uses it still trains it; any other becomes a frozen
+    detached copy (used only by the forward's discarded part, [Note: layer pipeline]).
     """
     owned: set[int] = set()
     for path, module in user.named_modules():
-        if stage in split.owners(path, ranges):
+        if split.owners(path, ranges) & set(stages):
             owned.update(id(p) for p in module.parameters(recurse=False))
     for path, module in user.named_modules():
-        if stage in split.owners(path, ranges):
+        if split.owners(path, ranges) & set(stages):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
             delattr(module, name)  # nn.Module drops the registration (and state_dict entry)
@@ -149,8 +151,8 @@ def counts_from_split_points(
     """Layers per stage from ``pipeline.split_points`` (the layers where stages 2.. begin)."""
     if len(points) != num_stages - 1:
         raise ConfigError(
-            f"pipeline.split_points = {points} has {len(points)} paths for parallel.pp = "
-            f"{num_stages} stages: give {num_stages - 1} (where stages 2.. begin)"
+            f"pipeline.split_points = {points} has {len(points)} paths for {num_stages} "
+            f"pipeline stages: give {num_stages - 1} (where stages 2.. begin)"
         )
     starts = [0]
     for point in points:

@@ -52,11 +52,6 @@ def check_schedule_options(job: JobConfig) -> None:
             "partition places one stage per rank; use 'uniform' or a list of "
             f"{num_pipeline_stages(job)} block counts (pp x stages per rank)"
         )
-    if pl.split_points:
-        raise ConfigError(
-            f"pipeline.split_points with pipeline.schedule = {name!r}: pipelines over a user "
-            "model's layers run with gpipe, 1f1b and pipedream only; use one of them"
-        )
     if pl.pipedream_update != "step":
         raise ConfigError(
             f"pipeline.pipedream_update = {pl.pipedream_update!r} with pipeline.schedule = "

@@ -15,10 +15,10 @@ from polytrain.data.sampler import Batches
 from polytrain.errors import ConfigError, PartitionError
 from polytrain.models.base import BlockModel
 from polytrain.models.blocks import disable_inplace
+from polytrain.models.split import counts_from_split_points
 from polytrain.pipeline.checks import check_pipeline_job, num_pipeline_stages
 from polytrain.pipeline.pipedream import PipeDreamStrategy
 from polytrain.pipeline.profile import check_partition
-from polytrain.pipeline.schedule import NEXT_SCHEDULE_NAMES
 from polytrain.pipeline.strategy import PipelineStrategy
 from polytrain.topology import ParallelDims
 
@@ -27,23 +27,44 @@ __all__ = ["PIPELINE", "build_pipeline", "check_pipeline", "pipeline_strategy"]
 
 def check_pipeline(job: JobConfig, model: BlockModel, dataset: Dataset) -> None:
     """Stages, partition, schedule options and the stages' tensor-parallel plan."""
-    pp, name = job.parallel.pp, job.pipeline.schedule
-    if model.layers and name in NEXT_SCHEDULE_NAMES:
-        raise ConfigError(
-            f"pipeline.schedule = {name!r} with a pipeline over the layers of model.name = "
-            f"{job.model.name!r}: users' layer pipelines run with gpipe, 1f1b and pipedream only"
-        )
+    pp = job.parallel.pp
     num_stages = num_pipeline_stages(job)
-    if num_stages > model.num_blocks and not model.layers:
-        stages = f"{pp} x {num_stages // pp} = {num_stages}" if num_stages > pp else f"{pp}"
+    stages = f"{pp} x {num_stages // pp} = {num_stages}" if num_stages > pp else f"{pp}"
+    if model.layers:
+        _check_layer_pipeline(job, model, num_stages, stages)
+    elif num_stages > model.num_blocks:
         raise PartitionError(
             f"parallel.pp = {stages} stages but the model has only {model.num_blocks} blocks: "
             f"use at most {model.num_blocks} stages or a deeper model"
         )
     check_pipeline_job(job)
-    if not model.layers:  # a user model's layers are partitioned in models.checks
+    if not model.layers:  # a user model's layers are partitioned by the runtime
         check_partition(job, model, dataset)
     check_tp_plan(job, model)
+
+
+def _check_layer_pipeline(job: JobConfig, model: BlockModel, num_stages: int, stages: str) -> None:
+    """A pipeline over a user model's repeated layers ([Note: layer pipeline] in
+    models.split): ``num_stages`` slices (``stages`` spells pp x stages per rank)."""
+    p, pl = job.parallel, job.pipeline
+    if num_stages > len(model.layers):
+        raise ConfigError(
+            f"parallel.pp = {stages} stages but the model has {len(model.layers)} repeated layers "
+            f"({model.layers[0].rpartition('.')[0]!r}): use at most {len(model.layers)} stages"
+            + (
+                f" (fewer ranks, or stages per rank: {pl.schedule} holds {num_stages // p.pp})"
+                if num_stages > p.pp
+                else ""
+            )
+        )
+    if pl.split_points:
+        counts_from_split_points(model.blocks[0], model.layers, pl.split_points, num_stages)
+    if p.zero and num_stages > p.pp:  # pipeline.sharded shards a rank's one model once
+        raise ConfigError(
+            f"parallel.zero = {p.zero} with pipeline.schedule = {pl.schedule!r} over the layers "
+            f"of model.name = {job.model.name!r}: ZeRO shards one layer stage per rank, this "
+            f"schedule holds {num_stages // p.pp}; use 1f1b or gpipe with ZeRO, or --zero 0"
+        )
 
 
 def build_pipeline(

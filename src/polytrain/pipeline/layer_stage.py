@@ -12,11 +12,19 @@ forward: the runtime hands them over with ``set_context`` (the data is determini
 rank, contract 1). Parts before the slice still run (embeddings on later stages) but their
 output is replaced, so they receive no gradient; stages do not train what they do not own
 (`models.split.keep_owned`).
+
+[Note: several layer stages per rank] Interleaved 1F1B and ZBV give a rank several slices of
+the layers (``build_layer_stages``). They are several `LayerStage` modules over the rank's one
+copy of the model, which keeps every entry any of its stages owns: each module's
+``parameters()`` and ``state_dict`` are the rank's whole share, each forward runs its own slice.
+A tie whose stages all sit on one rank (GPT-2's ``wte`` under ZBV, the V putting the first and
+the last stage on rank 0) is one Parameter used by both stages' graphs, so autograd sums its
+gradient; only ties across ranks are summed by the pipeline (`cross_rank_ties`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +33,7 @@ from torch import nn
 from polytrain.models.base import BlockModel
 from polytrain.models.split import LayerSplit, keep_owned
 
-__all__ = ["LayerStage"]
+__all__ = ["LayerStage", "build_layer_stages", "cross_rank_ties"]
 
 
 class _StageExit(Exception):
@@ -49,7 +57,9 @@ class LayerStage(nn.Module):
         split: LayerSplit,
         ranges: list[tuple[int, int]],
         stage_index: int,
+        owned: Collection[int] | None = None,
     ) -> None:
+        """``owned``: the stages whose entries the rank keeps (default: this one)."""
         super().__init__()
         self.blocks = model.blocks  # keys stay "blocks.0.<user's names>"
         self.split = split
@@ -57,7 +67,7 @@ class LayerStage(nn.Module):
         self.first = stage_index == 0
         self.last = stage_index == len(ranges) - 1
         self._context: Any = None
-        keep_owned(self.blocks[0], split, ranges, stage_index)
+        keep_owned(self.blocks[0], split, ranges, {stage_index} if owned is None else owned)
 
     def set_context(self, inputs: Any) -> None:
         """The current micro-batch's model inputs (one tensor or named tensors)."""
@@ -98,3 +108,24 @@ class LayerStage(nn.Module):
             setattr(parent, attr, layers)
             for h in handles:
                 h.remove()
+
+
+def build_layer_stages(
+    model: BlockModel, split: LayerSplit, ranges: list[tuple[int, int]], stages: Sequence[int]
+) -> dict[int, LayerStage]:
+    """One rank's stages over its one model ([Note: several layer stages per rank])."""
+    return {s: LayerStage(model, split, ranges, s, owned=stages) for s in stages}
+
+
+def cross_rank_ties(
+    holders: list[tuple[nn.Parameter, set[int]]], rank_of: Callable[[int], int]
+) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
+    """The tied parameters (`models.split.tied_stages`) held on more than one pipeline rank,
+    with those ranks in order; a tie within one rank is summed by autograd ([Note: several
+    layer stages per rank])."""
+    out = []
+    for param, stages in holders:
+        ranks = tuple(sorted({rank_of(s) for s in stages}))
+        if len(ranks) > 1:
+            out.append((param, ranks))
+    return out

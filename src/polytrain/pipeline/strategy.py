@@ -98,7 +98,7 @@ from polytrain.models.split import (
 from polytrain.observe.trace import Tracer
 from polytrain.pipeline.checks import check_pipeline_job
 from polytrain.pipeline.layer_profile import profile_job_layers
-from polytrain.pipeline.layer_stage import LayerStage
+from polytrain.pipeline.layer_stage import LayerStage, build_layer_stages, cross_rank_ties
 from polytrain.pipeline.partition import block_ranges
 from polytrain.pipeline.profile import choose_counts, choose_partition, leaves_no_trace
 from polytrain.pipeline.runtime import (
@@ -168,10 +168,8 @@ class PipelineStrategy(Strategy):
         self.stages: dict[int, StageModule | LayerStage]  # stage index -> module, for the runtime
         self.layer_split: LayerSplit | None = None
         self._tie_group: Any = None
-        self._tied: list[
-            nn.Parameter
-        ] = []  # tied tensors this stage holds ([Note: layer pipeline])
-        self._tie_counted = True  # whether this stage counts the tied tensors in the global norm
+        self._tied: list[nn.Parameter] = []  # tied across ranks ([Note: layer pipeline])
+        self._tie_counted = True  # whether this rank counts the tied tensors in the global norm
         self._tied_names: list[str] = []
         if model.layers:
             self._build_layer_stage(job, model)
@@ -180,7 +178,8 @@ class PipelineStrategy(Strategy):
         if job.train.compile:  # after tensor parallel and the partition trials, which run eager
             apply_compile(model)
         if self.dp > 1 and job.model.batchnorm == "global":  # [Note: BatchNorm parity]
-            for stage in self.stages.values():
+            # Layer stages share one model (pipeline.layer_stage): convert it once.
+            for stage in self.stages.values() if self.layer_split is None else [self.stage]:
                 convert_batchnorm(stage, mesh.group("dp"), owned_only=True)
             if len(self.stages) > 1:  # a converted block is a new module: gather them again
                 self.stage = _rank_module(self.stages, job.parallel.recompute_policy)
@@ -263,31 +262,30 @@ class PipelineStrategy(Strategy):
         full = model.state_dict()
         keys = stage_keys(user, split, self.ranges, "blocks.0.")
         self._stage_keys = [[(k, full[k].shape, full[k].dtype) for k in ks] for ks in keys]
-        holders = tied_stages(user, split, self.ranges)
+        ties = cross_rank_ties(tied_stages(user, split, self.ranges), self.stage_map.rank_of)
         # The plan is resolved on the whole model, before the stage demotes what it does not own.
         rows = job.parallel.tp_plan
         tp_assignment = resolve_tp_plan(job.model.name, model, self.tp, rows) if self.tp > 1 else {}
-        self.stage = LayerStage(model, split, self.ranges, self.stage_index).to(self.device)
-        self.stages = {self.stage_index: self.stage}  # one stage per rank (pipeline.family)
-        mine = {id(p) for p, stages in holders if self.stage_index in stages}
+        self.stages = dict(build_layer_stages(model, split, self.ranges, self.stage_indices))
+        self.stage = self.stages[self.stage_index].to(self.device)
+        mine = {id(p) for p, ranks in ties if self.pp_rank in ranks}
         tied_names = [n for n, p in self.stage.named_parameters() if id(p) in mine]
         if tp_assignment:  # tensor parallel inside the stage (docs/models.md)
             parallelize_layer_stage(self.stage, self.mesh.sub("tp"), tp_assignment)
-        self._setup_ties(holders, tied_names)
+        self._setup_ties(ties, tied_names)
 
     def _setup_ties(
-        self, holders: list[tuple[nn.Parameter, set[int]]], tied_names: list[str]
+        self, ties: list[tuple[nn.Parameter, tuple[int, ...]]], tied_names: list[str]
     ) -> None:
-        """A process group per set of stages sharing tensors (every rank creates every one);
-        this stage's tied parameters by name (tensor parallel replaced them by DTensors)."""
-        stage_sets = sorted({tuple(sorted(stages)) for _, stages in holders})
+        """A process group per set of pipeline ranks sharing tensors (every rank creates every
+        one); this rank's tied parameters by name (tensor parallel replaced them by DTensors)."""
         pp_groups = self.mesh.dims.all_groups("pp")
-        for stages in stage_sets:
-            group = new_group_or_none([[g[s] for s in stages] for g in pp_groups], self.mesh.rank)
-            if self.stage_index in stages:
-                assert self._tie_group is None, "one set of stages per model is supported"
+        for ranks in sorted({ranks for _, ranks in ties}):
+            group = new_group_or_none([[g[r] for r in ranks] for g in pp_groups], self.mesh.rank)
+            if self.pp_rank in ranks:
+                assert self._tie_group is None, "one set of ranks per model is supported"
                 self._tie_group = group
-                self._tie_counted = self.stage_index == stages[0]
+                self._tie_counted = self.pp_rank == ranks[0]
         params = dict(self.stage.named_parameters())
         self._tied_names = tied_names
         self._tied = [params[name] for name in tied_names]
@@ -483,10 +481,11 @@ class PipelineStrategy(Strategy):
         pending = PendingSends()
         last = self.num_stages - 1
         for i in range(num_batches):
-            if isinstance(self.stage, LayerStage):
-                self.stage.set_context(
-                    inputs_to(self.batches.val(i, self.dp_rank, self.dp)[0], self.device)
-                )
+            if self.layer_split is not None:
+                context = inputs_to(self.batches.val(i, self.dp_rank, self.dp)[0], self.device)
+                for stage in self.stages.values():
+                    assert isinstance(stage, LayerStage)
+                    stage.set_context(context)
             out: Any = None
             for s in self.stage_indices:  # in model order: a local neighbour's output is `out`
                 if s == 0:
@@ -570,14 +569,15 @@ class PipelineStrategy(Strategy):
 def _rank_module(
     stages: dict[int, StageModule | LayerStage], recompute: RecomputePolicy
 ) -> StageModule | LayerStage:
-    """The one module of everything a rank holds, keyed like the model: its stage, or with
-    several stages a `StageModule` over all their blocks (shared, not copied) for parameters,
+    """The one module of everything a rank holds, keyed like the model: its stage (any of its
+    layer stages), or a `StageModule` over all its stages' blocks (shared) for parameters,
     ``state_dict``, the optimizer and train/eval mode. Its forward is never called: the blocks
     of a rank's stages are not contiguous; the runtime runs each stage's own module."""
-    if len(stages) == 1:
-        return next(iter(stages.values()))
+    first = next(iter(stages.values()))
+    if len(stages) == 1 or isinstance(first, LayerStage):  # a layer stage holds the rank's share
+        return first
     blocks: dict[int, nn.Module] = {}
     for stage in stages.values():
-        assert isinstance(stage, StageModule)  # layer pipelines hold one stage (pipeline.family)
+        assert isinstance(stage, StageModule)
         blocks.update({int(i): block for i, block in stage.blocks.items()})
     return StageModule(blocks, recompute=recompute)

@@ -131,8 +131,8 @@ def enumerate_layouts(
 ) -> Iterator[Layout]:
     """Every layout on ``n`` devices the runtime can run (its pre-flight rules) for the batch;
     with ``next_schedules``, also interleaved 1F1B (v = 2; v = 1 is 1F1B), ZB-H1 and ZBV where
-    `planner.schedules.pipeline_problem` finds nothing against them (not over a user's layers,
-    whose stages the runtime cuts one per rank)."""
+    `planner.schedules.pipeline_problem` finds nothing against them (over a user's layers too:
+    several slices per rank, [Note: several layer stages per rank] in pipeline.layer_stage)."""
     blocks = len(stats.pipeline_blocks)
     layered = bool(stats.layer_blocks)  # [Note: layer view] in measure/layer_stats.py
     for tp in _divisors(n):
@@ -174,7 +174,7 @@ def enumerate_layouts(
                             recompute=recompute,
                             recompute_every=every,
                         )
-                    if not next_schedules or layered or tp > 1:  # the runtime refuses tp there
+                    if not next_schedules or tp > 1:  # the runtime refuses tp there
                         continue
                     for schedule, v in NEXT_SCHEDULES:
                         layout = Layout(
