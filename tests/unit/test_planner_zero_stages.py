@@ -187,3 +187,13 @@ def test_plan_prices_a_given_zero_stages_layout(capsys: pytest.CaptureFixture[st
     assert_usage_error(code, err, "parallel.zero = 3 with pipeline.schedule = 'zbv'")
     code, _, err = run_main([*base, "--layout", "dp=2,tp=2,pp=2,zero=2,micro=4"], capsys)
     assert_usage_error(code, err, "ZeRO stages are not tensor-parallel")
+
+
+def test_tensor_parallel_zero_stages_reduce_after_the_flush() -> None:
+    """[Note: tensor-parallel ZeRO stages]: the runtime refuses them, and the published runs
+    that had them (DeepSpeed's ZeRO-1 in BLOOM) reduce after the flush, every stage at once:
+    the pipeline's all-reduce of the rank's tp shard over its dp peers, nothing in the actions."""
+    layout = Layout(dp=2, tp=2, pp=2, zero=2, schedule="1f1b", microbatches=4)
+    dp_s, env = _comm(layout, "1x8xH100")
+    assert dp_s == pytest.approx(env.collective_s("all_reduce", STAGE / 2, 2, 2))
+    assert predict(layout, STATS, env, BATCH).breakdown["fsdp_hooks"] == 0.0

@@ -114,7 +114,7 @@ def price_as_written(
             "nearest it has, e.g. recompute=full or every:K"
         )
     zero = zero_stages_problem(layout.zero, layout.schedule, layout.tp, layout.pp)
-    if zero is not None:  # [Note: tensor-parallel ZeRO stages] in planner/schedules.py
+    if zero is not None:  # [Note: tensor-parallel ZeRO stages] in planner/cost/zero_stages.py
         raise PlanError(f"plan: layout {layout.describe()}: {zero}")
     if layout.devices > clu.size:
         raise PlanError(

@@ -107,14 +107,10 @@ def pipeline_problem(layout: Layout, num_blocks: int) -> str | None:
     pipeline/schedule/interleaved.py), and a schedule with several stages per rank needs at
     least a block per stage (the partition balances uneven counts, as the runtime's does); and
     ZeRO stages run with gpipe, 1f1b and interleaved 1F1B only
-    (`pipeline.schedule.zero_stages_problem`, the runtime's own rule).
-
-    [Note: tensor-parallel ZeRO stages] The runtime's rule also refuses ZeRO in
-    tensor-parallel stages, which the search (`planner.search.enumerate_layouts`) and ``plan
-    --layout`` follow; the cost model still prices them (its collectives over dp peers tp
-    apart), as published runs used them (BLOOM: DeepSpeed's ZeRO-1 with tp 4 and pp 12)."""
+    (`pipeline.schedule.zero_stages_problem`, the runtime's own rule, but for its refusal of
+    tensor-parallel stages: [Note: tensor-parallel ZeRO stages] in cost/zero_stages.py)."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
-    zero = zero_stages_problem(layout.zero, layout.schedule, 1, p)  # [Note: tensor-parallel ...]
+    zero = zero_stages_problem(layout.zero, layout.schedule, 1, p)
     if zero is not None:
         return zero
     if layout.schedule not in PRICED_SCHEDULES:

@@ -26,7 +26,12 @@ from polytrain.planner.cost.parts import (
     weight_grad_share,
 )
 from polytrain.planner.cost.pipeline import PipelineTiming, pipeline_step
-from polytrain.planner.cost.zero_stages import StageCollectives, action_comm, stage_collectives
+from polytrain.planner.cost.zero_stages import (
+    StageCollectives,
+    action_comm,
+    in_actions,
+    stage_collectives,
+)
 from polytrain.planner.schedules import by_rank, layout_compute, layout_program
 from polytrain.planner.types import BlockStats, Layout, ModelStats
 
@@ -75,15 +80,17 @@ def stages_step(
     # (`cost.zero_stages`); the others gather per micro-batch (ZeRO-3) or not at all. Both
     # once-a-step collectives are priced in the same run, not in the first and the last.
     rest = run
-    if runs > 1 and layout.zero:
+    zero_stages = in_actions(layout)
+    if runs > 1 and zero_stages:
         rest = _pipeline_stages(layout, stats, env, stages, mb_samples, speed, once=False)
     ranks = by_rank(stages, layout_compute(layout)[1])  # each rank's blocks, all its stages'
     # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, rank by rank in
     # parallel: the slowest rank's is on the critical path. PipeDream's is deferred into
     # the next step (StepOutput.complete) and hides behind it. ZeRO stages run none: their
-    # collectives are inside the simulated actions (`run.zero_comm`).
+    # collectives are inside the simulated actions (`run.zero_comm`; tensor-parallel ones
+    # excepted, [Note: tensor-parallel ZeRO stages] in cost/zero_stages.py).
     dp_s = 0.0
-    if not layout.zero:
+    if not zero_stages:
         dp_s = max(
             env.collective_s(
                 "all_reduce",
@@ -196,7 +203,7 @@ def _pipeline_stages(
             env, blocks, mb_samples, layout.tp, layout.recomputes, first=-start, last=n - 1 - start
         )
         start += len(blocks)
-        if layout.zero:  # FSDP2's hooks on each block and the stage, half in each pass
+        if in_actions(layout):  # FSDP2's hooks on each block and the stage, half in each pass
             tensors = sum(k.tensors for k in blocks)
             hooks[s] = env.fsdp_overhead_s(layout.zero, len(blocks) + 1, tensors) / 2
             zero.append(stage_collectives(env, layout, blocks, f, b))
@@ -214,7 +221,7 @@ def _pipeline_stages(
         send_b.append(_message_s(env, layout, stage_map, s, s - 1, inp))
     # the runtime's own per-action figure is mostly waiting: it does not share the cores
     fixed = [action_s] * len(stages)
-    comm = action_comm(program, zero, first=once, last=once) if layout.zero else {}
+    comm = action_comm(program, zero, first=once, last=once) if zero else {}
     timing = pipeline_step(
         layout.schedule,
         layout.microbatches,

@@ -25,6 +25,15 @@ last block's reduce-scatter exposed. The seconds go into the schedule's simulati
 action they delay (`cost.pipeline.ActionComm`), so a stage's reduce-scatter delays the input
 gradient it sends in its last backward, and with it the drain of the stages before it. They
 replace the pipeline's data-parallel all-reduce after the flush, which ZeRO stages do not run.
+
+[Note: tensor-parallel ZeRO stages] The runtime refuses ZeRO in tensor-parallel stages
+(`pipeline.schedule.zero_stages_problem`), and the search and ``plan --layout`` follow it; the
+cost model still prices such a layout, because published runs used one (BLOOM: DeepSpeed's
+ZeRO-1 with tp 4 and pp 12; Megatron's distributed optimizer is the same), and prices it as
+those runtimes run it: the gradients reduced after the flush and the updated shards gathered
+after the step, every stage at once, i.e. the pipeline's data-parallel all-reduce
+(`cost.stages`), not in the actions. Their memory is the ZeRO stages' (a whole gradient
+accumulated over the micro-batches, as a ZeRO-1 pipeline holds it too).
 """
 
 from __future__ import annotations
@@ -38,7 +47,13 @@ from polytrain.planner.cost.pipeline import ActionComm
 from polytrain.planner.cost.zero import zero_step
 from polytrain.planner.types import BlockStats, Layout
 
-__all__ = ["StageCollectives", "action_comm", "stage_collectives"]
+__all__ = ["StageCollectives", "action_comm", "in_actions", "stage_collectives"]
+
+
+def in_actions(layout: Layout) -> bool:
+    """Whether ``layout``'s ZeRO collectives sit in its stages' actions, as the runtime runs
+    them (tp = 1), rather than after the flush ([Note: tensor-parallel ZeRO stages])."""
+    return layout.pp > 1 and layout.zero >= 2 and layout.tp == 1
 
 
 @dataclass(frozen=True)
