@@ -22,8 +22,10 @@ host] in cost/zero.py), and on an accelerator behind the neighbouring block's co
 (prefetch depth one; the runtime sets each block's backward prefetch to the block before it,
 [Note: backward prefetch in stages] in pipeline/sharded.py), the first block's gather and the
 last block's reduce-scatter exposed. The seconds go into the schedule's simulation on the
-action they delay (`cost.pipeline.ActionComm`), so a stage's reduce-scatter delays the input
-gradient it sends in its last backward, and with it the drain of the stages before it. They
+action they delay (`cost.pipeline.ActionComm`; on an accelerator too they start once the
+action's input has arrived: [Note: collectives in an action] in cost/pipeline.py), so a stage's
+first gather lies on the pipeline's fill and its reduce-scatter delays the input gradient it
+sends in its last backward, and with it the drain of the stages before it. They
 replace the pipeline's data-parallel all-reduce after the flush, which ZeRO stages do not run.
 
 [Note: tensor-parallel ZeRO stages] The runtime refuses ZeRO in tensor-parallel stages
