@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from polytrain.pipeline.schedule import Action, ActionKind, build_staged, lower
-from polytrain.pipeline.sharded import last_backwards
+from polytrain.pipeline.schedule import Action, ActionKind, build_staged, last_backwards, lower
 
 
 def _programs(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:

@@ -31,7 +31,11 @@ def test_layouts_respect_the_runtime_rules() -> None:
     three_heads = gpt_stats(n_layer=2, n_embd=96, n_head=3, block_size=16, vocab_size=10)
     assert {lay.tp for lay in enumerate_layouts(4, three_heads, c, 8)} == {1}
     assert not any(lay.schedule == "pipedream" and lay.tp > 1 and lay.pp > 1 for lay in layouts)
-    assert not any(lay.zero and lay.pp > 1 for lay in layouts)
+    # ZeRO inside stages: gpipe and 1f1b over dp peers, never tensor-parallel or PipeDream
+    # (tests/unit/test_planner_zero_stages.py holds the whole grid against the pre-flight)
+    staged = [lay for lay in layouts if lay.zero and lay.pp > 1]
+    assert staged and all(lay.dp > 1 and lay.tp == 1 for lay in staged)
+    assert {lay.schedule for lay in staged} == {"gpipe", "1f1b"}
     # parameter servers: 4 workers + 1 server divide the batch of 32, 3 + 2 do not
     assert not any(lay.sync == "ps" for lay in layouts)  # the runtime refuses PS on CUDA
     cpu = parse_cluster("1x8xcpu")

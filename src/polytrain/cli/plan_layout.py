@@ -20,6 +20,7 @@ from rich.table import Table
 
 from polytrain.config.job import JobConfig
 from polytrain.errors import PlanError
+from polytrain.pipeline.schedule import zero_stages_problem
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.search import PlanRequest
@@ -112,6 +113,9 @@ def price_as_written(
             "op-level selective recomputation, hierarchical parameter servers): price the "
             "nearest it has, e.g. recompute=full or every:K"
         )
+    zero = zero_stages_problem(layout.zero, layout.schedule, layout.tp, layout.pp)
+    if zero is not None:  # [Note: tensor-parallel ZeRO stages] in planner/cost/zero_stages.py
+        raise PlanError(f"plan: layout {layout.describe()}: {zero}")
     if layout.devices > clu.size:
         raise PlanError(
             f"plan: layout {layout.describe()} needs {layout.devices} devices and the cluster "

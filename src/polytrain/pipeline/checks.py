@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from polytrain.config.job import JobConfig
 from polytrain.errors import ConfigError
-from polytrain.pipeline.schedule import NEXT_SCHEDULE_NAMES, build_staged, stages_per_rank
+from polytrain.pipeline.schedule import (
+    NEXT_SCHEDULE_NAMES,
+    build_staged,
+    stages_per_rank,
+    zero_stages_problem,
+)
 
 __all__ = [
     "check_pipeline_job",
@@ -95,22 +100,8 @@ def check_pipeline_job(job: JobConfig) -> None:
 def check_zero_stages(job: JobConfig) -> None:
     """Raise a one-line `ConfigError` for what ZeRO inside stages (`pipeline.sharded`) does not
     offer: weight stashing, the zero-bubble schedules' split backward, tensor-parallel
-    stages."""
-    p, name = job.parallel, job.pipeline.schedule
-    if name == "pipedream":
-        raise ConfigError(
-            f"parallel.zero = {p.zero} with pipeline.schedule = 'pipedream': weight stashing "
-            "keeps whole copies of a stage's weights, which ZeRO shards; use --schedule 1f1b "
-            "(or gpipe) with ZeRO, or --zero 0 with pipedream"
-        )
-    if name in NEXT_SCHEDULE_NAMES and name != "interleaved-1f1b":
-        raise ConfigError(
-            f"parallel.zero = {p.zero} with pipeline.schedule = {name!r}: the zero-bubble "
-            "schedules split each backward in two, which ZeRO stages do not; use gpipe, 1f1b "
-            "or interleaved-1f1b, or --zero 0"
-        )
-    if p.tp > 1:
-        raise ConfigError(
-            f"parallel.zero = {p.zero} with parallel.tp = {p.tp} and parallel.pp = {p.pp}: "
-            "ZeRO stages are not tensor-parallel; use tp = 1, or --zero 0"
-        )
+    stages (`pipeline.schedule.zero_stages_problem`, which the planner's search reads too)."""
+    p = job.parallel
+    problem = zero_stages_problem(p.zero, job.pipeline.schedule, p.tp, p.pp)
+    if problem is not None:
+        raise ConfigError(problem)

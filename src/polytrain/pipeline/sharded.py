@@ -57,15 +57,10 @@ from polytrain.comm.mesh import Mesh
 from polytrain.config.job import ParallelConfig
 from polytrain.core.fsdp import shard_units
 from polytrain.models.base import BlockModel
-from polytrain.pipeline.schedule import Action, ActionKind
+from polytrain.pipeline.schedule import Action, last_backwards
 from polytrain.pipeline.stage import StageModule
 
-__all__ = ["StageSharding", "last_backwards"]
-
-
-def last_backwards(program: Sequence[Action]) -> dict[int, int]:
-    """Stage index -> micro-batch of its last ``B`` in one rank's ``program``."""
-    return {a.stage_index: a.microbatch_index for a in program if a.kind is ActionKind.B}
+__all__ = ["StageSharding"]
 
 
 class StageSharding:

@@ -252,8 +252,12 @@ def _stage(
     # ([Note: tensor-parallel shards] in planner/types.py)
     p_bytes = sum(b.bytes_per_tp_rank(tp) for b in blocks)
     weights = p_bytes / dp if layout.zero >= 2 else p_bytes  # FSDP2 keeps only the shard
-    # FSDP2 without gradient sync (accumulation micro-steps) keeps unsharded gradients
-    grads = p_bytes / dp if layout.zero >= 2 and layout.grad_accum == 1 else p_bytes
+    # FSDP2 without gradient sync keeps unsharded gradients: every backward of a step but its
+    # last (accumulation micro-steps; a ZeRO stage's micro-batches, [Note: ZeRO inside stages]
+    # in pipeline/sharded.py) accumulates them whole, so only a step of one backward holds
+    # no more than the shard at its peak
+    backwards = layout.grad_accum * (layout.microbatches if layout.pp > 1 else 1)
+    grads = p_bytes / dp if layout.zero >= 2 and backwards == 1 else p_bytes
     state_bytes = p_bytes * stats.optimizer_state_per_param
     optimizer = state_bytes / dp if layout.zero >= 2 else state_bytes
     if layout.sync == "ps":  # workers keep no optimizer state; servers hold it (1/K each)
@@ -280,7 +284,9 @@ def _stage(
             gathered = p_bytes * min(units / max(stats.param_bytes, 1), 1.0)
         buffers += gathered
     if layout.zero == 2:
-        buffers += p_bytes  # all blocks' gathered parameters, kept from forward to backward
+        # all blocks' gathered parameters, kept from forward to backward (a ZeRO stage: from
+        # the step's first forward to its last backward, every stage the rank holds)
+        buffers += p_bytes
     if layout.pp > 1:
         out = max(b.output_bytes for b in blocks) * mb_samples
         # a received activation and a received gradient per micro-batch in flight: the runtime

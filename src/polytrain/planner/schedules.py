@@ -24,6 +24,7 @@ from polytrain.pipeline.schedule import (
     build,
     build_next,
     lower,
+    zero_stages_problem,
 )
 from polytrain.planner.types import Layout
 
@@ -104,8 +105,14 @@ def pipeline_problem(layout: Layout, num_blocks: int) -> str | None:
     them. Beyond an unknown name and ``virtual_stages`` on a schedule that fixes its own:
     interleaved 1F1B needs ``m`` a multiple of ``p`` ([Note: interleaved micro-batch count] in
     pipeline/schedule/interleaved.py), and a schedule with several stages per rank needs at
-    least a block per stage (the partition balances uneven counts, as the runtime's does)."""
+    least a block per stage (the partition balances uneven counts, as the runtime's does); and
+    ZeRO stages run with gpipe, 1f1b and interleaved 1F1B only
+    (`pipeline.schedule.zero_stages_problem`, the runtime's own rule, but for its refusal of
+    tensor-parallel stages: [Note: tensor-parallel ZeRO stages] in cost/zero_stages.py)."""
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+    zero = zero_stages_problem(layout.zero, layout.schedule, 1, p)
+    if zero is not None:
+        return zero
     if layout.schedule not in PRICED_SCHEDULES:
         return (
             f"unknown pipeline schedule {layout.schedule!r}: expected one of "

@@ -8,12 +8,14 @@ Derivation: docs/planner.md "Search". Pure Python, no torch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Literal
 
 from polytrain.errors import PlanError
+from polytrain.pipeline.schedule import zero_stages_problem
 from polytrain.planner.catalog import device, device_names
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.cost import Env, predict
@@ -132,7 +134,10 @@ def enumerate_layouts(
     """Every layout on ``n`` devices the runtime can run (its pre-flight rules) for the batch;
     with ``next_schedules``, also interleaved 1F1B (v = 2; v = 1 is 1F1B), ZB-H1 and ZBV where
     `planner.schedules.pipeline_problem` finds nothing against them (over a user's layers too:
-    several slices per rank, [Note: several layer stages per rank] in pipeline.layer_stage)."""
+    several slices per rank, [Note: several layer stages per rank] in pipeline.layer_stage).
+    With dp > 1 a pipeline also runs ZeRO-2 and ZeRO-3 inside its stages where
+    `pipeline.schedule.zero_stages_problem`, the runtime's pre-flight rule, finds nothing
+    against it (and, over a user's layers, only with one stage per rank)."""
     blocks = len(stats.pipeline_blocks)
     layered = bool(stats.layer_blocks)  # [Note: layer view] in measure/layer_stats.py
     for tp in _divisors(n):
@@ -161,26 +166,33 @@ def enumerate_layouts(
                     continue
                 # [Note: micro-batch counts] every count from one micro-batch per stage to
                 # one sample per micro-batch that divides the replica's batch
+                # ZeRO inside the stages, over their dp peers, where the runtime runs it
+                zeros = (0, 2, 3) if dp > 1 else (0,)
                 for m in (m for m in _divisors(per_replica) if m >= pp):
-                    for schedule in SCHEDULES:
+                    for schedule, zero in itertools.product(SCHEDULES, zeros):
                         if schedule == "pipedream" and (tp > 1 or layered):
                             continue  # pre-flight rejects tp and layer pipelines with PipeDream
-                        yield Layout(
-                            dp=dp,
-                            tp=tp,
-                            pp=pp,
-                            schedule=schedule,
-                            microbatches=m,
-                            recompute=recompute,
-                            recompute_every=every,
-                        )
+                        if zero_stages_problem(zero, schedule, tp, pp) is None:
+                            yield Layout(
+                                dp=dp,
+                                tp=tp,
+                                pp=pp,
+                                zero=zero,
+                                schedule=schedule,
+                                microbatches=m,
+                                recompute=recompute,
+                                recompute_every=every,
+                            )
                     if not next_schedules or tp > 1:  # the runtime refuses tp there
                         continue
-                    for schedule, v in NEXT_SCHEDULES:
+                    for (schedule, v), zero in itertools.product(NEXT_SCHEDULES, zeros):
+                        if layered and zero:
+                            continue  # ZeRO shards one layer stage per rank (pre-flight)
                         layout = Layout(
                             dp=dp,
                             tp=tp,
                             pp=pp,
+                            zero=zero,
                             schedule=schedule,
                             virtual_stages=v,
                             microbatches=m,

@@ -66,12 +66,19 @@ from polytrain.pipeline.schedule.validate import (
     validate,
 )
 from polytrain.pipeline.schedule.zero_bubble import zb_h1, zbv, zbv_stage_map
+from polytrain.pipeline.schedule.zero_stages import (
+    ZERO_STAGE_SCHEDULES,
+    first_forwards,
+    last_backwards,
+    zero_stages_problem,
+)
 
 __all__ = [
     "DEFAULT_DURATIONS",
     "NEXT_SCHEDULE_NAMES",
     "SCHEDULE_NAMES",
     "ZERO_BUBBLE_DURATIONS",
+    "ZERO_STAGE_SCHEDULES",
     "Action",
     "ActionKind",
     "Durations",
@@ -83,11 +90,13 @@ __all__ = [
     "build",
     "build_next",
     "build_staged",
+    "first_forwards",
     "gpipe",
     "interleaved_1f1b",
     "interleaved_bubble_ratio",
     "interleaved_peak_activations",
     "interleaved_stage_map",
+    "last_backwards",
     "lower",
     "max_in_flight",
     "one_f_one_b",
@@ -111,6 +120,7 @@ __all__ = [
     "zbv_idle_steps",
     "zbv_peak_activations",
     "zbv_stage_map",
+    "zero_stages_problem",
 ]
 
 _GENERATORS: dict[str, Callable[[int, int], Schedule]] = {

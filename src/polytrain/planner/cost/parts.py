@@ -112,12 +112,13 @@ def end_of_step_s(
 
 def dtensors(layout: Layout, blocks: Sequence[BlockStats]) -> float:
     """[Note: DTensor end of step] in measure/probes.py: how many of a rank's parameter
-    tensors are DTensors. FSDP2 makes every one of them a DTensor (ZeRO-2/3, and its
-    ``replicate`` for dp x tp); tensor parallelism alone the parameters of the modules its
-    plan parallelizes (`BlockStats.tp_modules`; unknown: none counted). A PS or gossip
-    replica, DDP and a pipeline stage without tp hold plain tensors."""
+    tensors are DTensors. FSDP2 makes every one of them a DTensor (ZeRO-2/3, a pipeline's
+    ZeRO stages too, and its ``replicate`` for dp x tp); tensor parallelism alone the
+    parameters of the modules its plan parallelizes (`BlockStats.tp_modules`; unknown: none
+    counted). A PS or gossip replica, DDP and a pipeline stage without tp or ZeRO hold plain
+    tensors."""
     spmd = layout.sync == "allreduce" and layout.pp == 1
-    if spmd and (layout.zero >= 2 or (layout.dp > 1 and layout.tp > 1)):
+    if layout.zero >= 2 or (spmd and layout.dp > 1 and layout.tp > 1):
         return float(sum(b.tensors for b in blocks))
     return float(sum(m.tensors for b in blocks for m in b.tp_applied(layout.tp)))
 
@@ -125,7 +126,9 @@ def dtensors(layout: Layout, blocks: Sequence[BlockStats]) -> float:
 def dtensor_mesh(layout: Layout, blocks: Sequence[BlockStats]) -> int:
     """Ranks of the mesh a rank's DTensor gradients live on (1: none are DTensors): FSDP2's
     (ZeRO-2/3; its ``replicate`` over the tp ranks for dp x tp) spans dp x tp, tensor
-    parallelism's alone the tp group ([Note: DTensor end of step] in measure/probes.py)."""
+    parallelism's alone the tp group ([Note: DTensor end of step] in measure/probes.py). A
+    pipeline's ZeRO stages clip without DTensor's norm (`pipeline.sharded.StageSharding`
+    sums the shards' squares itself): 1, their clip's reduce priced as a plain one."""
     if dtensors(layout, blocks) <= 0:
         return 1
     spmd = layout.sync == "allreduce" and layout.pp == 1

@@ -46,7 +46,14 @@ from polytrain.errors import PlanError
 from polytrain.pipeline.schedule import ActionKind, Schedule, StageMap, p2p_message
 from polytrain.planner.schedules import lowered_program, stages_per_rank
 
-__all__ = ["PipelineTiming", "pipeline_step", "program", "simulate_program", "simulate_shared"]
+__all__ = [
+    "ActionComm",
+    "PipelineTiming",
+    "pipeline_step",
+    "program",
+    "simulate_program",
+    "simulate_shared",
+]
 
 
 @dataclass(frozen=True)
@@ -62,8 +69,9 @@ class PipelineTiming:
 
 
 _COMPUTE, _SEND, _RECV = 0, 1, 2
-_Key = tuple[str, int, int]  # a message: (tensor, sending stage, micro-batch)
-# one action, ready to simulate: (what it does, its kind, its stage, its channel, its message)
+# a message: (tensor, sending stage, micro-batch); a compute action: (its kind, stage, micro-batch)
+_Key = tuple[str, int, int]
+# one action, ready to simulate: (what it does, its kind, its stage, its channel, its key)
 _Step = tuple[int, ActionKind, int, tuple[str, int, int] | None, _Key | None]
 _Steps = tuple[tuple[_Step, ...], ...]  # per rank
 
@@ -78,7 +86,8 @@ def _compile(program: Schedule, stage_map: StageMap) -> _Steps:
                 continue
             msg = p2p_message(a, stage_map)
             if msg is None:
-                row.append((_COMPUTE, a.kind, a.stage_index, None, None))
+                key = (a.kind.value, a.stage_index, a.microbatch_index)
+                row.append((_COMPUTE, a.kind, a.stage_index, None, key))
                 continue
             op = _SEND if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else _RECV
             key = (msg.tensor, msg.src_stage, msg.microbatch_index)
@@ -130,6 +139,26 @@ def _seconds(
     return seconds
 
 
+ActionComm = Mapping[tuple[ActionKind, int, int], float]
+"""(kind, stage, micro-batch) -> seconds that one compute action waits on collectives beyond
+its compute (ZeRO inside stages: `cost.zero_stages`); absent actions wait on none."""
+
+
+def _comm_keys(comm_s: ActionComm | None) -> dict[_Key, float]:
+    return {(kind.value, s, mb): secs for (kind, s, mb), secs in (comm_s or {}).items() if secs}
+
+
+# [Note: collectives in an action] A ZeRO stage's collectives (`cost.zero_stages`) are waited
+# inside the action that makes them, after its input has arrived: on a CPU host FSDP2's
+# collectives block the one thread ([Note: FSDP2 on a CPU host] in cost/zero.py), and on an
+# accelerator the stage's root pre-forward makes FSDP2's all-gather streams wait for the
+# compute stream (torch `_fsdp_state.py` `_root_pre_forward`), which already waits for the
+# received activation, while a reduce-scatter follows the backward's compute and the gradient
+# sent after it waits for it (`finalize_backward` on the last backward). Only ZeRO-3's gather
+# before a backward may start before its gradient arrives on an accelerator (no root hook
+# orders it); it is priced as waited too, a little high.
+
+
 def _deadlock() -> PlanError:
     return PlanError("pipeline simulation deadlocked: the schedule is not runnable")
 
@@ -163,6 +192,7 @@ def _simulate(
     seconds: Mapping[ActionKind, Sequence[float]],
     send_f_s: Sequence[float],
     send_b_s: Sequence[float],
+    comm: Mapping[_Key, float] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
     p = len(steps)
     clocks = [0.0] * p
@@ -179,6 +209,8 @@ def _simulate(
                 op = step[0]
                 if op == _COMPUTE:
                     secs = seconds[step[1]][step[2]]
+                    if comm:  # [Note: collectives in an action]
+                        secs += comm.get(step[4], 0.0)  # type: ignore[arg-type]
                     clocks[r] += secs
                     busy[r] += secs
                 elif op == _SEND:
@@ -227,6 +259,7 @@ def _simulate_shared(
     send_b_s: Sequence[float],
     speed: Sequence[float],
     fixed_s: Sequence[float] | None,
+    comm: Mapping[_Key, float] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
     p = len(steps)
     cursors = [0] * p
@@ -249,6 +282,9 @@ def _simulate_shared(
                     if op == _COMPUTE:
                         secs = seconds[step[1]][step[2]]
                         tail[r] = fixed_s[step[2]] if fixed_s is not None else 0.0
+                        if comm:  # a collective's wait computes nothing: a fixed part
+                            wait = comm.get(step[4], 0.0)  # type: ignore[arg-type]
+                            secs, tail[r] = secs + wait, tail[r] + wait
                         work[r] = max(secs - tail[r], 0.0)
                         computing[r] = work[r] > 0
                         if not computing[r]:
@@ -300,12 +336,15 @@ def pipeline_step(
     virtual_stages: int = 1,
     input_s: Sequence[float] | None = None,
     weight_s: Sequence[float] | None = None,
+    comm_s: ActionComm | None = None,
 ) -> PipelineTiming:
     """One step of ``schedule`` with ``num_microbatches`` micro-batches per replica, every
     sequence indexed by virtual stage (`simulate_program`; as many stages as ``fwd_s`` has, on
     ``len(fwd_s) / stages per rank`` ranks); with ``speed``, its ranks share the host's cores,
     each compute action's last ``fixed_s`` not computing ([Note: shared-core simulation],
-    `simulate_shared`). ``virtual_stages``: interleaved 1F1B's ``v``.
+    `simulate_shared`). ``virtual_stages``: interleaved 1F1B's ``v``. ``comm_s``: seconds
+    single actions wait on collectives beyond their compute (`ActionComm`, [Note: collectives
+    in an action]), not computing.
 
     PipeDream never flushes: its step costs the steady-state difference between a stream of
     2m and of m micro-batches (the fill and drain are paid once per run, not per step).
@@ -317,13 +356,14 @@ def pipeline_step(
             f"rank: expected a multiple of {per_rank}"
         )
     p = len(fwd_s) // per_rank
+    comm = _comm_keys(comm_s)
 
     def run(m: int) -> tuple[float, tuple[float, ...]]:
         steps = _compiled(schedule, p, m, virtual_stages)
         seconds = _seconds(steps, fwd_s, bwd_s, input_s, weight_s)
         if speed is None:
-            return _simulate(steps, seconds, send_f_s, send_b_s)
-        return _simulate_shared(steps, seconds, send_f_s, send_b_s, speed, fixed_s)
+            return _simulate(steps, seconds, send_f_s, send_b_s, comm)
+        return _simulate_shared(steps, seconds, send_f_s, send_b_s, speed, fixed_s, comm)
 
     span, busy = run(num_microbatches)
     if schedule != "pipedream":

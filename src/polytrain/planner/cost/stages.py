@@ -4,8 +4,9 @@
 split backward's I and W by [Note: splitting a backward] there, the runtime's own per-action
 and per-flush seconds as calibrated), runs the schedule's action lists with its stage map
 through `cost.pipeline` (on a host whose ranks share cores, `simulate_shared`), and adds what
-follows the flush: each rank's data-parallel all-reduce, the end of step and the loop's
-per-step Python. One stage per rank for GPipe, 1F1B, PipeDream and ZB-H1; ``v`` for
+follows the flush: each rank's data-parallel all-reduce (ZeRO stages run none: their gathers
+and reduce-scatter sit on the actions that make them, `cost.zero_stages`), the end of step and
+the loop's per-step Python. One stage per rank for GPipe, 1F1B, PipeDream and ZB-H1; ``v`` for
 interleaved 1F1B, two for ZBV (`planner.schedules`). Derivation: docs/planner.md "Pipeline",
 "A pipeline's shared cores".
 """
@@ -25,6 +26,12 @@ from polytrain.planner.cost.parts import (
     weight_grad_share,
 )
 from polytrain.planner.cost.pipeline import PipelineTiming, pipeline_step
+from polytrain.planner.cost.zero_stages import (
+    StageCollectives,
+    action_comm,
+    in_actions,
+    stage_collectives,
+)
 from polytrain.planner.schedules import by_rank, layout_compute, layout_program
 from polytrain.planner.types import BlockStats, Layout, ModelStats
 
@@ -67,29 +74,50 @@ def stages_step(
     # PipelineStrategy.train_step runs the m-micro-batch program once per accumulation
     # micro-step, each with its flush (PipeDream streams instead and ignores accumulation).
     runs = 1 if layout.schedule == "pipedream" else layout.grad_accum
-    run = _pipeline_stages(layout, stats, env, stages, mb_samples, _shared_speed(env, layout.pp))
-    timing = run.timing
+    speed = _shared_speed(env, layout.pp)
+    run = _pipeline_stages(layout, stats, env, stages, mb_samples, speed)
+    # ZeRO-2's gather and every reduce-scatter fall in one run of an accumulating step
+    # (`cost.zero_stages`); the others gather per micro-batch (ZeRO-3) or not at all. Both
+    # once-a-step collectives are priced in the same run, not in the first and the last.
+    rest = run
+    zero_stages = in_actions(layout)
+    if runs > 1 and zero_stages:
+        rest = _pipeline_stages(layout, stats, env, stages, mb_samples, speed, once=False)
     ranks = by_rank(stages, layout_compute(layout)[1])  # each rank's blocks, all its stages'
     # The pipeline's dp all-reduce (comm/flat.py) runs after the flush, rank by rank in
     # parallel: the slowest rank's is on the critical path. PipeDream's is deferred into
-    # the next step (StepOutput.complete) and hides behind it.
-    dp_s = max(
-        env.collective_s(
-            "all_reduce", sum(b.bytes_per_tp_rank(layout.tp) for b in blocks), layout.dp, layout.tp
+    # the next step (StepOutput.complete) and hides behind it. ZeRO stages run none: their
+    # collectives are inside the simulated actions (`run.zero_comm`; tensor-parallel ones
+    # excepted, [Note: tensor-parallel ZeRO stages] in cost/zero_stages.py).
+    dp_s = 0.0
+    if not zero_stages:
+        dp_s = max(
+            env.collective_s(
+                "all_reduce",
+                sum(b.bytes_per_tp_rank(layout.tp) for b in blocks),
+                layout.dp,
+                layout.tp,
+            )
+            for blocks in ranks
         )
-        for blocks in ranks
-    )
     if layout.schedule == "pipedream":
-        dp_s = max(0.0, dp_s - timing.per_step)
+        dp_s = max(0.0, dp_s - run.timing.per_step)
     opt = max(end_of_step_s(layout, stats, env, blocks) for blocks in ranks)
     per_step = loop_s(env)[0]
-    step = (timing.per_step + run.flush) * runs + dp_s + opt + per_step
-    tp_s, loop_micro, runtime = (x * runs for x in (run.tp_comm, run.loop_micro, run.runtime))
+    step = run.timing.per_step + rest.timing.per_step * (runs - 1) + run.flush * runs
+    step += dp_s + opt + per_step
+    tp_s, loop_micro, runtime, fsdp = (
+        x * runs for x in (run.tp_comm, run.loop_micro, run.runtime, run.fsdp)
+    )
+    zero_s = run.zero_comm + rest.zero_comm * (runs - 1)
+    busy = max(run.timing.busy) + max(rest.timing.busy) * (runs - 1)
+    bubble = run.timing.bubble + rest.timing.bubble * (runs - 1)
     return step, {
-        "compute": max(timing.busy) * runs - tp_s - loop_micro - runtime,
+        "compute": busy - tp_s - loop_micro - runtime - fsdp - zero_s,
         "tp_comm": tp_s,
-        "dp_comm": dp_s,
-        "bubble": timing.bubble * runs,
+        "dp_comm": dp_s + zero_s,
+        "fsdp_hooks": fsdp,
+        "bubble": bubble,
         "optimizer": opt,
         "loop": per_step + loop_micro,
         "pipeline_runtime": runtime + run.flush * runs,
@@ -107,6 +135,8 @@ class _StagesRun:
     tp_comm: float
     loop_micro: float
     runtime: float
+    zero_comm: float = 0.0  # the busiest rank's ZeRO collectives (`cost.zero_stages`)
+    fsdp: float = 0.0  # the busiest rank's FSDP2 hooks (ZeRO stages)
 
 
 def _shared_speed(env: Env, stages: int) -> list[float] | None:
@@ -145,10 +175,13 @@ def _pipeline_stages(
     stages: Sequence[Sequence[BlockStats]],
     mb_samples: float,
     speed: Sequence[float] | None = None,
+    *,
+    once: bool = True,
 ) -> _StagesRun:
     """One run of the m-micro-batch program of ``stages`` (one per virtual stage), compute
     priced by ``env`` (every rank of the host computing), the ranks sharing its cores at
-    ``speed`` (`cost.pipeline.simulate_shared`)."""
+    ``speed`` (`cost.pipeline.simulate_shared`). ZeRO stages: ``once``, the run makes the
+    step's once-a-step collectives (`cost.zero_stages`)."""
     program, stage_map = layout_program(layout)
     split = any(a is not None and a.kind is ActionKind.I for a in program[0])
     n = len(stats.blocks)
@@ -163,13 +196,19 @@ def _pipeline_stages(
     per_micro = loop_s(env)[1]
     share = per_micro / (2 * stage_map.stages_per_rank)
     action_s, flush_s = _pipeline_runtime(env, layout.schedule)
+    zero: list[StageCollectives] = []
+    hooks = [0.0] * len(stages)
     for s, blocks in enumerate(stages):
         f, b, tp_s = block_times(
             env, blocks, mb_samples, layout.tp, layout.recomputes, first=-start, last=n - 1 - start
         )
         start += len(blocks)
-        fwd_s.append(sum(f) + share + action_s)
-        bwd_s.append(sum(b) + share + action_s)
+        if in_actions(layout):  # FSDP2's hooks on each block and the stage, half in each pass
+            tensors = sum(k.tensors for k in blocks)
+            hooks[s] = env.fsdp_overhead_s(layout.zero, len(blocks) + 1, tensors) / 2
+            zero.append(stage_collectives(env, layout, blocks, f, b))
+        fwd_s.append(sum(f) + share + action_s + hooks[s])
+        bwd_s.append(sum(b) + share + action_s + hooks[s])
         if split:  # [Note: splitting a backward] in cost/parts.py
             w = sum(env.bwd_s(k, mb_samples, layout.tp) * weight_grad_share(k) for k in blocks)
             input_s.append(sum(b) - w + share / 2 + action_s)
@@ -182,6 +221,7 @@ def _pipeline_stages(
         send_b.append(_message_s(env, layout, stage_map, s, s - 1, inp))
     # the runtime's own per-action figure is mostly waiting: it does not share the cores
     fixed = [action_s] * len(stages)
+    comm = action_comm(program, zero, first=once, last=once) if zero else {}
     timing = pipeline_step(
         layout.schedule,
         layout.microbatches,
@@ -194,11 +234,25 @@ def _pipeline_stages(
         virtual_stages=layout.virtual_stages,
         input_s=input_s if split else None,
         weight_s=weight_s if split else None,
+        comm_s=comm,
     )
     m = layout.microbatches
     # compute actions of the busiest rank: 2m for one stage per rank, 2vm interleaved, 3m ZB-H1
     actions = max(sum(1 for a in row if a is not None and a.is_compute) for row in program.values())
-    return _StagesRun(timing, flush_s, max(tp_ranks) * m, per_micro * m, action_s * actions)
+    # the ZeRO collectives and hooks of the rank that computes longest (its busy seconds hold them)
+    busiest = max(range(layout.pp), key=lambda r: timing.busy[r])
+    mine = [a for a in program[busiest] if a is not None and a.is_compute]
+    zero_comm = sum(comm.get((a.kind, a.stage_index, a.microbatch_index), 0.0) for a in mine)
+    fsdp = sum(hooks[a.stage_index] for a in mine)
+    return _StagesRun(
+        timing,
+        flush_s,
+        max(tp_ranks) * m,
+        per_micro * m,
+        action_s * actions,
+        zero_comm,
+        fsdp,
+    )
 
 
 def _message_s(
