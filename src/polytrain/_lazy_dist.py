@@ -1,13 +1,16 @@
 """Ask whether an object is a DTensor or an FSDP2 module without importing either package.
 
 [Note: lazy torch.distributed] ``torch.distributed.fsdp``, ``torch.distributed.tensor`` and
-``torch.distributed.checkpoint`` take about a second to import on a small CPU, in every worker
-process, and the default data-parallel job (DDP) uses none of them. So polytrain imports them
-only where a strategy builds on them: inside the function that calls them, and under
-``TYPE_CHECKING`` for annotations. Code that only needs to tell their objects apart asks here:
-an object cannot be an instance of a class whose module was never imported (torch imports a
-package before any of its submodules), so the answer is False without importing anything.
-``tests/unit/test_lazy_dist.py`` keeps the worker's import free of the three packages.
+``torch.distributed.checkpoint`` take about a second of CPU to import on a small machine, and
+the launcher (``polytrain train``, whose CLI imports every strategy family) and a worker's
+start-up need none of them. So polytrain imports them only where a strategy builds on them:
+inside the function that calls them, and under ``TYPE_CHECKING`` for annotations. Code that
+only needs to tell their objects apart asks here: an object cannot be an instance of a class
+whose module was never imported (torch imports a package before any of its submodules), so the
+answer is False without importing anything. ``tests/unit/test_lazy_dist.py`` keeps the worker's
+and the launcher's imports free of the three packages. A worker still loads them once it builds
+its optimizer: a torch optimizer imports ``torch._dynamo`` on first use, which imports FSDP
+(torch's cost, paid once per process; the test harness's fork server preloads it).
 """
 
 from __future__ import annotations

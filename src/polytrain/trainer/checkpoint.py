@@ -95,7 +95,8 @@ def check_same_job(job: JobConfig, world_size: int) -> None:
 
 def _options() -> StateDictOptions:
     """DCP's state-dict API is imported where it is called, not at the top: it brings FSDP and
-    DTensor, which a run without checkpoints never needs ([Note: lazy torch.distributed])."""
+    DTensor, which the launcher and a worker's start need not load ([Note: lazy
+    torch.distributed])."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True)
