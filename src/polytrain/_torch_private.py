@@ -51,19 +51,22 @@ import inspect
 import os
 import signal
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:  # [Note: lazy torch.distributed] in _lazy_dist.py
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "MonitoredAgent",
@@ -83,6 +86,15 @@ __all__ = [
     "supports_found_inf",
     "update_loss_scale",
 ]
+
+
+def replicate(module: nn.Module, *, mesh: DeviceMesh) -> FSDPModule:
+    """FSDP2-based data parallelism of ``module`` over ``mesh``: parameters kept whole on every
+    rank, gradients all-reduced per wrapped module (torch's ``replicate_with_fsdp``, imported
+    here on first use: it brings FSDP and DTensor, [Note: lazy torch.distributed])."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
+
+    return _replicate(module, mesh=mesh)
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
@@ -182,6 +194,8 @@ def gloo_options(timeout: datetime.timedelta) -> Any:
 def strided_shard(dim: int, chunks: int) -> Placement:
     """Split ``dim`` into ``chunks`` equal chunks, and each chunk over the mesh dimension: a
     rank's local tensor is its piece of every chunk, concatenated in chunk order."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     return _StridedShard(dim, split_factor=chunks)
 
 

@@ -6,13 +6,16 @@ the pipeline's sharded stages do (`pipeline.sharded`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from polytrain.config.job import ParallelConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["shard_units"]
 
@@ -24,6 +27,9 @@ def shard_units(
 ) -> FSDPModule:
     """``fully_shard`` each of ``units`` that trains over ``dp_mesh``, then ``root`` (which
     holds them)."""
+    # Imported here, not at the top: [Note: lazy torch.distributed] in _lazy_dist.py.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     reshard = cfg.zero == 3
     policy = MixedPrecisionPolicy(reduce_dtype=_REDUCE_DTYPES.get(cfg.grad_compression))
     for unit in units:

@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from polytrain._lazy_dist import is_dtensor
 from polytrain.config.job import OptimConfig
 
 __all__ = ["build_optimizer", "lr_at"]
@@ -37,7 +37,7 @@ def build_optimizer(
     if cfg.name == "sgd":
         # DTensor has no sharding rule for fused SGD (it has for fused AdamW): torch's default
         # update there, whose non-finite decision is read on the host.
-        fused = fused and not any(isinstance(p, DTensor) for p in params)
+        fused = fused and not any(is_dtensor(p) for p in params)
         sgd = torch.optim.SGD(
             params,
             lr=cfg.lr,
@@ -61,8 +61,8 @@ def build_optimizer(
 def _apart(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
     """``params`` as one parameter group, or two when DTensors and plain tensors mix (tensor
     parallelism leaves modules outside its plan plain): a fused kernel call takes one kind."""
-    dtensors = [p for p in params if isinstance(p, DTensor)]
-    plain = [p for p in params if not isinstance(p, DTensor)]
+    dtensors = [p for p in params if is_dtensor(p)]
+    plain = [p for p in params if not is_dtensor(p)]
     return [{"params": group} for group in (dtensors, plain) if group] or [{"params": params}]
 
 

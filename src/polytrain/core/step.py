@@ -40,8 +40,8 @@ from functools import partial
 from typing import Any, Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from polytrain._lazy_dist import local_tensor
 from polytrain._torch_private import scale_, step_skipped_if, supports_found_inf
 from polytrain.comm.collectives import all_reduce_mean, all_reduce_sum_
 from polytrain.config.job import JobConfig
@@ -94,11 +94,6 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
     if dtype in AUTOCAST_DTYPES:
         return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[dtype])
     return contextlib.nullcontext()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (a view sharing storage) if it is a DTensor, else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @torch.no_grad()
@@ -163,7 +158,7 @@ def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
 
 
 def _local_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.get_total_norm([_local(g) for g in grads])
+    return torch.nn.utils.get_total_norm([local_tensor(g) for g in grads])
 
 
 @torch.no_grad()
@@ -186,7 +181,7 @@ def clip_gradients_(
         return torch.zeros(())
     if total is None:
         total = (grad_norm or _local_norm)(grads)
-    scale_([_local(g) for g in grads], clip_coefficient(max_norm, total))
+    scale_([local_tensor(g) for g in grads], clip_coefficient(max_norm, total))
     return total
 
 
@@ -252,7 +247,7 @@ def finish_step(
     """
     params = list(params)
     if loss_scale is not None:
-        loss_scale.unscale_([_local(p.grad) for p in params if p.grad is not None])
+        loss_scale.unscale_([local_tensor(p.grad) for p in params if p.grad is not None])
     on_device = update is None and optimizer is not None and supports_found_inf(optimizer)
     norm = None
     if on_device and rules.grad_clip > 0:

@@ -20,18 +20,13 @@ a sharded gradient's norm across tp ranks and a replicated one once; see
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
 
+from polytrain._lazy_dist import is_dtensor, local_tensor
 from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import JobConfig
@@ -48,14 +43,17 @@ from polytrain.core.tp_plans import (
     parse_plan,
 )
 from polytrain.core.tp_styles import (
-    Conv1DColwise,
-    Conv1DRowwise,
+    conv1d_colwise,
+    conv1d_rowwise,
     fix_split_width,
     is_conv1d,
     retie,
     tied_uses,
 )
 from polytrain.errors import MeshError
+
+if TYPE_CHECKING:  # [Note: lazy torch.distributed] in _lazy_dist.py
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = [
     "apply_tensor_parallel",
@@ -202,16 +200,19 @@ def resolve_tp_plan(
 
 def style_of(style: Style, module: nn.Module) -> ParallelStyle:
     """torch's parallel style for one of our plan styles, on ``module`` (Conv1D gets its own)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     if is_conv1d(module):
         if style == "qkv":
-            return Conv1DColwise(chunks=3)
+            return conv1d_colwise(chunks=3)
         if style == "colwise":
-            return Conv1DColwise()
+            return conv1d_colwise()
         if style == "colwise_gather":
-            return Conv1DColwise(output_layouts=Replicate())
+            return conv1d_colwise(output_layouts=Replicate())
         if style == "rowwise":
-            return Conv1DRowwise()
-        return Conv1DRowwise(input_layouts=Replicate())  # rowwise_split
+            return conv1d_rowwise()
+        return conv1d_rowwise(input_layouts=Replicate())  # rowwise_split
     if style == "colwise":
         return ColwiseParallel()
     if style == "colwise_gather":
@@ -225,6 +226,8 @@ def style_of(style: Style, module: nn.Module) -> ParallelStyle:
 def parallelize(root: nn.Module, tp_mesh: DeviceMesh, assignment: Mapping[str, Style]) -> None:
     """Apply the styles, then the fix-ups a style needs outside its module: fused projections'
     split width, and tied weights put back together (core.tp_styles)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
     ties = tied_uses(root)
     styles = {name: style_of(s, root.get_submodule(name)) for name, s in assignment.items()}
     if styles:
@@ -282,15 +285,10 @@ def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     the whole (V, E) gradient) when no other use of the weight adds a sharded one, as on the
     first stage of a pipeline whose head is on the last: tied shards must pair shard for shard.
     """
-    if isinstance(grad, DTensor) and isinstance(param, DTensor):
+    if is_dtensor(grad) and is_dtensor(param):
         if tuple(grad.placements) != tuple(param.placements):
             return grad.redistribute(param.device_mesh, param.placements)
     return grad
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (a view sharing storage) if it is a DTensor, else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def grad_square_sum(grads: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
@@ -301,7 +299,7 @@ def grad_square_sum(grads: Sequence[torch.Tensor], mesh: Mesh) -> torch.Tensor:
     sharded: list[torch.Tensor] = []
     replicated: list[torch.Tensor] = []
     for g in grads:
-        is_sharded = isinstance(g, DTensor) and not all(p.is_replicate() for p in g.placements)
+        is_sharded = is_dtensor(g) and not all(p.is_replicate() for p in g.placements)
         (sharded if is_sharded else replicated).append(local_tensor(g).detach())
     sharded_sq = _square_norm(sharded, device)
     if mesh.dims.tp > 1:
@@ -318,4 +316,4 @@ def _square_norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch
 
 def full_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Collective over each DTensor's mesh: every value whole (plain tensors pass through)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    return {k: v.full_tensor() if is_dtensor(v) else v for k, v in state.items()}

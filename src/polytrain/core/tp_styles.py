@@ -23,23 +23,25 @@ Shapes: B batch, T time, E embedding, V vocabulary; a Conv1D weight is (in, out)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
-from torch.distributed.tensor import distribute_tensor as _distribute
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from polytrain._torch_private import strided_shard
 from polytrain.errors import ConfigError
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor, Placement
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 __all__ = [
-    "Conv1DColwise",
-    "Conv1DRowwise",
+    "conv1d_colwise",
+    "conv1d_rowwise",
     "fix_split_width",
     "is_conv1d",
     "retie",
@@ -61,8 +63,10 @@ def is_conv1d(module: nn.Module) -> bool:
 def _distribute_params(
     module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]
 ) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
     for name, param in list(module.named_parameters(recurse=False)):
-        dist = _distribute(param, mesh, [placements[name]])
+        dist = distribute_tensor(param, mesh, [placements[name]])
         module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
@@ -74,6 +78,8 @@ def _input(
     mesh: DeviceMesh,
 ) -> DTensor:
     """The module's input as a DTensor laid out as the style needs (as torch's styles do)."""
+    from torch.distributed.tensor import DTensor
+
     x = inputs[0]
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, given, run_check=False)
@@ -88,53 +94,69 @@ def _output(
     return y.to_local() if local else y
 
 
-class Conv1DColwise(ColwiseParallel):
+def conv1d_colwise(chunks: int = 1, **kwargs: Any) -> ParallelStyle:
     """Column-parallel ``Conv1D``: weight (in, out) split on dim 1, bias on dim 0; the input is
     replicated, the output sharded on its last dim (gathered when ``output_layouts`` is
     Replicate). ``chunks > 1``: a fused projection, each chunk split ([Note: fused projections
-    under tp])."""
+    under tp]). ``kwargs`` are ``ColwiseParallel``'s."""
+    return _conv1d_styles()[0](chunks, **kwargs)
 
-    def __init__(self, chunks: int = 1, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.chunks = chunks
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        if self.chunks > 1:
-            placements = {
-                "weight": strided_shard(1, self.chunks),
-                "bias": strided_shard(0, self.chunks),
-            }
-        else:
-            placements = {"weight": Shard(1), "bias": Shard(0)}
-        _distribute_params(module, mesh, placements)
+def conv1d_rowwise(**kwargs: Any) -> ParallelStyle:
+    """Row-parallel ``Conv1D``: weight (in, out) split on dim 0, bias replicated; the input is
+    sharded on its last dim, the partial outputs all-reduced (Megatron's ``g``). ``kwargs`` are
+    ``RowwiseParallel``'s."""
+    return _conv1d_styles()[1](**kwargs)
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        inputs: Any = partial(_input, self.input_layouts, self.desired_input_layouts)  # returns
-        # the new input (torch types input_fn as returning None)
-        outputs: Any = partial(_output, self.output_layouts, self.use_local_output)
-        if self.chunks > 1:  # keep the chunked layout: a redistribution to Shard(-1) reorders it
-            outputs = _local_output
-        return distribute_module(module, device_mesh, self._partition, inputs, outputs)
+
+@functools.cache
+def _conv1d_styles() -> tuple[Callable[..., ParallelStyle], Callable[..., ParallelStyle]]:
+    """The two style classes, defined on first use: they subclass DTensor's styles, whose
+    package only tensor-parallel jobs import ([Note: lazy torch.distributed] in _lazy_dist.py).
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    class Conv1DColwise(ColwiseParallel):
+        def __init__(self, chunks: int = 1, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.chunks = chunks
+
+        def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+            if self.chunks > 1:
+                placements = {
+                    "weight": strided_shard(1, self.chunks),
+                    "bias": strided_shard(0, self.chunks),
+                }
+            else:
+                placements = {"weight": Shard(1), "bias": Shard(0)}
+            _distribute_params(module, mesh, placements)
+
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            inputs: Any = partial(_input, self.input_layouts, self.desired_input_layouts)
+            # (returns the new input; torch types input_fn as returning None)
+            outputs: Any = partial(_output, self.output_layouts, self.use_local_output)
+            if self.chunks > 1:  # keep the chunked layout: redistributing to Shard(-1) reorders
+                outputs = _local_output
+            return distribute_module(module, device_mesh, self._partition, inputs, outputs)
+
+    class Conv1DRowwise(RowwiseParallel):
+        def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+            _distribute_params(module, mesh, {"weight": Shard(0), "bias": Replicate()})
+
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            self.desired_input_layouts = (Shard(-1),)
+            inputs: Any = partial(_input, self.input_layouts, self.desired_input_layouts)
+            # (returns the new input; torch types input_fn as returning None)
+            outputs = partial(_output, self.output_layouts, self.use_local_output)
+            return distribute_module(module, device_mesh, self._partition, inputs, outputs)
+
+    return Conv1DColwise, Conv1DRowwise
 
 
 def _local_output(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
     """The local [q_r | k_r | v_r] of a fused projection, as its placement already holds it."""
     return output.to_local()
-
-
-class Conv1DRowwise(RowwiseParallel):
-    """Row-parallel ``Conv1D``: weight (in, out) split on dim 0, bias replicated; the input is
-    sharded on its last dim, the partial outputs all-reduced (Megatron's ``g``)."""
-
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        _distribute_params(module, mesh, {"weight": Shard(0), "bias": Replicate()})
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self.desired_input_layouts = (Shard(-1),)
-        inputs: Any = partial(_input, self.input_layouts, self.desired_input_layouts)  # returns
-        # the new input (torch types input_fn as returning None)
-        outputs = partial(_output, self.output_layouts, self.use_local_output)
-        return distribute_module(module, device_mesh, self._partition, inputs, outputs)
 
 
 def fix_split_width(model: nn.Module, fused_paths: Sequence[str], chunks: int, tp: int) -> None:

@@ -9,6 +9,9 @@ collectives in a step]); `measure.calibrate` runs them and keeps their figures i
 collectives in a step]) on two ranks and on two groups of two. How
 ranks on one host slow each other (shared cores, skew, the step's small reductions) is
 `measure.contention`'s.
+
+torch's FSDP and DTensor are imported inside the probes that use them: the CLI imports this
+module ([Note: lazy torch.distributed] in _lazy_dist.py).
 """
 
 from __future__ import annotations
@@ -21,9 +24,6 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from polytrain._torch_private import replicate
 from polytrain.config.job import OptimConfig
@@ -160,6 +160,8 @@ def rank_dtensor_step_costs(
     multiplies these figures by the shared-core factor (1.03-1.08 for two ranks here), so a
     pair's contention counts twice: small beside the mesh's own 1.7x. Run it under `testing.run_distributed`; each rank answers its own
     figures."""
+    from torch.distributed.tensor import DTensor, Shard
+
     mesh = init_device_mesh("cpu", (world,))
 
     def make(values: torch.Tensor) -> torch.Tensor:
@@ -191,6 +193,8 @@ _CLIP_PROBE_NUMEL = 1024
 def rank_dtensor_clip_call(rank: int, world: int) -> float:
     """[Note: DTensor clip per call] Seconds per call of the clip over DTensor gradients on a
     mesh of ``world`` ranks beyond its per-tensor cost (the slowest rank's figure)."""
+    from torch.distributed.tensor import DTensor, Shard
+
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
 
@@ -220,6 +224,12 @@ def rank_tp_module_s(rank: int, world: int, budget_s: float) -> float:
     between 8 and 32 16-wide Linears (4 and 16 column-then-row pairs), each (parallelized
     minus the same model plain), per Linear. A group of one rank: run it under
     `testing.run_distributed`."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
     device = torch.device("cpu")
     mesh = init_device_mesh("cpu", (1,))
     x = torch.ones(4, 16)
@@ -274,6 +284,8 @@ def _shard_units(model: nn.Sequential, mesh: DeviceMesh, stage: int) -> nn.Seque
     """Wrap every unit, then the root (as apply_zero does): ZeRO-``stage`` (FSDP2's
     ``fully_shard``), or stage 0, FSDP2's ``replicate`` (data parallel over tensor-parallel
     ranks)."""
+    from torch.distributed.fsdp import fully_shard
+
     for module in [*model, model]:
         if stage == 0:
             replicate(module, mesh=mesh)
@@ -396,6 +408,12 @@ def rank_tp_in_step(rank: int, world: int) -> list[tuple[float, float]]:
     `TP_PROBE_ROWS`, on tp groups of two: the world's ranks in groups of two neighbours (a
     ``(world / 2, 2)`` mesh, tp last, as `topology.ParallelDims` lays them out); the slowest
     rank's figure."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
     tp = 2
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
     out = []

@@ -12,8 +12,8 @@ from typing import IO, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from polytrain._lazy_dist import local_tensor
 from polytrain.observe.trackers import Tracker, scalars
 
 __all__ = [
@@ -50,16 +50,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> int:
     """Bytes of the storages behind ``tensors`` not in ``seen`` (each storage once: a DDP
     gradient is a view into its bucket, a stashed weight may share a parameter's storage)."""
     total = 0
     for t in tensors:
-        storage = _local(t).untyped_storage()
+        storage = local_tensor(t).untyped_storage()
         key = (str(t.device), storage.data_ptr())
         if key not in seen:
             seen.add(key)

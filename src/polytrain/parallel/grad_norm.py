@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from polytrain._lazy_dist import is_dtensor
 
 __all__ = ["grad_norm"]
 
@@ -14,7 +15,7 @@ def _grads_by_mesh(grads: Sequence[torch.Tensor]) -> Mapping[object, list[torch.
     """Gradients grouped by their mesh (None: plain tensors)."""
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
-        key = g.device_mesh if isinstance(g, DTensor) else None
+        key = g.device_mesh if is_dtensor(g) else None
         groups.setdefault(key, []).append(g)
     return groups
 
@@ -31,7 +32,7 @@ def grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     norms: list[torch.Tensor] = []
     for group in _grads_by_mesh(grads).values():
         norm = torch.nn.utils.get_total_norm(group)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norms.append(norm.full_tensor() if is_dtensor(norm) else norm)
     if not norms:
         return torch.zeros(())
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))

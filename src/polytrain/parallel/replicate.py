@@ -12,11 +12,14 @@ group of each tp shard. ``replicate`` is not yet a public torch API (it comes th
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import FSDPModule
+from typing import TYPE_CHECKING
 
 from polytrain._torch_private import replicate
 from polytrain.comm.mesh import Mesh
 from polytrain.models.base import BlockModel
+
+if TYPE_CHECKING:  # [Note: lazy torch.distributed] in _lazy_dist.py
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["apply_replicate"]
 

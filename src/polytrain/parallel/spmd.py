@@ -18,10 +18,9 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from polytrain._lazy_dist import is_fsdp_module
 from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.compression import SentBytes
 from polytrain.comm.mesh import Mesh
@@ -96,7 +95,7 @@ class SPMDStrategy(Strategy):
         """Skip the gradient all-reduce on every micro-step but the last (accumulation)."""
         if isinstance(self.model, DDP) and not last:
             return self.model.no_sync()
-        if isinstance(self.model, FSDPModule):
+        if is_fsdp_module(self.model):
             self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
@@ -165,6 +164,9 @@ class SPMDStrategy(Strategy):
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unwrapped, unsharded weights on CPU (complete on rank 0), with the plain model's keys."""
+    # Imported here, not at the top: [Note: lazy torch.distributed] in _lazy_dist.py.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     return {

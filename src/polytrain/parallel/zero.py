@@ -13,12 +13,15 @@ gradient is kept in the parameters' dtype for the optimizer step.
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import FSDPModule
+from typing import TYPE_CHECKING
 
 from polytrain.comm.mesh import Mesh
 from polytrain.config.job import ParallelConfig
 from polytrain.core.fsdp import shard_units
 from polytrain.models.base import BlockModel
+
+if TYPE_CHECKING:  # [Note: lazy torch.distributed] in _lazy_dist.py
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["apply_zero"]
 

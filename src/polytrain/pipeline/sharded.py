@@ -46,11 +46,10 @@ shard counted once), then over ``pp`` (`PipelineStrategy._global_norm`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from polytrain.comm.collectives import all_reduce_sum_
 from polytrain.comm.mesh import Mesh
@@ -59,6 +58,9 @@ from polytrain.core.fsdp import shard_units
 from polytrain.models.base import BlockModel
 from polytrain.pipeline.schedule import Action, last_backwards
 from polytrain.pipeline.stage import StageModule
+
+if TYPE_CHECKING:  # [Note: lazy torch.distributed] in _lazy_dist.py
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["StageSharding"]
 
@@ -78,6 +80,8 @@ class StageSharding:
         user model's repeated layers (a `LayerStage`'s; those the stage does not own hold no
         parameters and stay whole). Each stage is its own FSDP2 root (interleaved 1F1B holds
         several on one rank)."""
+        from torch.distributed.fsdp import FSDPModule
+
         self.zero, self.device = cfg.zero, device
         self.group = mesh.group("dp")
         self.modules: dict[int, FSDPModule] = {}
@@ -127,6 +131,8 @@ class StageSharding:
 
     def square_sum(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Sum of squares of the stage's whole gradients: the shards' summed over ``dp``."""
+        from torch.distributed.tensor import DTensor
+
         local = [(g.to_local() if isinstance(g, DTensor) else g).detach() for g in grads]
         if local:
             square = torch.nn.utils.get_total_norm(local).to(self.device, torch.float32).square()

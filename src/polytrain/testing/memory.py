@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 from functools import cache
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from polytrain._lazy_dist import local_tensor
 
 __all__ = ["heap_bytes_in_use", "resident_parameter_bytes"]
 
@@ -60,7 +61,7 @@ def resident_parameter_bytes(params: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages that ``params`` hold now (DTensors: the local shard)."""
     seen: dict[int, int] = {}
     for p in params:
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = local_tensor(p)
         storage = local.untyped_storage()
         if storage.nbytes():
             seen[storage.data_ptr()] = storage.nbytes()

@@ -33,19 +33,12 @@ import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 import polytrain
 from polytrain.comm.agree import all_gather_ints, broadcast_int, differing_ranks, fingerprint
@@ -67,9 +60,11 @@ from polytrain.trainer.manifest import (
 )
 from polytrain.trainer.ownership import job_identity, owned, owned_by, prune
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
 __all__ = ["Checkpointer", "check_same_job", "job_fingerprint", "restart_count"]
 
-_OPTIONS = StateDictOptions(full_state_dict=True)
 _PER_NODE = {"launch": ("node_rank",), "observe": ("out_dir", "progress", "trace")}
 
 
@@ -100,6 +95,15 @@ def check_same_job(job: JobConfig, world_size: int) -> None:
         )
 
 
+def _options() -> StateDictOptions:
+    """DCP's state-dict API is imported where it is called, not at the top: it brings FSDP and
+    DTensor, which the launcher and a worker's start need not load ([Note: lazy
+    torch.distributed])."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True)
+
+
 def _warn(message: str) -> None:
     # stdout: rank 0's stdout reaches the user's terminal; its stderr goes to the run's logs.
     print(f"polytrain: warning: {message}", flush=True)
@@ -126,9 +130,11 @@ class _Parts:
         return key.split(".", 1)[1] if self.multi else key
 
     def _live(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
         if self.optimizer is None:
-            return dict(get_model_state_dict(self.module, options=_OPTIONS)), {}
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_OPTIONS)
+            return dict(get_model_state_dict(self.module, options=_options())), {}
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_options())
         return dict(model_sd), dict(optim_sd)
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -148,6 +154,8 @@ class _Parts:
         """Collective: replace every live value ``v`` under our key ``k`` by ``fetch(k, v)``.
 
         The live optimizer keeps its own hyperparameters (the current job's)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
         if self.optimizer is not None:
             _init_optimizer_state(self.optimizer)
         model_sd, optim_sd = self._live()
@@ -157,7 +165,7 @@ class _Parts:
             # set_state_dict then finds no tensor to take a device from and fails ("Expected
             # device to be set"). There is nothing of the optimizer's to restore (its
             # hyperparameters are the current job's), so only the model is loaded.
-            set_model_state_dict(self.module, model_sd, options=_OPTIONS)
+            set_model_state_dict(self.module, model_sd, options=_options())
             return
         optim_sd["state"] = {
             fqn: {
@@ -171,7 +179,7 @@ class _Parts:
             self.optimizer,
             model_state_dict=model_sd,
             optim_state_dict=optim_sd,
-            options=_OPTIONS,
+            options=_options(),
         )
 
 
