@@ -165,7 +165,14 @@ def _pipeline_stages(
     action_s, flush_s = _pipeline_runtime(env, layout.schedule)
     for s, blocks in enumerate(stages):
         f, b, tp_s = block_times(
-            env, blocks, mb_samples, layout.tp, layout.recomputes, first=-start, last=n - 1 - start
+            env,
+            blocks,
+            mb_samples,
+            layout.tp,
+            layout.recomputes,
+            first=-start,
+            last=n - 1 - start,
+            ops=layout.recompute_ops,
         )
         start += len(blocks)
         fwd_s.append(sum(f) + share + action_s)
