@@ -6,7 +6,8 @@ measure/ops_stats.py under the runtime's own policy), where full recomputation k
 alone and none keeps all it saves; in backward it rebuilds the rest of what autograd saves
 (``ops_rebuilt_bytes``, one block at a time, as full recomputation rebuilds one block's saves)
 and reruns the operators it did not keep: a forward pass of the block reduced to those
-operators' FLOPs, calls and bytes (`rerun_block`, priced by `Env.fwd_s` like any forward).
+operators' FLOPs, calls and bytes (`rerun_block`, priced by `Env.fwd_s` like any forward:
+`cost.parts.rerun_s`).
 Tensor parallel splits the kept and rebuilt bytes as it splits the block's saved bytes
 (`BlockStats.saved_per_tp_rank`). A block without the statistics (a profile counted before
 them, the pure estimates of planner/stats_pure.py, a block without parameters, which the
@@ -17,14 +18,10 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from polytrain.planner.types import BlockStats, ModelStats
 
-if TYPE_CHECKING:  # cost.common imports this module through cost.parts
-    from polytrain.planner.cost.common import Env
-
-__all__ = ["has_ops_stats", "ops_activations", "rerun_block", "rerun_s"]
+__all__ = ["has_ops_stats", "ops_activations", "rerun_block"]
 
 
 def has_ops_stats(stats: ModelStats) -> bool:
@@ -67,15 +64,3 @@ def rerun_block(block: BlockStats) -> BlockStats:
         attention_counted=0.0,
         fwd_s=None,
     )
-
-
-def rerun_s(env: Env, block: BlockStats, samples: float, tp: int) -> float:
-    """Seconds selective recomputation adds to ``block``'s backward on one of ``tp`` ranks:
-    `rerun_block`'s forward. Without a calibrated operator cost the cost model prices a pass
-    by its matmuls alone (the catalog's efficiency folds the rest into the FLOP rate), which
-    would make a rerun of element-wise operators free: their bytes are priced at the device's
-    memory bandwidth instead."""
-    seconds = env.fwd_s(rerun_block(block), samples, tp)
-    if env.profile is None or env.profile.op_s <= 0:
-        seconds += block.ops_rerun_moved_bytes * samples / tp / env.mem_bw
-    return seconds

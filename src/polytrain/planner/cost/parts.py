@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.tp import tp_comm_s, tp_dispatch_s
-from polytrain.planner.recompute import rerun_s
+from polytrain.planner.recompute import rerun_block
 from polytrain.planner.types import BACKWARD_FLOPS_PER_FORWARD, BlockStats, Layout, ModelStats
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "end_of_step_s",
     "input_bytes",
     "loop_s",
+    "rerun_s",
     "step_reduce_s",
     "weight_grad_share",
 ]
@@ -65,6 +66,18 @@ def block_times(
         fwd.append(f)
         bwd.append(bw)
     return fwd, bwd, tp_s
+
+
+def rerun_s(env: Env, block: BlockStats, samples: float, tp: int) -> float:
+    """Seconds selective recomputation adds to ``block``'s backward on one of ``tp`` ranks:
+    `planner.recompute.rerun_block`'s forward. Without a calibrated operator cost a pass is
+    priced by its matmuls alone (the catalog's efficiency folds the rest into the FLOP rate),
+    which would make a rerun of element-wise operators free: their bytes are priced at the
+    device's memory bandwidth instead."""
+    seconds = env.fwd_s(rerun_block(block), samples, tp)
+    if env.profile is None or env.profile.op_s <= 0:
+        seconds += block.ops_rerun_moved_bytes * samples / tp / env.mem_bw
+    return seconds
 
 
 def weight_grad_share(block: BlockStats) -> float:
