@@ -205,13 +205,18 @@ def test_a_llama_at_a_long_context_peaks_as_predicted(tmp_path: Path) -> None:
     O(T) in the run's fused kernel, where meta's math path had counted 4 heads x T x T scores
     per layer (several times the rest of its activations: [Note: fused attention's saved
     tensors]); recomputed, the runtime rebuilds one layer at a time ([Note: recomputed layers
-    of a user's model]). The predicted peak is the run's within 10%, with and without
-    recomputation (one count of the model serves both)."""
+    of a user's model]), or keeps its matmuls' and attention's outputs (selective, [Note:
+    selective recomputation's statistics] in measure/ops_stats.py). The predicted peak is the
+    run's within 10%, with and without recomputation (one count of the model serves all)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     seq = 512
     args = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128}
     args |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}
+    # transformers' key-value cache (on by default) grows between a layer's forward and its
+    # recomputation, which torch's selective checkpoint refuses ("aten.slice.Tensor ... not
+    # found in storage"): the runtime's "ops" runs a transformers model only without it
+    args |= {"use_cache": False}
     fields = {
         "model.name": _FACTORY + "llama",
         "model.args": {**args, "max_position_embeddings": seq},
@@ -224,3 +229,7 @@ def test_a_llama_at_a_long_context_peaks_as_predicted(tmp_path: Path) -> None:
     kept, _ = _peak_against_a_run(stats, Layout(dp=1), fields, tmp_path / "kept")
     rebuilt, _ = _peak_against_a_run(stats, Layout(dp=1, recompute=True), fields, tmp_path / "re")
     assert rebuilt < kept
+    # selectively ([Note: selective recomputation's statistics] in measure/ops_stats.py)
+    ops = Layout(dp=1, recompute=True, recompute_ops=True)
+    selective, _ = _peak_against_a_run(stats, ops, fields, tmp_path / "ops")
+    assert rebuilt < selective < kept

@@ -149,6 +149,24 @@ def test_plan_prices_a_given_layout_with_its_parts(capsys: pytest.CaptureFixture
     assert "data-parallel synchronization, exposed" in out and "memory: optimizer" in out
 
 
+def test_plan_prices_selective_recomputation(capsys: pytest.CaptureFixture[str]) -> None:
+    # "ops" keeps each block's matmul and attention outputs: between no recomputation and
+    # full recomputation in memory, and its backward reruns less than a whole forward
+    base = ["plan", "--model", "gpt", "--size", "medium", "--cluster", "1x8xH100", "--json"]
+    priced = {}
+    for recompute in ("false", "ops", "full"):
+        code, out, _ = _run([*base, "--layout", f"dp=2,recompute={recompute}"], capsys)
+        assert code == 0
+        priced[recompute] = json.loads(out)
+    assert priced["ops"]["layout"] == "dp2-recompute-ops"
+    memory = {k: v["breakdown"]["memory_activations"] for k, v in priced.items()}
+    assert memory["full"] < memory["ops"] < memory["false"]
+    steps = {k: v["step_s"] for k, v in priced.items()}
+    assert steps["false"] < steps["ops"] < steps["full"]
+    code, out, _ = _run([*base[:-1], "--layout", "dp=2,recompute=selective"], capsys)
+    assert code == 0 and "dp2-recompute-ops on 2 x H100" in out and "memory: activations" in out
+
+
 @pytest.mark.parametrize(
     ("layout", "named"),
     [("dp=2,foo=3", "'foo=3'"), ("dp=two", "dp=two"), ("dp", "'dp'"), ("dp=0", "dp=0")],

@@ -34,10 +34,11 @@ def test_layout_of_inverts_apply_layout_recompute_included() -> None:
         Layout(dp=4, recompute=True, recompute_every=2),
         Layout(dp=2, pp=2, microbatches=4, recompute=True),
         Layout(dp=2, tp=2, zero=3),
+        Layout(dp=4, recompute=True, recompute_ops=True),
     ):
         assert layout_of(apply_layout(job, layout)) == layout
     ops = job_from_dict({"launch": {"nproc": 4}, "parallel": {"recompute": "ops"}})
-    assert layout_of(ops) is None  # op-level selective recomputation is not priced
+    assert layout_of(ops) == Layout(dp=4, recompute=True, recompute_ops=True)
 
 
 def test_strategy_is_validated() -> None:

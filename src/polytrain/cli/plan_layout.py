@@ -110,8 +110,8 @@ def price_as_written(
     if layout is None:
         raise PlanError(
             "plan: the planner has no model for this layout (hybrid or spatial parallelism, "
-            "op-level selective recomputation, hierarchical parameter servers): price the "
-            "nearest it has, e.g. recompute=full or every:K"
+            "hierarchical parameter servers): price the nearest it has, e.g. --layout "
+            "'dp=4,zero=3' or sync=ps with servers=K"
         )
     zero = zero_stages_problem(layout.zero, layout.schedule, layout.tp, layout.pp)
     if zero is not None:  # [Note: tensor-parallel ZeRO stages] in planner/cost/zero_stages.py

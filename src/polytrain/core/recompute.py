@@ -33,7 +33,7 @@ from polytrain._torch_private import attention_ops
 from polytrain.config.parallel import RecomputePolicy
 from polytrain.models.base import BlockModel
 
-__all__ = ["FULL", "apply_recompute", "checkpointed_call", "is_recomputed"]
+__all__ = ["FULL", "apply_recompute", "checkpointed_call", "is_recomputed", "ops_policy"]
 
 FULL = RecomputePolicy("full")
 
@@ -54,12 +54,14 @@ _KEEP = {
 }
 
 
-def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def ops_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The "ops" policy's decision for one operator (what the planner's statistics count too:
+    [Note: selective recomputation's statistics] in measure/ops_stats.py)."""
     return CheckpointPolicy.MUST_SAVE if op in _KEEP else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _contexts() -> Any:
-    return create_selective_checkpoint_contexts(_keep_matmuls)
+    return create_selective_checkpoint_contexts(ops_policy)
 
 
 def checkpointed_call(fn: Callable[..., Any], ops: bool, *args: Any, **kwargs: Any) -> Any:

@@ -37,6 +37,7 @@ from polytrain.data.masking import MaskedTokenDataset
 from polytrain.measure.kernels import AttentionCounter, OpCounter
 from polytrain.measure.layer_stats import fsdp_units, layer_view
 from polytrain.measure.meta_autocast import MetaAutocast
+from polytrain.measure.ops_stats import count_ops
 from polytrain.measure.tp_stats import (
     SplitActivations,
     TPModules,
@@ -203,6 +204,9 @@ def stats_of(
             with bwd_ops:
                 torch.autograd.backward(result, grad)
             block.zero_grad(set_to_none=True)
+        # [Note: selective recomputation's statistics] in measure/ops_stats.py
+        loss = (lambda y: model.loss(y, targets)) if index == last else None
+        ops = count_ops(block, h, exclude, batch, loss, low_precision)
         params, param_bytes = _params_and_bytes(block)
         out.append(
             BlockStats(
@@ -226,6 +230,7 @@ def stats_of(
                 attention_counted=attention.counted / batch,
                 fwd_elementwise=fwd_ops.per_sample(batch),
                 bwd_elementwise=bwd_ops.per_sample(batch),
+                **ops,
             )
         )
         if index < last:  # the last block's output may be a user model's ModelOutput
@@ -320,12 +325,20 @@ def _split_fixed_saved(one: ModelStats, two: ModelStats, batch: int) -> ModelSta
         for a, b in zip(ones, twos, strict=True):
             slope = max((b.saved_bytes * 2 * batch - a.saved_bytes * batch) / batch, 0.0)
             fixed = max(a.saved_bytes * batch - slope * batch, 0.0)
+            ops: dict[str, Any] = {}
+            if a.ops_kept_bytes is not None and b.ops_kept_bytes is not None:
+                # the weight copies it saves are rebuilt (the fixed part, priced apart)
+                ops = {
+                    "ops_kept_bytes": max(2 * b.ops_kept_bytes - a.ops_kept_bytes, 0.0),
+                    "ops_rebuilt_bytes": max(2 * b.ops_rebuilt_bytes - a.ops_rebuilt_bytes, 0.0),
+                }
             blocks.append(
                 replace(
                     a,
                     saved_bytes=slope,
                     saved_fixed_bytes=fixed,
                     saved_whole_bytes=min(b.saved_whole_bytes, slope),
+                    **ops,
                 )
             )
         return tuple(blocks)

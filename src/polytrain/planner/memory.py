@@ -14,6 +14,7 @@ from functools import cache
 
 from polytrain.gossip.graphs import graph_for_round
 from polytrain.pipeline.schedule import peak_activation_memory, peak_activations
+from polytrain.planner.recompute import ops_activations
 from polytrain.planner.schedules import by_rank, compute_program, layout_compute
 from polytrain.planner.types import BlockStats, HostProfile, Layout, ModelStats
 
@@ -230,8 +231,11 @@ def _activation_sizes(
         kept, rebuilt = 0.0, 0.0
         for b, f, rec in zip(blocks, fixed, covered, strict=True):
             full = b.saved_per_tp_rank(tp) * mb_samples + f
-            kept += b.output_bytes * mb_samples if rec else full
-            rebuilt = max(rebuilt, full if rec else 0.0)
+            keeps, rebuilds = b.output_bytes * mb_samples, full
+            if layout.recompute_ops:  # [Note: pricing selective recomputation]
+                keeps, rebuilds = ops_activations(b, tp, mb_samples, f)
+            kept += keeps if rec else full
+            rebuilt = max(rebuilt, rebuilds if rec else 0.0)
         return kept, rebuilt
     return saved + sum(fixed), 0.0
 

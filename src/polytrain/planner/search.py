@@ -20,6 +20,7 @@ from polytrain.planner.catalog import device, device_names
 from polytrain.planner.cluster import Cluster
 from polytrain.planner.cost import Env, predict
 from polytrain.planner.cost.decentralized import TOPOLOGIES, topology_fits
+from polytrain.planner.recompute import has_ops_stats
 from polytrain.planner.schedules import pipeline_problem
 from polytrain.planner.types import HostProfile, Layout, ModelStats, Prediction, launch_shape
 
@@ -37,9 +38,11 @@ Objective = Literal["time", "cost"]
 SCHEDULES = ("gpipe", "1f1b", "pipedream")
 # (schedule, virtual_stages) offered with PlanRequest.next_schedules
 NEXT_SCHEDULES = (("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 1))
-# (recompute, recompute_every), least recomputation first ([Note: pruning]): none, every
-# second block (parallel.recompute = "every:2", torchtitan's layer frequency), every block
-RECOMPUTE_VARIANTS = ((False, 1), (True, 2), (True, 1))
+# (recompute, recompute_every, recompute_ops), least recomputation first ([Note: pruning]):
+# none, every second block (parallel.recompute = "every:2", torchtitan's layer frequency),
+# every block's element-wise operators ("ops": where the statistics counted them, [Note:
+# pricing selective recomputation] in planner/recompute.py), every block
+RECOMPUTE_VARIANTS = ((False, 1, False), (True, 2, False), (True, 1, True), (True, 1, False))
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ def enumerate_layouts(
     against it (and, over a user's layers, only with one stage per rank)."""
     blocks = len(stats.pipeline_blocks)
     layered = bool(stats.layer_blocks)  # [Note: layer view] in measure/layer_stats.py
+    selective = has_ops_stats(stats)
     for tp in _divisors(n):
         if cluster.per_host % tp:  # tensor parallel stays inside a host and tiles it
             continue
@@ -150,11 +154,18 @@ def enumerate_layouts(
             if pp > blocks or global_batch % dp or (layered and pp > 1 and tp > 1):
                 continue  # the layer view counts no tensor-parallel shards per layer
             per_replica = global_batch // dp
-            for recompute, every in RECOMPUTE_VARIANTS:
+            for recompute, every, ops in RECOMPUTE_VARIANTS:
+                if ops and not selective:
+                    continue
                 if pp == 1:
                     for zero in (0, 2, 3) if dp > 1 else (0,):
                         yield Layout(
-                            dp=dp, tp=tp, zero=zero, recompute=recompute, recompute_every=every
+                            dp=dp,
+                            tp=tp,
+                            zero=zero,
+                            recompute=recompute,
+                            recompute_every=every,
+                            recompute_ops=ops,
                         )
                     if dp > 1 and tp == 1 and any(b.linears for b in stats.blocks):
                         yield Layout(
@@ -162,6 +173,7 @@ def enumerate_layouts(
                             sufficient_factor=True,
                             recompute=recompute,
                             recompute_every=every,
+                            recompute_ops=ops,
                         )
                     continue
                 # [Note: micro-batch counts] every count from one micro-batch per stage to
@@ -182,6 +194,7 @@ def enumerate_layouts(
                                 microbatches=m,
                                 recompute=recompute,
                                 recompute_every=every,
+                                recompute_ops=ops,
                             )
                     if not next_schedules or tp > 1:  # the runtime refuses tp there
                         continue
@@ -198,6 +211,7 @@ def enumerate_layouts(
                             microbatches=m,
                             recompute=recompute,
                             recompute_every=every,
+                            recompute_ops=ops,
                         )
                         if pipeline_problem(layout, blocks) is None:
                             yield layout
@@ -252,7 +266,8 @@ def search(req: PlanRequest) -> PlanResult:
     once the plain (no ZeRO, no recomputation) layout of a mesh fits, its recomputing variants
     are skipped: they run the same collectives plus one more forward, so they cannot be faster.
     Likewise a layout recomputing every block is skipped where the same layout recomputing
-    every second block (yielded before it) fits.
+    every second block, or only every block's element-wise operators (both yielded before
+    it), fits.
 
     [Note: micro-batch counts] A pipeline is offered every micro-batch count m >= pp that
     divides the replica's batch (one sample per micro-batch at most): published runs use
@@ -279,7 +294,7 @@ def search(req: PlanRequest) -> PlanResult:
         cluster = req.cluster.with_size(n)
         env = Env(cluster, req.dtype, req.profile, req.bucket_bytes)
         fit_plain: set[tuple[int, int, int]] = set()
-        fit_partly: set[Layout] = set()  # every:2 layouts that fit, as their full variant
+        fit_partly: set[Layout] = set()  # every:2 and ops layouts that fit, as full ones
         layouts = enumerate_layouts(
             n, req.stats, cluster, req.global_batch, req.localsgd_period, req.next_schedules
         )
@@ -293,15 +308,15 @@ def search(req: PlanRequest) -> PlanResult:
             if layout.recompute and (layout.dp, layout.tp, layout.pp) in fit_plain:
                 continue  # [Note: pruning] recomputation only adds time once memory fits
             if layout in fit_partly:
-                continue  # [Note: pruning] every block recomputes where every second sufficed
+                continue  # [Note: pruning] all of every block where less sufficed
             pred = predict(layout, req.stats, env, req.global_batch, time_unfit=False)
             if layout.sufficient_factor and not pred.breakdown.get("late_multiply"):
                 continue  # no layer is cheaper with factors: the same as plain dp
             pred = _with_accumulation(layout, pred, req, env)
             if pred.fits and not layout.recompute and layout.zero == 0:
                 fit_plain.add((layout.dp, layout.tp, layout.pp))
-            if pred.fits and layout.every_k:
-                fit_partly.add(replace(layout, recompute_every=1))
+            if pred.fits and (layout.every_k or layout.recompute_ops):
+                fit_partly.add(replace(layout, recompute_every=1, recompute_ops=False))
             total = req.steps * pred.step_s + startup
             cost = n * price * total / 3600 if price is not None else None
             plans.append(_judge(pred, total, cost, req))

@@ -124,6 +124,16 @@ class BlockStats:
     # sample, forward and backward; () = unknown (priced by their bytes alone)
     fwd_elementwise: tuple[tuple[str, float, float], ...] = ()
     bwd_elementwise: tuple[tuple[str, float, float], ...] = ()
+    # [Note: selective recomputation's statistics] in measure/ops_stats.py: under
+    # parallel.recompute = "ops", bytes per sample the block keeps and rebuilds in backward, and
+    # the forward work it reruns (FLOPs and bytes per sample, operator calls); kept None = not
+    # counted: priced as keeping what it saves and rerunning nothing (planner/recompute.py)
+    ops_kept_bytes: float | None = None
+    ops_rebuilt_bytes: float = 0.0
+    ops_rerun_flops: float = 0.0
+    ops_rerun_ops: int = 0
+    ops_rerun_moved_bytes: float = 0.0
+    ops_rerun_elementwise: tuple[tuple[str, float, float], ...] = ()
 
     def tp_applied(self, tp: int) -> tuple[TPModule, ...]:
         """The `tp_modules` the plan parallelizes at degree ``tp`` (none at tp = 1)."""
@@ -375,6 +385,8 @@ class Layout:
     # with recompute: only the blocks whose model index is a multiple of it recompute
     # (parallel.recompute = "every:K"; torchtitan's layer frequency); 1 = every block
     recompute_every: int = 1
+    # with recompute: selectively, op by op (parallel.recompute = "ops"; every block)
+    recompute_ops: bool = False
     grad_accum: int = 1
     ps_servers: int = 0
     ps_mode: str = "sync"
@@ -407,7 +419,8 @@ class Layout:
         if self.sufficient_factor:
             parts.append("sf")
         if self.recompute:
-            parts.append("recompute" + (f"-every{self.recompute_every}" * self.every_k))
+            kind = "-ops" if self.recompute_ops else f"-every{self.recompute_every}" * self.every_k
+            parts.append("recompute" + kind)
         if self.grad_accum > 1:
             parts.append(f"accum{self.grad_accum}")
         return "-".join(parts)
@@ -420,6 +433,11 @@ class Layout:
     def recomputes(self, index: int) -> bool:
         """Whether block ``index`` of the model (its block view) recomputes its forward."""
         return self.recompute and index % self.recompute_every == 0
+
+    def _recompute_value(self) -> bool | str:
+        if self.recompute and self.recompute_ops:
+            return "ops"
+        return f"every:{self.recompute_every}" if self.every_k else self.recompute
 
     @property
     def devices(self) -> int:
@@ -446,9 +464,7 @@ class Layout:
             "parallel.pp": self.pp,
             "parallel.zero": self.zero,
             "parallel.sync": self.sync,
-            "parallel.recompute": f"every:{self.recompute_every}"
-            if self.every_k
-            else self.recompute,
+            "parallel.recompute": self._recompute_value(),
             "train.grad_accum": self.grad_accum,
             "launch.nproc": nproc,
             "launch.nnodes": nnodes,

@@ -101,11 +101,11 @@ def apply_layout(job: JobConfig, layout: Layout) -> JobConfig:
 
 def layout_of(job: JobConfig) -> Layout | None:
     """The planner's `Layout` of ``job`` (the inverse of `apply_layout`); None for what the
-    planner does not price (hybrid and spatial parallelism, op-level selective recomputation,
-    hierarchical parameter servers)."""
+    planner does not price (hybrid and spatial parallelism, hierarchical parameter
+    servers)."""
     p, pipe, ps = job.parallel, job.pipeline, job.ps
     policy = p.recompute_policy
-    if p.hybrid or p.spatial > 1 or ps.hierarchical or policy.mode == "ops":
+    if p.hybrid or p.spatial > 1 or ps.hierarchical:
         return None
     pp = p.pp
     workers = job.world_size - (ps.servers if p.sync == "ps" else 0)
@@ -118,8 +118,9 @@ def layout_of(job: JobConfig) -> Layout | None:
         sync=p.sync,
         schedule=pipe.schedule,
         microbatches=pipe.microbatches if pp > 1 else 1,
-        recompute=policy.mode == "full",
+        recompute=policy.mode != "none",
         recompute_every=policy.every,
+        recompute_ops=policy.mode == "ops",
         grad_accum=job.train.grad_accum,
         ps_servers=ps.servers if p.sync == "ps" else 0,
         ps_mode=ps.mode,

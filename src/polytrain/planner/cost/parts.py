@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from polytrain.planner.cost.common import Env
 from polytrain.planner.cost.tp import tp_comm_s, tp_dispatch_s
+from polytrain.planner.recompute import rerun_block
 from polytrain.planner.types import BACKWARD_FLOPS_PER_FORWARD, BlockStats, Layout, ModelStats
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "end_of_step_s",
     "input_bytes",
     "loop_s",
+    "rerun_s",
     "step_reduce_s",
     "weight_grad_share",
 ]
@@ -37,11 +39,14 @@ def block_times(
     *,
     first: int,
     last: int,
+    ops: bool = False,
 ) -> tuple[list[float], list[float], float]:
     """Per-block forward and backward seconds (compute / tp + tensor-parallel collectives)
     and the tensor-parallel share of them. ``first``/``last``: the list indices of the
     model's first and last block (``blocks[k]`` is block ``k - first`` of the model, which
-    recomputes its forward in backward iff ``recomputes(k - first)``)."""
+    recomputes its forward in backward iff ``recomputes(k - first)``: all of it, or with
+    ``ops`` the operators selective recomputation reruns, [Note: pricing selective
+    recomputation] in planner/recompute.py)."""
     fwd, bwd = [], []
     tp_s = 0.0
     for k, b in enumerate(blocks):
@@ -53,11 +58,26 @@ def block_times(
         dispatch = tp_dispatch_s(env, b, tp) / 2
         f = env.fwd_s(b, samples, tp) + comm_f + dispatch
         recompute = recomputes(k - first)
-        bw = env.bwd_s(b, samples, tp) + comm_b + dispatch + (f if recompute else 0.0)
+        again = f
+        if ops:  # its collectives and dispatch run again with its element-wise operators
+            again = comm_f + dispatch + rerun_s(env, b, samples, tp)
+        bw = env.bwd_s(b, samples, tp) + comm_b + dispatch + (again if recompute else 0.0)
         tp_s += comm_f + comm_b + 2 * dispatch + (comm_f + dispatch if recompute else 0.0)
         fwd.append(f)
         bwd.append(bw)
     return fwd, bwd, tp_s
+
+
+def rerun_s(env: Env, block: BlockStats, samples: float, tp: int) -> float:
+    """Seconds selective recomputation adds to ``block``'s backward on one of ``tp`` ranks:
+    `planner.recompute.rerun_block`'s forward. Without a calibrated operator cost a pass is
+    priced by its matmuls alone (the catalog's efficiency folds the rest into the FLOP rate),
+    which would make a rerun of element-wise operators free: their bytes are priced at the
+    device's memory bandwidth instead."""
+    seconds = env.fwd_s(rerun_block(block), samples, tp)
+    if env.profile is None or env.profile.op_s <= 0:
+        seconds += block.ops_rerun_moved_bytes * samples / tp / env.mem_bw
+    return seconds
 
 
 def weight_grad_share(block: BlockStats) -> float:

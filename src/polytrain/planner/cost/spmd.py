@@ -38,7 +38,14 @@ def spmd_step(
     blocks = stats.blocks
     n = len(blocks)
     fwd, bwd, tp_s = block_times(
-        env, blocks, mb_samples, layout.tp, layout.recomputes, first=0, last=n - 1
+        env,
+        blocks,
+        mb_samples,
+        layout.tp,
+        layout.recomputes,
+        first=0,
+        last=n - 1,
+        ops=layout.recompute_ops,
     )
     share = _recomputed_share(stats, layout)
     if share < 1.0:  # the one block recomputes this share of its layers' forward

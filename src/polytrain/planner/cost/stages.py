@@ -200,7 +200,14 @@ def _pipeline_stages(
     hooks = [0.0] * len(stages)
     for s, blocks in enumerate(stages):
         f, b, tp_s = block_times(
-            env, blocks, mb_samples, layout.tp, layout.recomputes, first=-start, last=n - 1 - start
+            env,
+            blocks,
+            mb_samples,
+            layout.tp,
+            layout.recomputes,
+            first=-start,
+            last=n - 1 - start,
+            ops=layout.recompute_ops,
         )
         start += len(blocks)
         if in_actions(layout):  # FSDP2's hooks on each block and the stage, half in each pass
