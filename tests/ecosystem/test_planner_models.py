@@ -213,10 +213,6 @@ def test_a_llama_at_a_long_context_peaks_as_predicted(tmp_path: Path) -> None:
     seq = 512
     args = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128}
     args |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}
-    # transformers' key-value cache (on by default) grows between a layer's forward and its
-    # recomputation, which torch's selective checkpoint refuses ("aten.slice.Tensor ... not
-    # found in storage"): the runtime's "ops" runs a transformers model only without it
-    args |= {"use_cache": False}
     fields = {
         "model.name": _FACTORY + "llama",
         "model.args": {**args, "max_position_embeddings": seq},

@@ -81,13 +81,30 @@ def apply_recompute(model: BlockModel, policy: RecomputePolicy = FULL) -> BlockM
     """Recompute the blocks ``policy`` covers (those with parameters), in place, names
     unchanged. A user model's blocks are its repeated layers ([Note: block view] in
     `models.blocks`); ``every:K`` counts them from 0."""
+    recomputed = False
     for index, block in enumerate(model.units()):
         if not policy.covers(index) or is_recomputed(block):
             continue
         if any(True for _ in block.parameters()):
             # A partial over the module (not a closure): deep copies re-bind to the copy.
             block.forward = partial(_checkpointed, block, policy.mode == "ops")
+            recomputed = True
+    if recomputed:
+        _no_key_value_cache(model)
     return model
+
+
+def _no_key_value_cache(model: nn.Module) -> None:
+    """[Note: no key-value cache under recomputation] A transformers model caches each layer's
+    keys and values by default (``config.use_cache``), growing the cache in place in every
+    layer's forward. A recomputed layer runs its forward again in backward and would grow it
+    again: torch's selective checkpoint then finds another op sequence than the forward's
+    ("aten.slice.Tensor ... not found in storage"). Training reads no cache, so it is turned
+    off where a layer recomputes, as transformers' own gradient checkpointing does."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
 
 
 def is_recomputed(block: nn.Module) -> bool:
