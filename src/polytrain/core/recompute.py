@@ -102,7 +102,7 @@ def _no_key_value_cache(model: nn.Module) -> None:
     ("aten.slice.Tensor ... not found in storage"). Training reads no cache, so it is turned
     off where a layer recomputes, as transformers' own gradient checkpointing does."""
     for module in model.modules():
-        config = getattr(module, "config", None)
+        config: Any = getattr(module, "config", None)
         if getattr(config, "use_cache", False) is True:
             config.use_cache = False
 
