@@ -2,10 +2,10 @@
 
 The block is parsed from README.md at test time: an edited example is tested as edited. ``train``
 commands run for two real steps (the whole job is resolved and pre-flighted first: config, model
-built on the meta device, mesh, partition, plans); ``--dry-run`` examples, ``plan`` and
-``polytrain doctor`` run as they are. The files an example names (``job.toml``, ``corpus.txt``, the
-``mypkg.models:build`` factory, the checkout's ``examples/``) are there first, as a user would
-have them.
+built on the meta device, mesh, partition, plans), once per job this host resolves them to;
+``--dry-run`` examples, ``plan`` and ``polytrain doctor`` run as they are. The files an example
+names (``job.toml``, ``corpus.txt``, the ``mypkg.models:build`` factory, the checkout's
+``examples/``) are there first, as a user would have them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.cli import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -112,25 +114,59 @@ def test_readme_example_validates(argv: list[str], user_dir: Path) -> None:
         assert not (user_dir / argv[argv.index("--save-final") + 1]).exists()  # dry run
 
 
+def shortened(argv: list[str], out_dir: Path | str) -> list[str]:
+    """The example cut to two steps (the last --steps wins), no eval, no sample, into out_dir."""
+    return [
+        *argv,
+        *("--steps", "2", "--eval-every", "0", "--no-progress"),
+        *("--set", "train.sample_tokens=0", "--out-dir", str(out_dir)),
+    ]
+
+
+def resolved_job(
+    argv: list[str],
+    user_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> str:
+    """The job this host resolves ``argv`` to (its --dry-run TOML, in this process): what the
+    workers would receive."""
+    with monkeypatch.context() as patch:
+        patch.chdir(user_dir)
+        patch.syspath_prepend(str(user_dir))
+        code, out, err = run_main([*shortened(argv, "run"), "--dry-run"], capsys)
+        for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+            del sys.modules[name]  # each test's user_dir has its own mypkg
+    assert code == 0, f"polytrain {_id(argv)} --dry-run\n{err}"
+    return "\n".join(line for line in out.splitlines() if not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, str]:
+    """Resolved job -> the example that trained it, in this session."""
+    return {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", TRAIN, ids=_id)
-def test_readme_example_trains_two_steps(argv: list[str], user_dir: Path) -> None:
-    """The same command, shortened to two steps (the last --steps wins), trains and exits 0."""
-    short = [
-        *argv,
-        "--steps",
-        "2",
-        "--eval-every",
-        "0",
-        "--no-progress",
-        "--set",
-        "train.sample_tokens=0",
-        "--out-dir",
-        str(user_dir / "run"),
-    ]
+def test_readme_example_trains_two_steps(
+    argv: list[str],
+    user_dir: Path,
+    trained: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The same command, shortened to two steps, trains and exits 0. Two examples that resolve
+    to one job on this host (``train`` and ``train --device cpu --nproc 2`` where there is no
+    GPU) train it once: the workers receive only the resolved job."""
+    job = resolved_job(argv, user_dir, monkeypatch, capsys)
+    if job in trained:
+        pytest.skip(f"this host resolves it to the job `polytrain {trained[job]}` trained")
+    short = shortened(argv, user_dir / "run")
     proc = polytrain(short, user_dir, timeout=600)
     assert proc.returncode == 0, f"polytrain {_id(short)}\n{proc.stderr[-3000:]}"
     metrics = (user_dir / "run" / "metrics.jsonl").read_text()
     assert '"step": 2' in metrics or '"step":2' in metrics
     if "--save-final" in argv:
         assert (user_dir / argv[argv.index("--save-final") + 1]).stat().st_size > 0
+    trained[job] = _id(argv)
