@@ -20,8 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from polytrain.config import devices
 from tests.helpers.cli import run_main
 
+# The host's own GPU count, taken before conftest hides GPUs from the jobs a test builds in
+# its process: the examples run in a subprocess, which sees them.
+HOST_GPUS = devices.visible_gpus
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
@@ -134,6 +138,7 @@ def resolved_job(
     with monkeypatch.context() as patch:
         patch.chdir(user_dir)
         patch.syspath_prepend(str(user_dir))
+        patch.setattr(devices, "visible_gpus", HOST_GPUS)
         code, out, err = run_main([*shortened(argv, "run"), "--dry-run"], capsys)
         for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
             del sys.modules[name]  # each test's user_dir has its own mypkg
