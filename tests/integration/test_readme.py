@@ -3,9 +3,10 @@
 The block is parsed from README.md at test time: an edited example is tested as edited. ``train``
 commands run for two real steps (the whole job is resolved and pre-flighted first: config, model
 built on the meta device, mesh, partition, plans), once per job this host resolves them to;
-``--dry-run`` examples, ``plan`` and ``polytrain doctor`` run as they are. The files an example
-names (``job.toml``, ``corpus.txt``, the ``mypkg.models:build`` factory, the checkout's
-``examples/``) are there first, as a user would have them.
+``--dry-run`` examples, ``plan`` and ``polytrain doctor`` run as they are (in this process: they
+start no worker). The files an example names (``job.toml``, ``corpus.txt``, the
+``mypkg.models:build`` factory, the checkout's ``examples/``) are there first, as a user would
+have them.
 """
 
 from __future__ import annotations
@@ -101,23 +102,6 @@ TRAIN = [argv for argv in COMMANDS if argv[0] == "train" and "--dry-run" not in 
 VALIDATE = [argv for argv in COMMANDS if argv not in TRAIN]
 
 
-@pytest.mark.slow  # a subprocess per example: seconds each
-@pytest.mark.parametrize("argv", VALIDATE, ids=_id)
-def test_readme_example_validates(argv: list[str], user_dir: Path) -> None:
-    proc = polytrain(argv, user_dir)
-    assert proc.returncode == 0, f"polytrain {_id(argv)}\n{proc.stderr}"
-    if argv[0] == "train":
-        assert "[parallel]" in proc.stdout  # the resolved job, printed as TOML
-    elif argv[0] == "plan" and "--layout" in argv:
-        assert "ms/step" in proc.stdout and "memory: total" in proc.stdout  # its parts
-    elif argv[0] == "plan":
-        assert "plan:" in proc.stdout  # the chosen layout, then the table
-    else:
-        assert "torch" in proc.stdout
-    if "--save-final" in argv:
-        assert not (user_dir / argv[argv.index("--save-final") + 1]).exists()  # dry run
-
-
 def shortened(argv: list[str], out_dir: Path | str) -> list[str]:
     """The example cut to two steps (the last --steps wins), no eval, no sample, into out_dir."""
     return [
@@ -127,21 +111,56 @@ def shortened(argv: list[str], out_dir: Path | str) -> list[str]:
     ]
 
 
+def run_here(
+    argv: list[str],
+    user_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> tuple[int, str, str]:
+    """``polytrain ARGV`` in this process, as a user in ``user_dir`` on this host runs it: for
+    the commands that start no worker, where a new interpreter would only add its start-up."""
+    with monkeypatch.context() as patch:
+        patch.chdir(user_dir)
+        patch.syspath_prepend(str(user_dir))
+        patch.setattr(devices, "visible_gpus", HOST_GPUS)
+        try:
+            return run_main(argv, capsys)
+        finally:
+            for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+                del sys.modules[name]  # each test's user_dir has its own mypkg
+
+
+@pytest.mark.slow  # the planner's searches and pre-flights: up to a second each
+@pytest.mark.parametrize("argv", VALIDATE, ids=_id)
+def test_readme_example_validates(
+    argv: list[str],
+    user_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run_here(argv, user_dir, monkeypatch, capsys)
+    assert code == 0, f"polytrain {_id(argv)}\n{err}"
+    if argv[0] == "train":
+        assert "[parallel]" in out  # the resolved job, printed as TOML
+    elif argv[0] == "plan" and "--layout" in argv:
+        assert "ms/step" in out and "memory: total" in out  # its parts
+    elif argv[0] == "plan":
+        assert "plan:" in out  # the chosen layout, then the table
+    else:
+        assert "torch" in out
+    if "--save-final" in argv:
+        assert not (user_dir / argv[argv.index("--save-final") + 1]).exists()  # dry run
+
+
 def resolved_job(
     argv: list[str],
     user_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> str:
-    """The job this host resolves ``argv`` to (its --dry-run TOML, in this process): what the
-    workers would receive."""
-    with monkeypatch.context() as patch:
-        patch.chdir(user_dir)
-        patch.syspath_prepend(str(user_dir))
-        patch.setattr(devices, "visible_gpus", HOST_GPUS)
-        code, out, err = run_main([*shortened(argv, "run"), "--dry-run"], capsys)
-        for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
-            del sys.modules[name]  # each test's user_dir has its own mypkg
+    """The job this host resolves ``argv`` to (its --dry-run TOML): what the workers would
+    receive."""
+    code, out, err = run_here([*shortened(argv, "run"), "--dry-run"], user_dir, monkeypatch, capsys)
     assert code == 0, f"polytrain {_id(argv)} --dry-run\n{err}"
     return "\n".join(line for line in out.splitlines() if not line.startswith("#"))
 
