@@ -112,9 +112,9 @@ def _run_with_hung_server(rank: int, world_size: int, job: JobConfig, marks: str
     return {"history": result.history}
 
 
-def _timed_job(timeout_s: float, **ps: Any) -> JobConfig:
+def _timed_job(timeout_s: float, steps: int = 4, **ps: Any) -> JobConfig:
     return small_job(
-        train={"steps": 4},
+        train={"steps": steps},
         parallel={"sync": "ps"},
         ps={"servers": 1, **ps},
         launch={"nproc": WORLD, "timeout_s": timeout_s},
@@ -141,11 +141,12 @@ def test_a_hung_server_is_named_within_the_timeout(tmp_path: Path) -> None:
 
 def test_a_server_waiting_for_a_straggler_is_not_called_hung() -> None:
     """SSP with staleness 0: the fast worker's pull waits for the straggler (4 s a step, longer
-    than the 2 s timeout) while the server keeps serving; the job must finish."""
-    job = _timed_job(2.0, mode="ssp", staleness=0, straggler_delay_s=4.0)
+    than the 2 s timeout) while the server keeps serving; the job must finish. Two steps: the
+    second step's pull is the wait past the timeout (the first pulls the initial weights)."""
+    job = _timed_job(2.0, steps=2, mode="ssp", staleness=0, straggler_delay_s=4.0)
     out = run_distributed(_run, WORLD, job, timeout_s=300)
     assert "error" not in out[0] and "other" not in out[0], out[0]
-    assert len(out[0]["history"]) == 4
+    assert len(out[0]["history"]) == 2
     assert max(r["ps_wait_s"] for r in out[0]["history"]) > 2.0  # it did wait past the timeout
 
 

@@ -92,10 +92,10 @@ FULL_MATRIX += [("gpt2", "1f1b-pp2-recompute"), ("llama", "1f1b-pp2-recompute")]
 # stages (also split by tp inside them, or sharded by ZeRO-3 inside them) and under ZeRO-3 and
 # leaf servers, BatchNorm under dp / dp x pp / parameter servers (flat and with leaves), Llama's
 # rotary tables and masks across stages and its own tp plan, BERT's padding mask; GPT-2 under tp has
-# its own test (fused qkv, tie and export in one run). POLYTRAIN_FULL_MATRIX=1 runs every pair
+# its own test (fused qkv, tie and export in one run), and the export test's 1F1B runs (GPT-2,
+# Llama, ResNet) are held to one process as well. POLYTRAIN_FULL_MATRIX=1 runs every pair
 # (run in full when the layer pipelines and the tp plans landed; docs/models.md).
 CI_MATRIX = [
-    ("gpt2", "1f1b-pp2"),
     ("gpt2", "pp2-tp2"),
     ("gpt2", "zero3-dp2"),
     ("gpt2", "zero3-dp2-pp2"),
@@ -172,10 +172,12 @@ def test_matches_single_process(model: str, strategy: str) -> None:
 
 
 def test_the_ci_matrix_keeps_its_promise() -> None:
-    """[Note: the CI matrix]: each strategy (tp2 counting GPT-2's own test) and the
-    recomputation row on at least two models, each model under at least two strategies."""
+    """[Note: the CI matrix]: each strategy (tp2 counting GPT-2's own test, 1f1b-pp2 the export
+    test's runs) and the recomputation row on at least two models, each model under at least
+    two strategies."""
     models_of: dict[str, set[str]] = {}
-    for model, strategy in [*CI_MATRIX, ("gpt2", "tp2")]:
+    exported = [(model, "1f1b-pp2") for model in EXPORTED]
+    for model, strategy in [*CI_MATRIX, ("gpt2", "tp2"), *exported]:
         models_of.setdefault(strategy, set()).add(model)
     every = {**STRATEGIES, **TENSOR_PARALLEL, **RECOMPUTE}
     assert all(len(models_of.get(s, set())) >= 2 for s in every), models_of
@@ -185,11 +187,13 @@ def test_the_ci_matrix_keeps_its_promise() -> None:
 
 @pytest.mark.parametrize("model", EXPORTED)
 def test_export_loads_into_the_original_class(model: str, tmp_path: Path) -> None:
-    """Exported through a 1F1B pipeline: stages gather their shares, GPT-2's tie survives."""
+    """Exported through a 1F1B pipeline: stages gather their shares, GPT-2's tie survives; the
+    run matches one process ([Note: the CI matrix] counts it as the model's 1f1b-pp2 case)."""
     path = tmp_path / "final.safetensors"
     world, sections = sections_of(model, "1f1b-pp2")
     job = hf_job(model, data_file(model), world, **sections, checkpoint={"save_final": str(path)})
     out = run_job(job, timeout_s=300)
+    assert_matches(out, reference(model))
     fresh = getattr(hf_models, f"make_{model}")(None)
     weights = load_file(str(path))
     fresh.load_state_dict(weights, strict=True)  # every key the class has, no prefix

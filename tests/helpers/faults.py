@@ -89,6 +89,11 @@ def slow(spec: DataSpec) -> nn.Module:
     return _model(spec, _Fault("slow", 0, rank=None, seconds=0.05))
 
 
+def steady(spec: DataSpec) -> nn.Module:
+    """`slow` without its sleep: the same weights, the same steps, for a reference run."""
+    return _model(spec, _Fault("none", 0, rank=None))
+
+
 class _PoisonParamGrad(torch.autograd.Function):
     """Identity in ``x``; backward passes ``x``'s gradient through and makes ``w``'s NaN."""
 

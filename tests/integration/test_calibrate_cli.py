@@ -12,9 +12,12 @@ import pytest
 
 from polytrain.planner.drift import SPEED_FIGURES, SPEED_SPREAD
 from polytrain.planner.profile_io import load_profile
+from tests.helpers.cli import run_main
 
 
 def _calibrate(cache: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """A measuring run, in its own process as a user's would be (its figures are this host's
+    with nothing else loaded in the process)."""
     env = {**os.environ, "POLYTRAIN_CACHE": str(cache)}
     return subprocess.run(
         [sys.executable, "-m", "polytrain.cli.app", "calibrate", "--quick", *flags],
@@ -25,8 +28,19 @@ def _calibrate(cache: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _calibrate_here(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *flags: str
+) -> tuple[int, str, str]:
+    """The same command in this process: for the runs that measure nothing (a reuse, a refusal),
+    where a new interpreter would only add its start-up."""
+    monkeypatch.setenv("POLYTRAIN_CACHE", str(cache))
+    return run_main(["calibrate", "--quick", *flags], capsys)
+
+
 @pytest.mark.slow
-def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) -> None:
+def test_quick_calibration_saves_a_sane_profile_and_reuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     first = _calibrate(tmp_path)
     assert first.returncode == 0, first.stderr
     (path,) = tmp_path.glob("host-*.json")
@@ -107,29 +121,32 @@ def test_quick_calibration_saves_a_sane_profile_and_reuses_it(tmp_path: Path) ->
     assert profile.spread[SPEED_SPREAD] >= 0 and "speed figures" in first.stdout
     stamp = path.stat().st_mtime_ns
 
-    second = _calibrate(tmp_path)  # same hardware and torch: the saved profile is reused
-    assert second.returncode == 0, second.stderr
-    assert "reused" in second.stdout or "measured earlier" in second.stdout
+    # same hardware and torch: the saved profile is reused
+    code, out, err = _calibrate_here(tmp_path, monkeypatch, capsys)
+    assert code == 0, err
+    assert "reused" in out or "measured earlier" in out
     assert path.stat().st_mtime_ns == stamp
 
 
-@pytest.mark.slow
-def test_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_a_cache_dir_that_is_a_file_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     blocker = tmp_path / "cache"
     blocker.write_text("not a directory")
-    proc = _calibrate(blocker)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+    code, _, err = _calibrate_here(blocker, monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
         f"polytrain: error: profile cache {str(blocker)!r} is a file, not a directory: pass "
         "--cache-dir DIR or set POLYTRAIN_CACHE to a directory"
     ]
     assert blocker.read_text() == "not a directory"  # nothing overwritten
 
 
-@pytest.mark.slow  # a subprocess
-def test_check_without_a_saved_profile_says_so_and_measures_nothing(tmp_path: Path) -> None:
-    out = _calibrate(tmp_path, "--check")
-    assert out.returncode == 2, out.stderr
-    assert "no saved profile of this host" in out.stderr and "polytrain calibrate" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+def test_check_without_a_saved_profile_says_so_and_measures_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _calibrate_here(tmp_path, monkeypatch, capsys, "--check")
+    assert code == 2, err
+    assert "no saved profile of this host" in err and "polytrain calibrate" in err
+    assert len(err.strip().splitlines()) == 1
     assert not list(tmp_path.glob("host-*.json"))  # nothing was measured or saved

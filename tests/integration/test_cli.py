@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from polytrain.testing import max_abs_diff, scaled
@@ -32,44 +33,43 @@ def polytrain(*args: str, cwd: Path, timeout: float = 240) -> subprocess.Complet
     )
 
 
-def test_mlp_layouts_agree_to_fp32_roundoff(tmp_path: Path) -> None:
-    """The issue's acceptance check: nproc 1, dp 2 and dp 2 + ZeRO-3 give the same weights."""
-    common = [
+# The MLP job every layout below must reproduce, in one process (one run serves both tests).
+MLP_JOB = ["--model", "mlp", "--steps", "20", "--seed", "1", "--optimizer", "sgd", "--no-progress"]
+
+
+def train_mlp(tmp_path: Path, name: str, *layout: str) -> dict[str, torch.Tensor]:
+    """MLP_JOB under ``layout``: its final weights; its metrics end with step 20 and val_loss."""
+    out = tmp_path / f"{name}.safetensors"
+    proc = polytrain(
         "train",
-        "--model",
-        "mlp",
-        "--steps",
-        "20",
-        "--seed",
-        "1",
-        "--optimizer",
-        "sgd",
-        "--no-progress",
-    ]
-    layouts = {
-        "single": ["--nproc", "1"],
-        "dp2": ["--nproc", "2", "--dp", "2"],
-        "zero3": ["--nproc", "2", "--dp", "2", "--zero", "3"],
-    }
-    weights = {}
-    for name, extra in layouts.items():
-        out = tmp_path / f"{name}.safetensors"
-        proc = polytrain(
-            *common,
-            *extra,
-            "--save-final",
-            str(out),
-            "--out-dir",
-            str(tmp_path / name),
-            cwd=tmp_path,
-        )
-        assert proc.returncode == 0, proc.stderr
-        weights[name] = load_file(str(out))
-        metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
-        assert metrics[-1]["step"] == 20 and "val_loss" in metrics[-1]
-    assert set(weights["dp2"]) == set(weights["single"])
-    assert max_abs_diff(weights["dp2"], weights["single"]) <= 1e-5
-    assert max_abs_diff(weights["zero3"], weights["single"]) <= 1e-5
+        *MLP_JOB,
+        *layout,
+        "--save-final",
+        str(out),
+        "--out-dir",
+        str(tmp_path / name),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
+    assert metrics[-1]["step"] == 20 and "val_loss" in metrics[-1]
+    return load_file(str(out))
+
+
+@pytest.fixture(scope="module")
+def single_mlp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    return train_mlp(tmp_path_factory.mktemp("single"), "single", "--nproc", "1")
+
+
+def test_mlp_layouts_agree_to_fp32_roundoff(
+    tmp_path: Path, single_mlp: dict[str, torch.Tensor]
+) -> None:
+    """The issue's acceptance check: nproc 1, dp 2 and dp 2 + ZeRO-3 give the same weights."""
+    dp2 = train_mlp(tmp_path, "dp2", "--nproc", "2", "--dp", "2")
+    zero3 = train_mlp(tmp_path, "zero3", "--nproc", "2", "--dp", "2", "--zero", "3")
+    assert set(dp2) == set(single_mlp)
+    assert max_abs_diff(dp2, single_mlp) <= 1e-5
+    assert max_abs_diff(zero3, single_mlp) <= 1e-5
 
 
 def test_gpt_run_prints_sample_and_metrics_path(tmp_path: Path) -> None:
@@ -128,7 +128,7 @@ def test_failed_worker_is_one_line_naming_the_rank(tmp_path: Path) -> None:
     )
 
 
-def test_two_nodes_on_loopback(tmp_path: Path) -> None:
+def test_two_nodes_on_loopback(tmp_path: Path, single_mlp: dict[str, torch.Tensor]) -> None:
     """--nnodes/--node-rank/--rdzv-endpoint mean what they mean for torchrun."""
     import socket
 
@@ -137,21 +137,13 @@ def test_two_nodes_on_loopback(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     common = [
         "train",
-        "--model",
-        "mlp",
-        "--steps",
-        "5",
+        *MLP_JOB,
         "--nnodes",
         "2",
         "--nproc",
         "1",
         "--rdzv-endpoint",
         f"127.0.0.1:{port}",
-        "--no-progress",
-        "--optimizer",
-        "sgd",
-        "--seed",
-        "1",
         "--save-final",
         "two_nodes.safetensors",
     ]
@@ -171,26 +163,8 @@ def test_two_nodes_on_loopback(tmp_path: Path) -> None:
     finally:
         node0.kill()
     assert node1.returncode == 0 and node0.returncode == 0, err0 + node1.stderr
-    single = polytrain(
-        "train",
-        "--model",
-        "mlp",
-        "--steps",
-        "5",
-        "--nproc",
-        "1",
-        "--seed",
-        "1",
-        "--optimizer",
-        "sgd",
-        "--no-progress",
-        "--save-final",
-        "one.safetensors",
-        cwd=tmp_path,
-    )
-    assert single.returncode == 0, single.stderr
     assert (tmp_path / "n0" / "metrics.jsonl").exists() != (
         tmp_path / "n1" / "metrics.jsonl"
     ).exists()
     two = load_file(str(tmp_path / "two_nodes.safetensors"))
-    assert max_abs_diff(two, load_file(str(tmp_path / "one.safetensors"))) <= 1e-5
+    assert max_abs_diff(two, single_mlp) <= 1e-5
