@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from polytrain._lazy_dist import is_dtensor, is_fsdp_module, local_tensor
+from polytrain.testing import run_distributed
 
 HEAVY = ("torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint")
 
@@ -63,23 +64,23 @@ def test_worker_and_launcher_leave_fsdp_dtensor_and_dcp_unimported() -> None:
     assert done.stdout.strip() == "[]", f"imported at start-up: {done.stdout.strip()}"
 
 
-def test_checks_answer_as_isinstance_once_the_packages_are_loaded(tmp_path: Path) -> None:
-    import torch.distributed as dist
+def _isinstance_checks(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        local = torch.arange(4.0)
-        dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
-        assert is_dtensor(dt) and not is_dtensor(local) and not is_dtensor(None)
-        assert torch.equal(local_tensor(dt), local) and local_tensor(local) is local
-        model = nn.Sequential(nn.Linear(2, 2))
-        assert not is_fsdp_module(model)
-        fully_shard(model, mesh=mesh)
-        assert is_fsdp_module(model) and isinstance(model, FSDPModule)
-        assert is_dtensor(next(model.parameters()))
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world_size,))
+    local = torch.arange(4.0)
+    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    assert is_dtensor(dt) and not is_dtensor(local) and not is_dtensor(None)
+    assert torch.equal(local_tensor(dt), local) and local_tensor(local) is local
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert not is_fsdp_module(model)
+    fully_shard(model, mesh=mesh)
+    assert is_fsdp_module(model) and isinstance(model, FSDPModule)
+    assert is_dtensor(next(model.parameters()))
+
+
+@pytest.mark.slow  # a rank of the gloo harness (this process keeps no process group)
+def test_checks_answer_as_isinstance_once_the_packages_are_loaded() -> None:
+    run_distributed(_isinstance_checks, 1)
