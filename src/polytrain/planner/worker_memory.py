@@ -29,8 +29,7 @@ WORKER_IMPORTS = (
 # WORKER_IMPORTS), one optimizer (whose first construction imports torch._dynamo) and two steps
 # of a miniature of the default model (gpt: embedding, layer norm, attention, GELU,
 # cross-entropy), then the peak again and the seconds spent after the imports
-_WORKER_STEP = (
-    WORKER_IMPORTS + "; import time; t0 = time.perf_counter()"
+_MINI_STEP = (
     "; from polytrain.config.job import ModelConfig, OptimConfig"
     "; from polytrain.core.optim import build_optimizer"
     "; from polytrain.data.datasets import DataSpec"
@@ -41,7 +40,12 @@ _WORKER_STEP = (
     "; opt = build_optimizer(model.parameters(), OptimConfig())"
     "; x = torch.zeros(2, 8, dtype=torch.long)"
     "\nfor _ in range(2): model.loss(model(x), x).backward(); opt.step(); opt.zero_grad()"
-    "\nprint(peak_memory_mb(torch.device('cpu')))"
+)
+_WORKER_STEP = (
+    WORKER_IMPORTS
+    + "; import time; t0 = time.perf_counter()"
+    + _MINI_STEP
+    + "\nprint(peak_memory_mb(torch.device('cpu')))"
     "\nprint(time.perf_counter() - t0)"
 )
 
@@ -68,9 +72,11 @@ def fresh_worker_memory() -> tuple[float, float, float]:
 
 # What a worker that trains a user's model adds: the factory's module (and what it imports:
 # transformers, timm...) and the model built from it, on the meta device (no weights: those are
-# the model states, priced apart). The peak after the worker's own imports, then after these.
+# the model states, priced apart). The peak after the worker's own imports and the runtime's
+# miniature step (which imports much of torch that a factory's imports and the meta build
+# would import too: torch._dynamo, FSDP, DTensor; counted once, in the runtime), then after these.
 _FACTORY = (
-    WORKER_IMPORTS + "; import sys"
+    WORKER_IMPORTS + _MINI_STEP + "; import sys"
     "; from polytrain.config.io import job_from_dict, load_job"
     "; from polytrain.data.datasets import build_datasets"
     "; from polytrain.models.registry import block_size_of, build_model"
