@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,24 @@ def _jobs_resolve_as_on_a_cpu_host(
     tests/gpu sees the real devices, and a test may call `see_gpus` for others."""
     if "gpu" not in request.path.parts:
         see_gpus(monkeypatch, 0)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that makes a default process group in the pytest process destroys it (the
+    trainer's in-process `train()` makes a one-rank gloo group and leaves it for `shutdown()`):
+    a group left behind makes a later test's `init_process_group` fail far from its cause, so
+    the leaking test fails here instead, and the group is destroyed for the tests after it."""
+    yield
+    dist = sys.modules.get("torch.distributed")  # not imported yet: no group can exist
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    pytest.fail(
+        f"{request.node.nodeid} left torch.distributed's default process group initialized; "
+        "destroy it in the test (try/finally: polytrain.comm.shutdown())",
+        pytrace=False,
+    )
 
 
 def small_job(**sections: dict[str, Any]) -> JobConfig:

@@ -22,6 +22,7 @@ def test_load_refuses_a_factory_the_workers_cannot_import() -> None:
 
 
 def test_a_run_returns_the_weights_under_the_users_names(tmp_path: Path) -> None:
+    from polytrain.comm import shutdown
     from polytrain.trainer import train
 
     job = polytrain.load(
@@ -33,7 +34,10 @@ def test_a_run_returns_the_weights_under_the_users_names(tmp_path: Path) -> None
         observe__progress=False,
         observe__out_dir=str(tmp_path / "run"),
     )
-    result = train(job)
+    try:
+        result = train(job)  # in-process: a one-rank gloo group, left for the caller to destroy
+    finally:
+        shutdown()
     assert result.state_dict is not None and result.exported is not None
     assert all(k.startswith("blocks.") for k in result.state_dict)
     assert set(result.exported) == {k.removeprefix("blocks.") for k in result.state_dict}
