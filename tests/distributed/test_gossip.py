@@ -212,7 +212,7 @@ def test_diloco_checkpoint_holds_anchor_and_outer_momentum(tmp_path: Path) -> No
 def test_diloco_state_is_not_dropped_on_resume(tmp_path: Path) -> None:
     """A checkpoint of DiLoCo resumed without its outer step would drop the anchor and the
     outer momentum: refused, in one line naming the setting to use (as is the reverse, which
-    would start them afresh: `trainer.checkpoint._check_state_carries_over`)."""
+    would start them afresh: `trainer.resume_checks.check_state_carries_over`)."""
     saved, resumed = "nesterov", "none"
 
     def job(outer: str, steps: int, resume: bool) -> Any:

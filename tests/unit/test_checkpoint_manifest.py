@@ -12,8 +12,8 @@ from safetensors.torch import save as safetensors_bytes
 from polytrain.comm.watchdog import is_comm_failure
 from polytrain.config import job_from_dict
 from polytrain.errors import CheckpointError
-from polytrain.trainer.checkpoint import _job_differences, job_fingerprint
 from polytrain.trainer.manifest import MANIFEST, Manifest, committed, latest_valid, step_dir, verify
+from polytrain.trainer.resume_checks import job_differences, job_fingerprint
 
 # A real safetensors file: verify reads its header to check the manifest's tensor map.
 PAYLOAD = safetensors_bytes({"model.w": torch.ones(1)})
@@ -116,7 +116,7 @@ def test_job_fingerprint_ignores_per_node_fields_only() -> None:
 def test_job_differences_name_the_changed_fields() -> None:
     saved = {"train": {"steps": 6, "seed": 1}, "parallel": {"dp": 2}}
     now = {"train": {"steps": 8, "seed": 1}, "parallel": {"dp": 1}}
-    assert _job_differences(saved, now) == ["train.steps = 6 -> 8"]
+    assert job_differences(saved, now) == ["train.steps = 6 -> 8"]
 
 
 def test_comm_failures_are_recognised() -> None:

@@ -20,7 +20,7 @@ from polytrain.gossip.family import DECENTRALIZED
 from polytrain.planner.cost.hybrid import step_model
 from polytrain.planner.types import Layout
 from polytrain.trainer.build import FAMILIES, strategy_family
-from polytrain.trainer.checkpoint import _check_state_carries_over
+from polytrain.trainer.resume_checks import check_state_carries_over
 
 # One layout of every family (and of each ``sync`` a family runs).
 LAYOUTS = [
@@ -105,10 +105,10 @@ def test_a_resume_compares_the_settings_a_family_row_declares(tmp_path: Path) ->
         match=r"saved with train.seed = 1 and this job has 2: X cannot carry over; "
         r"resume with --set train.seed=1 or start from another --checkpoint-dir",
     ):
-        _check_state_carries_over(
+        check_state_carries_over(
             seed1, "toy", job_from_dict({"train": {"seed": 2}}), tmp_path, (toy,)
         )
-    _check_state_carries_over(
+    check_state_carries_over(
         to_dict(_localsgd("nesterov")), "toy", _localsgd("none"), tmp_path, (toy,)
     )
 
@@ -123,6 +123,6 @@ def test_the_decentralized_row_guards_diloco_state(tmp_path: Path) -> None:
         (nesterov, "decentralized", job_from_dict({"launch": {"nproc": 2}})),
     ]:
         with pytest.raises(CheckpointError, match=r"localsgd.outer = .*--set localsgd.outer="):
-            _check_state_carries_over(saved, family, job, tmp_path)
-    _check_state_carries_over(nesterov, "decentralized", _localsgd("nesterov"), tmp_path)
-    _check_state_carries_over(nesterov, None, _localsgd("nesterov"), tmp_path)  # older manifest
+            check_state_carries_over(saved, family, job, tmp_path)
+    check_state_carries_over(nesterov, "decentralized", _localsgd("nesterov"), tmp_path)
+    check_state_carries_over(nesterov, None, _localsgd("nesterov"), tmp_path)  # older manifest

@@ -5,7 +5,7 @@ launching process: ``train.device = "auto"`` becomes ``cuda`` where torch sees a
 elsewhere; ``launch.nproc = "gpu"`` becomes the number of visible GPUs (torchrun's
 ``--nproc-per-node gpu``), and ``"auto"`` that number on a CUDA job and `CPU_PROCS` CPU
 processes otherwise. The run's ``job.toml`` holds the resolved values, so the workers, which load
-it, never probe again and every rank holds the same job (`trainer.checkpoint.check_same_job`);
+it, never probe again and every rank holds the same job (`trainer.resume_checks.check_same_job`);
 an explicit ``--device cpu`` on a GPU machine keeps the CPU. ``launch.backend = "auto"`` is
 resolved where the group starts (`comm.init.resolve_backend`: nccl on cuda, gloo on cpu).
 """

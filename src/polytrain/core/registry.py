@@ -57,7 +57,7 @@ class StrategyFamily:
     never imports a family; tests/unit/test_families.py checks both ends agree).
     ``state_settings`` maps a dotted config key to the state the family saves, beyond the model
     and its optimizer, that depends on it (DiLoCo's anchor and outer momentum on
-    ``localsgd.outer``): a resume that changes one is refused (trainer/checkpoint.py)."""
+    ``localsgd.outer``): a resume that changes one is refused (trainer/resume_checks.py)."""
 
     name: str
     selects: Callable[[JobConfig], bool]

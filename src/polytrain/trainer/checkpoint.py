@@ -30,27 +30,26 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
-from torch import nn
 
 import polytrain
-from polytrain.comm.agree import all_gather_ints, broadcast_int, differing_ranks, fingerprint
+from polytrain.comm.agree import all_gather_ints, broadcast_int, fingerprint
 from polytrain.comm.kv import collect, publish
-from polytrain.config.base import describe_field, to_dict
+from polytrain.config.base import to_dict
 from polytrain.config.job import JobConfig
 from polytrain.core.cadence import checkpoint_due
 from polytrain.core.optim import lr_at
-from polytrain.core.registry import StrategyFamily, family_for
 from polytrain.core.strategy import NonFiniteLossError, Strategy
-from polytrain.errors import CheckpointError, ConfigError
-from polytrain.trainer.build import FAMILIES, strategy_family
+from polytrain.errors import CheckpointError
+from polytrain.trainer.build import strategy_family
+from polytrain.trainer.checkpoint_state import CheckpointParts
 from polytrain.trainer.manifest import (
     MANIFEST,
     Manifest,
@@ -59,13 +58,13 @@ from polytrain.trainer.manifest import (
     step_dir,
 )
 from polytrain.trainer.ownership import job_identity, owned, owned_by, prune
+from polytrain.trainer.resume_checks import (
+    check_state_carries_over,
+    job_differences,
+    job_fingerprint,
+)
 
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-__all__ = ["Checkpointer", "check_same_job", "job_fingerprint", "restart_count"]
-
-_PER_NODE = {"launch": ("node_rank",), "observe": ("out_dir", "progress", "trace")}
+__all__ = ["Checkpointer", "restart_count"]
 
 
 def restart_count() -> int:
@@ -73,150 +72,9 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def job_fingerprint(job: JobConfig, world_size: int) -> str:
-    """A digest of the job and layout, leaving out what may differ between nodes."""
-    data = to_dict(job)
-    for section, keys in _PER_NODE.items():
-        for key in keys:
-            data.get(section, {}).pop(key, None)
-    data.get("checkpoint", {}).pop("resume", None)  # restarts resume implicitly
-    text = json.dumps({"job": data, "world_size": world_size}, sort_keys=True, default=str)
-    return f"{fingerprint(text):016x}"
-
-
-def check_same_job(job: JobConfig, world_size: int) -> None:
-    """Collective pre-flight: every rank must have been given the same job and layout."""
-    differ = differing_ranks(int(job_fingerprint(job, world_size), 16))
-    if differ:
-        raise ConfigError(
-            f"rank(s) {differ} were given a different job or layout than rank 0 (compared: "
-            "every config field except launch.node_rank and observe.*): start every node "
-            "with the same --config file and flags"
-        )
-
-
-def _options() -> StateDictOptions:
-    """DCP's state-dict API is imported where it is called, not at the top: it brings FSDP and
-    DTensor, which the launcher and a worker's start need not load ([Note: lazy
-    torch.distributed])."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True)
-
-
 def _warn(message: str) -> None:
     # stdout: rank 0's stdout reaches the user's terminal; its stderr goes to the run's logs.
     print(f"polytrain: warning: {message}", flush=True)
-
-
-class _Parts:
-    """The strategy's modules as one module, and the map between its keys and ours.
-
-    One module is used as it is. Several (interleaved pipeline stages on one rank) are put in
-    an ``nn.ModuleList`` so one ``get_state_dict`` call covers them and their optimizer; its
-    ``<j>.`` prefix is stripped, since the modules' own keys (``blocks.<i>...``) are disjoint.
-    """
-
-    def __init__(self, strategy: Strategy) -> None:
-        modules, optimizer = strategy.checkpoint_parts()
-        self.multi = len(modules) > 1
-        self.module: nn.Module = nn.ModuleList(modules) if len(modules) != 1 else modules[0]
-        # A rank without model parts (a parameter server before it exposes its shard) has no
-        # state of its own to save; an optimizer over parameters outside the modules cannot be
-        # named, so it is left out too.
-        self.optimizer = optimizer if modules else None
-
-    def _strip(self, key: str) -> str:
-        return key.split(".", 1)[1] if self.multi else key
-
-    def _live(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if self.optimizer is None:
-            return dict(get_model_state_dict(self.module, options=_options())), {}
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=_options())
-        return dict(model_sd), dict(optim_sd)
-
-    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Collective: the full (unsharded) state of this rank's parts under our keys
-        (``model.<fqn>``, ``optim.<fqn>.<name>``), and its first parameter group's
-        hyperparameters."""
-        model_sd, optim_sd = self._live()
-        flat = {"model." + self._strip(k): v for k, v in model_sd.items()}
-        for fqn, entries in optim_sd.get("state", {}).items():
-            for name, value in entries.items():
-                flat[f"optim.{self._strip(fqn)}.{name}"] = value
-        groups = optim_sd.get("param_groups", [])
-        hyper = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}
-        return flat, hyper
-
-    def load(self, fetch: Callable[[str, Any], Any]) -> None:
-        """Collective: replace every live value ``v`` under our key ``k`` by ``fetch(k, v)``.
-
-        The live optimizer keeps its own hyperparameters (the current job's)."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if self.optimizer is not None:
-            _init_optimizer_state(self.optimizer)
-        model_sd, optim_sd = self._live()
-        model_sd = {k: fetch("model." + self._strip(k), v) for k, v in model_sd.items()}
-        if self.optimizer is None or not _has_tensor_state(optim_sd):
-            # [Note: stateless optimizers] SGD without momentum keeps no tensor state; torch's
-            # set_state_dict then finds no tensor to take a device from and fails ("Expected
-            # device to be set"). There is nothing of the optimizer's to restore (its
-            # hyperparameters are the current job's), so only the model is loaded.
-            set_model_state_dict(self.module, model_sd, options=_options())
-            return
-        optim_sd["state"] = {
-            fqn: {
-                name: fetch(f"optim.{self._strip(fqn)}.{name}", value)
-                for name, value in entries.items()
-            }
-            for fqn, entries in optim_sd["state"].items()
-        }
-        set_state_dict(
-            self.module,
-            self.optimizer,
-            model_state_dict=model_sd,
-            optim_state_dict=optim_sd,
-            options=_options(),
-        )
-
-
-@torch.no_grad()
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state (one step with zero gradients and lr 0) if it has none.
-
-    ``get_state_dict`` does this itself only when no parameter has a gradient; a parameter
-    server's parameters always do (views of its flat gradient buffer), so without this its
-    empty optimizer state would list no keys to load. The gradients are put back afterwards.
-    """
-    if optimizer.state:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(p.grad is None for p in params):
-        return  # get_state_dict initializes it
-    grads = [p.grad for p in params]
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
-
-
-def _has_tensor_state(optim_sd: dict[str, Any]) -> bool:
-    """Whether an optimizer state dict holds any non-scalar tensor (see [Note: stateless
-    optimizers])."""
-    return any(
-        isinstance(value, torch.Tensor) and value.dim() > 0
-        for entries in optim_sd.get("state", {}).values()
-        for value in entries.values()
-    )
 
 
 def _as_tensor(value: Any) -> torch.Tensor:
@@ -234,7 +92,7 @@ class Checkpointer:
         self.root = Path(job.checkpoint.dir)
         if not strategy.checkpointable:  # declared by the strategy, with its reason
             raise CheckpointError(strategy.checkpoint_refusal)
-        self.parts = _Parts(strategy)
+        self.parts = CheckpointParts(strategy)
         # A strategy whose default group carries point-to-point traffic on other threads (the
         # parameter server's receivers) gives a separate world group for our collectives.
         self.group = strategy.checkpoint_group
@@ -436,14 +294,14 @@ class Checkpointer:
                 chosen = found[1].step
                 # The same job ([Note: checkpoint ownership]) with settings that shape what
                 # follows (the step count stretches the learning-rate schedule).
-                for difference in _job_differences(found[1].job, to_dict(self.job)):
+                for difference in job_differences(found[1].job, to_dict(self.job)):
                     _warn(f"checkpoint step {chosen} was saved with other settings: {difference}")
         step = broadcast_int(chosen, group=self.group)
         if step < 0:
             return 0
         path = step_dir(self.root, step)
         manifest = Manifest.from_json((path / MANIFEST).read_text(), str(path / MANIFEST))
-        _check_state_carries_over(manifest.job, manifest.layout.get("family"), self.job, path)
+        check_state_carries_over(manifest.job, manifest.layout.get("family"), self.job, path)
         with _Files(path) as files:
 
             def fetch(key: str, live: Any) -> Any:
@@ -504,59 +362,6 @@ def _like(tensor: torch.Tensor, live: Any, key: str, path: Path) -> Any:
             f"{tuple(live.shape)}: the checkpoint is from a different model size"
         )
     return tensor.to(dtype=live.dtype, device=live.device)
-
-
-_TRAJECTORY = ("model", "data", "optim", "train")  # what a resumed run's trajectory depends on
-
-
-def _check_state_carries_over(
-    saved: dict[str, Any],
-    saved_family: str | None,
-    job: JobConfig,
-    path: Path,
-    families: tuple[StrategyFamily, ...] = FAMILIES,
-) -> None:
-    """Refuse a resume that would drop state the checkpoint holds beyond the model and its
-    optimizer, or start that state afresh as if it had been saved: each family declares the
-    settings that state depends on (``StrategyFamily.state_settings``), and those of the saving
-    and the resuming job's families are compared. A job of another family holds no such state,
-    so counts as the setting's default. Every rank reads the same manifest, so every rank
-    refuses alike. ``saved_family`` is None for a checkpoint that did not record it."""
-    current = family_for(job, families)
-    saved_family = saved_family or current.name  # unrecorded: assume the job's own
-    now = to_dict(job)
-    for family in families:
-        for key, state in family.state_settings.items():
-            default = describe_field(JobConfig, key).default
-            old = _lookup(saved, key, default) if family.name == saved_family else default
-            new = _lookup(now, key, default) if family is current else default
-            if old != new:
-                raise CheckpointError(
-                    f"{path} was saved with {key} = {old!r} and this job has {new!r}: {state} "
-                    f"cannot carry over; resume with --set {key}={old} or start from another "
-                    "--checkpoint-dir"
-                )
-
-
-def _lookup(job: dict[str, Any], key: str, default: Any) -> Any:
-    """The value at dotted ``key`` of a job's plain dict (``default`` where it is absent)."""
-    value: Any = job
-    for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return default
-        value = value[part]
-    return value
-
-
-def _job_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``section.key = saved -> current`` for the fields that shape the training trajectory."""
-    out = []
-    for section in _TRAJECTORY:
-        old, new = saved.get(section, {}), current.get(section, {})
-        for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                out.append(f"{section}.{key} = {old.get(key)!r} -> {new.get(key)!r}")
-    return out
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:

@@ -41,10 +41,11 @@ from polytrain.observe.metrics import (
 from polytrain.observe.trace import merge_traces
 from polytrain.observe.trackers import open_trackers
 from polytrain.trainer.build import build_strategy
-from polytrain.trainer.checkpoint import Checkpointer, check_same_job, restart_count
+from polytrain.trainer.checkpoint import Checkpointer, restart_count
 from polytrain.trainer.export import save_weights
 from polytrain.trainer.outputs import publish_new
 from polytrain.trainer.results import PendingResults
+from polytrain.trainer.resume_checks import check_same_job
 
 __all__ = ["TrainResult", "train"]
 
