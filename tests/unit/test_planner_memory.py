@@ -164,15 +164,16 @@ def test_a_tie_whose_stages_share_a_rank_is_held_once() -> None:
     two ranks, each holding it."""
     tie = 2 * P
     end = BlockStats("end", 2 * P, 8 * P, 1e9, 1000.0, 100.0, tied=(("wte", float(tie), 1),))
-    stats = ModelStats("tied", (end, BLOCK, BLOCK, end))
+    layers = (end, BLOCK, BLOCK, end)  # a layer view: the one block the trainer sees aside
+    stats = ModelStats("tied", (BLOCK,), layer_blocks=layers)
     zbv = Layout(pp=2, schedule="zbv", microbatches=4)
 
     def weights(stats: ModelStats, layout: Layout, stages: list[list[BlockStats]]) -> float:
         return memory_per_rank(stats, layout, stages, 2.0).weights
 
-    assert weights(stats, zbv, [[b] for b in stats.blocks]) == 16 * P - tie  # rank 0
-    untied = ModelStats("untied", (replace(end, tied=()), BLOCK, BLOCK, replace(end, tied=())))
-    assert weights(untied, zbv, [[b] for b in untied.blocks]) == 16 * P
+    assert weights(stats, zbv, [[b] for b in layers]) == 16 * P - tie  # rank 0
+    untied = [[replace(b, tied=())] for b in layers]
+    assert weights(stats, zbv, untied) == 16 * P
     one_f = Layout(pp=2, schedule="1f1b", microbatches=4)
-    halves = [list(stats.blocks[:2]), list(stats.blocks[2:])]
+    halves = [list(layers[:2]), list(layers[2:])]
     assert weights(stats, one_f, halves) == 12 * P  # each rank its own

@@ -269,7 +269,9 @@ def _stage(
     tp, dp = layout.tp, layout.dp
     # tensor parallel splits the sharded tensors and leaves the rest whole on every rank
     # ([Note: tensor-parallel shards] in planner/types.py)
-    p_bytes = sum(b.bytes_per_tp_rank(tp) for b in blocks) - _ties_held_twice(blocks, tp)
+    p_bytes = sum(b.bytes_per_tp_rank(tp) for b in blocks)
+    if stats.layer_blocks:  # only the layer view carries ties
+        p_bytes -= _ties_held_twice(blocks, tp)
     weights = p_bytes / dp if layout.zero >= 2 else p_bytes  # FSDP2 keeps only the shard
     # FSDP2 without gradient sync keeps unsharded gradients: every backward of a step but its
     # last (accumulation micro-steps; a ZeRO stage's micro-batches, [Note: ZeRO inside stages]
