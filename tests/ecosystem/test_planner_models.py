@@ -235,6 +235,26 @@ def test_a_tensor_parallel_stage_holds_the_states_the_planner_gives_it(tmp_path:
     assert memory_per_rank(stats, pred.layout, stages, 4.0).model_states == max(planned)
 
 
+def test_zbv_holds_the_tie_once_on_the_rank_of_both_ends(tmp_path: Path) -> None:
+    """ZBV puts GPT-2's first and last layer stage on rank 0, one Parameter for ``wte``
+    ([Note: several layer stages per rank] in pipeline.layer_stage): the planner's model states
+    are each rank's as the run held them."""
+    fields = _layered("gpt2", tmp_path / "gpt2.safetensors")
+    stats = model_stats(_job(fields), imports=False)
+    layout = Layout(pp=2, schedule="zbv", microbatches=2)
+    spec = TrialSpec(layout, 0.01, extra={"pipeline.partition": [1, 1, 1, 1]})
+    (trial,) = run_trials([spec], fields, tmp_path / "runs", steps=2)
+    assert trial.ok, trial.error
+    held = [held_state_bytes(rank) for rank in trial.ranks]
+    layers = stats.layer_blocks
+    tie = layers[0].tied[0][1]
+    assert held[0] == 4 * (layers[0].param_bytes + layers[3].param_bytes - tie)
+    assert held[1] == 4 * (layers[1].param_bytes + layers[2].param_bytes)
+    # without activations the busiest rank is the one with the most states: rank 0's
+    still = [[replace(b, saved_bytes=0.0, saved_fixed_bytes=0.0, output_bytes=0.0)] for b in layers]
+    assert memory_per_rank(stats, layout, still, 4.0).model_states == held[0] == max(held)
+
+
 def test_a_llama_at_a_long_context_peaks_as_predicted(tmp_path: Path) -> None:
     """A transformers Llama (GQA, SwiGLU) at T = 512, counted on meta: its attention saves
     O(T) in the run's fused kernel, where meta's math path had counted 4 heads x T x T scores
