@@ -153,12 +153,28 @@ def test_the_search_offers_layer_pipelines_the_runtime_runs(tmp_path: Path) -> N
     cluster = parse_cluster("1x4xcpu")
     found = list(enumerate_layouts(4, stats, cluster, 8))
     piped = [lay for lay in found if lay.pp > 1]
-    assert {lay.pp for lay in piped} == {2, 4}
-    # pre-flight refuses PipeDream over a user's layers; the view counts no tp shards per layer
-    assert all(lay.schedule != "pipedream" and lay.tp == 1 for lay in piped)
+    assert {(lay.pp, lay.tp) for lay in piped} == {(2, 1), (2, 2), (4, 1)}
+    assert all(lay.schedule != "pipedream" for lay in piped)  # pre-flight refuses it here
     env = Env(cluster)
     pred = predict(piped[0], stats, env, 8)
     assert sum(pred.layout.partition) == 4  # layers per stage, as pipeline.partition takes them
+
+
+def test_the_layer_view_splits_each_layer_by_the_whole_models_plan(tmp_path: Path) -> None:
+    """tp inside a layer stage splits what the stage owns by the plan resolved on the whole
+    model: the layers' shards are the whole model's, the tie held by both ends (one shard
+    each per tp rank), and each layer carries its plan's modules."""
+    stats = model_stats(_job(_layered("gpt2", tmp_path / "data.safetensors")), imports=False)
+    (whole,), layers = stats.blocks, stats.layer_blocks
+    (tie,) = {t for b in layers for t in b.tied}
+    assert [bool(b.tied) for b in layers] == [True, False, False, True]
+    assert sum(n for b in layers for n, _ in b.tp_shards) == whole.param_bytes + tie[1]
+    for tp in (2, 4):
+        on_tie = tie[1] / tp if tie[2] % tp == 0 else tie[1]
+        held = sum(b.bytes_per_tp_rank(tp) for b in layers)
+        assert held == pytest.approx(whole.bytes_per_tp_rank(tp) + on_tie)
+    assert whole.tp_modules is not None
+    assert sum(len(b.tp_modules or ()) for b in layers) == len(whole.tp_modules)
 
 
 def test_zero_prices_the_units_fsdp2_shards(tmp_path: Path) -> None:
@@ -198,6 +214,45 @@ def test_each_stage_holds_the_states_the_planner_gives_it(tmp_path: Path) -> Non
         start += count
         # AdamW in fp32: weights, gradients and two moments
         assert 4 * sum(b.param_bytes for b in blocks) == held_state_bytes(rank)
+
+
+def test_a_tensor_parallel_stage_holds_the_states_the_planner_gives_it(tmp_path: Path) -> None:
+    """pp = 2 x tp = 2 over GPT-2's layers: every rank holds its stage's tp shards, as the
+    planner prices them (`plan --layout` asks for this one)."""
+    fields = _layered("gpt2", tmp_path / "gpt2.safetensors")
+    stats = model_stats(_job(fields), imports=False)
+    layout = Layout(pp=2, tp=2, schedule="1f1b", microbatches=2)
+    pred = predict(layout, stats, Env(parse_cluster("1x4xcpu")), 8)
+    counts = list(pred.layout.partition)
+    spec = TrialSpec(layout, 0.01, extra={"pipeline.partition": counts})
+    (trial,) = run_trials([spec], fields, tmp_path / "runs", steps=2)
+    assert trial.ok, trial.error
+    stages = [stats.layer_blocks[: counts[0]], stats.layer_blocks[counts[0] :]]
+    held = sorted(held_state_bytes(rank) for rank in trial.ranks)
+    # AdamW in fp32: weights, gradients and two moments, on each of a stage's two tp ranks
+    planned = sorted(4 * sum(b.bytes_per_tp_rank(2) for b in s) for s in stages for _ in "ab")
+    assert held == planned
+    assert memory_per_rank(stats, pred.layout, stages, 4.0).model_states == max(planned)
+
+
+def test_zbv_holds_the_tie_once_on_the_rank_of_both_ends(tmp_path: Path) -> None:
+    """ZBV puts GPT-2's first and last layer stage on rank 0, one Parameter for ``wte``
+    ([Note: several layer stages per rank] in pipeline.layer_stage): the planner's model states
+    are each rank's as the run held them."""
+    fields = _layered("gpt2", tmp_path / "gpt2.safetensors")
+    stats = model_stats(_job(fields), imports=False)
+    layout = Layout(pp=2, schedule="zbv", microbatches=2)
+    spec = TrialSpec(layout, 0.01, extra={"pipeline.partition": [1, 1, 1, 1]})
+    (trial,) = run_trials([spec], fields, tmp_path / "runs", steps=2)
+    assert trial.ok, trial.error
+    held = [held_state_bytes(rank) for rank in trial.ranks]
+    layers = stats.layer_blocks
+    tie = layers[0].tied[0][1]
+    assert held[0] == 4 * (layers[0].param_bytes + layers[3].param_bytes - tie)
+    assert held[1] == 4 * (layers[1].param_bytes + layers[2].param_bytes)
+    # without activations the busiest rank is the one with the most states: rank 0's
+    still = [[replace(b, saved_bytes=0.0, saved_fixed_bytes=0.0, output_bytes=0.0)] for b in layers]
+    assert memory_per_rank(stats, layout, still, 4.0).model_states == held[0] == max(held)
 
 
 def test_a_llama_at_a_long_context_peaks_as_predicted(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from polytrain.planner.memory import ALLOCATOR_SLACK, memory_per_rank, process_bytes
@@ -154,3 +156,24 @@ def test_autocast_weight_copies_count_once_per_pass_not_per_sample() -> None:
     assert mem(Layout()).activations == 4 * 1000.0 * 8 + 4 * 2 * P
     assert mem(Layout(recompute=True)).activations == 4 * 100.0 * 8 + 1000.0 * 8 + 2 * P
     assert mem(Layout(tp=2)).activations == 4 * 1000.0 * 8 / 2 + 4 * P
+
+
+def test_a_tie_whose_stages_share_a_rank_is_held_once() -> None:
+    """GPT-2's wte on the first and the last layer stage: under ZBV both sit on rank 0 as one
+    Parameter ([Note: several layer stages per rank] in pipeline.layer_stage), under 1F1B on
+    two ranks, each holding it."""
+    tie = 2 * P
+    end = BlockStats("end", 2 * P, 8 * P, 1e9, 1000.0, 100.0, tied=(("wte", float(tie), 1),))
+    layers = (end, BLOCK, BLOCK, end)  # a layer view: the one block the trainer sees aside
+    stats = ModelStats("tied", (BLOCK,), layer_blocks=layers)
+    zbv = Layout(pp=2, schedule="zbv", microbatches=4)
+
+    def weights(stats: ModelStats, layout: Layout, stages: list[list[BlockStats]]) -> float:
+        return memory_per_rank(stats, layout, stages, 2.0).weights
+
+    assert weights(stats, zbv, [[b] for b in layers]) == 16 * P - tie  # rank 0
+    untied = [[replace(b, tied=())] for b in layers]
+    assert weights(stats, zbv, untied) == 16 * P
+    one_f = Layout(pp=2, schedule="1f1b", microbatches=4)
+    halves = [list(layers[:2]), list(layers[2:])]
+    assert weights(stats, one_f, halves) == 12 * P  # each rank its own

@@ -13,10 +13,12 @@ nothing, except for a model `measure.stats` must count on the CPU, where the cop
 at 1 GiB) and counted by
 `measure.stats.stats_of` as one block, so a stage of any partition is priced as the sum of its
 layers' blocks, what the pre part costs included, and the first and the last stage each hold
-the tie. Not offered: models with BatchNorm (a layer pipeline with more than one micro-batch
-cannot match one process: models/checks.py), and, in the search, PipeDream (pre-flight refuses
-weight stashing for layer pipelines) and tensor parallel inside the stages (its shards are not
-counted per layer here).
+the tie (two stages on one rank hold it once: `BlockStats.tied`). Tensor parallel inside the
+stages splits each stage by the whole model's plan, only what the stage owns
+(`measure.tp_stats.layer_styles`), so each layer block carries its own shards and modules. Not
+offered: models with BatchNorm (a layer pipeline with more than one micro-batch cannot match one
+process: models/checks.py), and, in the search, PipeDream (pre-flight refuses weight stashing
+for layer pipelines).
 """
 
 from __future__ import annotations

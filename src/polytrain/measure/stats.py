@@ -41,6 +41,8 @@ from polytrain.measure.ops_stats import count_ops
 from polytrain.measure.tp_stats import (
     SplitActivations,
     TPModules,
+    layer_styles,
+    layer_ties,
     plan_styles,
     tensors_in,
     tp_shards,
@@ -394,8 +396,20 @@ def _counted(
                 return stats
             # the first stage runs from its context (the inputs), not from this argument
             first = torch.zeros(batch, dtype=torch.long, device=device)
-            layers = stats_of(view, first, targets, low_precision=low, **common)
-        return replace(stats, layer_blocks=layers.blocks)
+            # tp inside a stage splits what the stage owns by the whole model's plan
+            on_view = layer_styles(view, styles)
+            layers = stats_of(
+                view,
+                first,
+                targets,
+                shards=tp_shards(view, on_view),
+                tp_styles=on_view,
+                low_precision=low,
+                **common,
+            )
+        ties = layer_ties(model, view, on_view)
+        blocks = tuple(replace(b, tied=t) for b, t in zip(layers.blocks, ties, strict=True))
+        return replace(stats, layer_blocks=blocks)
 
     stats = count(_PROBE_BATCH)
     if autocasts or low is not None:

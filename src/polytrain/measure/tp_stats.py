@@ -22,7 +22,15 @@ from polytrain.errors import ConfigError, MeshError
 from polytrain.models.base import BlockModel
 from polytrain.planner.types import TPModule, splits_inputs
 
-__all__ = ["SplitActivations", "TPModules", "plan_styles", "tensors_in", "tp_shards"]
+__all__ = [
+    "SplitActivations",
+    "TPModules",
+    "layer_styles",
+    "layer_ties",
+    "plan_styles",
+    "tensors_in",
+    "tp_shards",
+]
 
 
 def plan_styles(model: BlockModel, model_name: str, plan_rows: list[str]) -> dict[str, str] | None:
@@ -72,6 +80,52 @@ def tp_shards(
                     divisor = _divisor(style, info, pname)
                 pairs.append((float(param.numel() * param.element_size()), max(divisor, 1)))
         out.append(tuple(pairs))
+    return out
+
+
+def layer_styles(view: BlockModel, styles: dict[str, str] | None) -> dict[str, str] | None:
+    """The whole model's plan ``styles`` on the layer view ([Note: layer view] in
+    measure/layer_stats.py), as the runtime applies it to each stage
+    (`core.tensor_parallel.parallelize_layer_stage`): a view block's stage keeps the model's
+    paths under ``stage.``, and only the modules whose parameters the stage owns are split
+    (the rest run replicated in its discarded part)."""
+    if styles is None:
+        return None
+    out: dict[str, str] = {}
+    for index, block in enumerate(view.blocks):
+        for sub, module in block.named_modules():
+            name = sub.removeprefix("stage.")
+            if name in styles and any(True for _ in module.parameters(recurse=False)):
+                out[f"blocks.{index}.{sub}"] = styles[name]
+    return out
+
+
+def layer_ties(
+    model: BlockModel, view: BlockModel, styles: dict[str, str] | None
+) -> list[tuple[tuple[str, float, int], ...]]:
+    """Per layer-view block, (name, bytes, divisor) of each parameter it holds that is one tensor
+    of ``model`` under several names (GPT-2's ``wte`` / ``lm_head``), named by its first name in
+    ``model``: two stages on one rank hold such a tensor once ([Note: several layer stages per
+    rank] in pipeline.layer_stage). ``styles``: the view's plan (`layer_styles`)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    canonical = {n: group[0] for group in names.values() if len(group) > 1 for n in group}
+    infos = module_infos(view)
+    out = []
+    for index, block in enumerate(view.blocks):
+        ties: list[tuple[str, float, int]] = []
+        for sub, module in block.named_modules():
+            path = f"blocks.{index}" + (f".{sub}" if sub else "")
+            style, info = (styles or {}).get(path), infos.get(path)
+            for pname, param in module.named_parameters(recurse=False):
+                full = (f"{sub}." if sub else "") + pname
+                tie = canonical.get(full.removeprefix("stage."))
+                if tie is None:
+                    continue
+                divisor = _divisor(style, info, pname) if style and info else 1
+                ties.append((tie, float(param.numel() * param.element_size()), max(divisor, 1)))
+        out.append(tuple(ties))
     return out
 
 

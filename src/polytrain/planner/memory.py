@@ -240,6 +240,21 @@ def _activation_sizes(
     return saved + sum(fixed), 0.0
 
 
+def _ties_held_twice(blocks: Sequence[BlockStats], tp: int) -> float:
+    """Bytes per tensor-parallel rank that ``blocks`` count again for a tensor an earlier one
+    of them holds (`BlockStats.tied`): a rank whose stages share a tie (GPT-2's ``wte`` under
+    ZBV, the first and the last stage on rank 0) holds one Parameter ([Note: several layer
+    stages per rank] in pipeline.layer_stage)."""
+    seen: set[str] = set()
+    twice = 0.0
+    for block in blocks:
+        for name, nbytes, divisor in block.tied:
+            if name in seen:
+                twice += nbytes / tp if tp > 1 and divisor % tp == 0 else nbytes
+            seen.add(name)
+    return twice
+
+
 def _stage(
     stats: ModelStats,
     layout: Layout,
@@ -255,6 +270,8 @@ def _stage(
     # tensor parallel splits the sharded tensors and leaves the rest whole on every rank
     # ([Note: tensor-parallel shards] in planner/types.py)
     p_bytes = sum(b.bytes_per_tp_rank(tp) for b in blocks)
+    if stats.layer_blocks:  # only the layer view carries ties
+        p_bytes -= _ties_held_twice(blocks, tp)
     weights = p_bytes / dp if layout.zero >= 2 else p_bytes  # FSDP2 keeps only the shard
     # FSDP2 without gradient sync keeps unsharded gradients: every backward of a step but its
     # last (accumulation micro-steps; a ZeRO stage's micro-batches, [Note: ZeRO inside stages]

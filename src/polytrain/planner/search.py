@@ -151,8 +151,8 @@ def enumerate_layouts(
             continue  # heads (or the hidden width) must split evenly
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
-            if pp > blocks or global_batch % dp or (layered and pp > 1 and tp > 1):
-                continue  # the layer view counts no tensor-parallel shards per layer
+            if pp > blocks or global_batch % dp:
+                continue
             per_replica = global_batch // dp
             for recompute, every, ops in RECOMPUTE_VARIANTS:
                 if ops and not selective:

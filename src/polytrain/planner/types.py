@@ -113,6 +113,10 @@ class BlockStats:
     # as (style, divisor: it applies at degree tp iff tp divides it, its parameter tensors, its
     # input's and its output's bytes per sample, unsplit). None = unknown: the old estimate.
     tp_modules: tuple[TPModule, ...] | None = None
+    # a layer-view block's parameters that are one tensor with another block's (GPT-2's wte /
+    # lm_head on the first and the last stage) as (the tensor's name, bytes, divisor as in
+    # tp_shards): a rank holding both blocks holds it once (planner/memory.py)
+    tied: tuple[tuple[str, float, int], ...] = ()
     # [Note: attention kernels] in measure/kernels.py: each scaled-dot-product attention call
     # of one forward as (T, S, D, forward FLOPs per sample, 4 H T S D), and how many of
     # fwd_flops `FlopCounterMode` counted inside those calls (meta: the math path's bmm's;
