@@ -29,6 +29,7 @@ from polytrain.planner.schedules import by_rank, lowered_program, pipeline_probl
 from polytrain.planner.search import enumerate_layouts
 from polytrain.planner.stats_pure import gpt_stats
 from polytrain.planner.types import BlockStats, Layout, ModelStats
+from tests.helpers import planner as planner_helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 C, T = 1024, 128
@@ -37,18 +38,7 @@ C, T = 1024, 128
 def equal_blocks(n: int) -> ModelStats:
     """``n`` identical one-Linear blocks whose outputs cost nothing to send (0 bytes): equal
     stages and free messages, the setting of the papers' formulas."""
-    block = BlockStats(
-        name="linear",
-        params=C * C,
-        param_bytes=4 * C * C,
-        fwd_flops=2.0 * T * C * C,
-        saved_bytes=12.0 * T * C,
-        output_bytes=0.0,
-        linears=((C, C),),
-        rows_per_sample=T,
-        tensors=1,
-    )
-    return ModelStats("equal", tuple(block for _ in range(n)))
+    return planner_helpers.equal_blocks(n, C, T, output_bytes=0.0)
 
 
 def zeros(n: int) -> list[float]:

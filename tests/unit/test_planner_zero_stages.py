@@ -19,8 +19,9 @@ from polytrain.planner.cost.pipeline import pipeline_step
 from polytrain.planner.memory import memory_per_rank
 from polytrain.planner.partition import balanced_stages
 from polytrain.planner.search import enumerate_layouts
-from polytrain.planner.types import BlockStats, Layout, ModelStats
+from polytrain.planner.types import Layout, ModelStats
 from polytrain.trainer.auto import apply_layout
+from tests.helpers import planner as planner_helpers
 from tests.helpers.cli import assert_usage_error, run_main
 
 C, T = 512, 64
@@ -29,18 +30,7 @@ BATCH = 16
 
 def equal_blocks(n: int) -> ModelStats:
     """``n`` identical one-Linear blocks (AdamW: two states a parameter)."""
-    block = BlockStats(
-        name="linear",
-        params=C * C,
-        param_bytes=4 * C * C,
-        fwd_flops=2.0 * T * C * C,
-        saved_bytes=12.0 * T * C,
-        output_bytes=4.0 * T * C,
-        linears=((C, C),),
-        rows_per_sample=T,
-        tensors=1,
-    )
-    return ModelStats("equal", tuple(block for _ in range(n)))
+    return planner_helpers.equal_blocks(n, C, T, output_bytes=4.0 * T * C)
 
 
 STATS = equal_blocks(8)
